@@ -1,0 +1,92 @@
+"""Command line: ``rlhf-trl {sft,rm,ppo,demo} --config recipe.yaml [--key value ...]``."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+STAGES = {
+    "sft": "supervised fine-tuning (trl.SFTTrainer)",
+    "rm": "reward model on chosen/rejected pairs (trl.RewardTrainer)",
+    "ppo": "PPO against the reward model (trl.experimental.ppo.PPOTrainer)",
+    "demo": "build the embedded demo and run SFT -> RM -> PPO on it",
+    "init-model": "build a random-init tiny Qwen2 with a tokenizer's vocabulary (offline smoke runs)",
+}
+MODULES = {"init-model": "tiny"}
+
+USAGE = "usage: rlhf-trl {" + ",".join(STAGES) + "} --config RECIPE.yaml [--key value ...]\n\n" + "\n".join(
+    f"  {name:5s} {text}" for name, text in STAGES.items()
+)
+
+
+def setup_logging() -> None:
+    """INFO logs from rlhf_trl and the trainers, warnings from the rest."""
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING
+    )
+    logging.getLogger("rlhf_trl").setLevel(logging.INFO)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_warning()
+
+
+def run_stage(stage: str, argv: list[str] | None = None) -> int:
+    """Run one stage's ``main(argv)``; known input errors print one line on stderr and exit with status 2."""
+    from .config import RecipeError
+    from .data import DataError
+    from .models import StageInputError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    setup_logging()
+    module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
+    try:
+        result = module.main(sys.argv[1:] if argv is None else argv)
+    except (RecipeError, DataError, StageInputError) as exc:
+        print(f"rlhf-trl {stage}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if stage == "demo" and "summary" in result:
+        print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
+        return 0
+    metrics = result.get("metrics", {}) if isinstance(result, dict) else {}
+    summary = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.endswith("_runtime")}
+    if summary:
+        print(f"rlhf-trl {stage}: done -> {result.get('output_dir')}")
+        for key in sorted(summary)[:30]:
+            print(f"  {key}: {summary[key]:.4g}" if isinstance(summary[key], float) else f"  {key}: {summary[key]}")
+    return 0
+
+
+def print_demo_summary(summary: dict, path: str) -> None:
+    t = summary["targets"]
+    rows = [
+        ("rm_accuracy (held-out pairs)", summary["rm_accuracy"], f">= {t['rm_accuracy']}"),
+        ("rm length-only baseline", summary["rm_length_baseline_accuracy"], ""),
+        ("sft_score (ground truth, [-1, 1])", summary["sft_score"], ""),
+        ("ppo_score (ground truth, [-1, 1])", summary["ppo_score"], f">= sft_score + {t['ppo_minus_sft']}"),
+        ("seconds (whole demo)", summary["seconds"], f"<= {t['seconds']}"),
+    ]
+    print("\nrlhf-trl demo summary")
+    for name, value, target in rows:
+        print(f"  {name:36s} {value:8.3f}  {target}")
+    for name in ("sft", "ppo"):
+        ex = summary["examples"][name][0]
+        print(f"  {name} sample: {ex['prompt']} -> {ex['response']}")
+    print(f"  targets met: {summary['targets_met']}\n  written to {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    stage, rest = argv[0], argv[1:]
+    if stage not in STAGES:
+        print(f"rlhf-trl: error: unknown command '{stage}'\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run_stage(stage, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

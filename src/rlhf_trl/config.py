@@ -1,0 +1,93 @@
+"""Recipe parsing: `trl.TrlParser` with ``--config recipe.yaml`` and ``--key value`` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+
+class RecipeError(ValueError):
+    """A recipe (YAML file or command-line override) is invalid. The message names the file and the key."""
+
+
+def recipe_path(argv: list[str]) -> str | None:
+    """The value of ``--config`` in ``argv``, if any."""
+    if "--config" in argv:
+        i = argv.index("--config")
+        return argv[i + 1] if i + 1 < len(argv) else None
+    return None
+
+
+def parse_recipe(dataclass_types: tuple, argv: list[str] | None):
+    """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into the given dataclasses.
+
+    Returns:
+        A tuple of dataclass instances, in the order of ``dataclass_types``, followed by the recipe path (or None).
+
+    Raises:
+        RecipeError: the recipe is missing or not a mapping, holds an unknown key, or a value has the wrong type.
+    """
+    import sys
+
+    from trl import TrlParser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = recipe_path(argv)
+    if "--config" in argv and path is None:
+        raise RecipeError("--config needs a recipe path")
+    if path is not None:
+        if not os.path.isfile(path):
+            raise RecipeError(f"recipe not found: {path}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise RecipeError(f"{path}: a recipe must be a YAML mapping of key: value")
+        known = {f.name for t in dataclass_types for f in dataclasses.fields(t)} | {"env"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise RecipeError(f"{path}: unknown key(s) {unknown}; check the spelling against `--help`")
+    parser = TrlParser(dataclass_types)
+    try:
+        parsed = parser.parse_args_and_config(argv)
+    except SystemExit as exc:  # argparse reports bad CLI values / unknown flags on stderr and exits 2
+        raise RecipeError(f"{path or 'command line'}: invalid arguments (see the message above)") from exc
+    except (ValueError, TypeError) as exc:
+        raise RecipeError(f"{path or 'command line'}: {exc}") from None
+    return (*parsed, path)
+
+
+def sibling_recipe(path: str | None, stage: str) -> str:
+    """The command that produces a stage's output, assuming recipes of one run share a directory."""
+    if path:
+        return f"make {stage} RECIPE={os.path.join(os.path.dirname(path), stage + '.yaml')}"
+    return f"make {stage}"
+
+
+def save_recipe(output_dir: str, *configs) -> None:
+    """Write the resolved configuration of a run to ``output_dir/run_config.yaml`` (for reproducibility)."""
+    os.makedirs(output_dir, exist_ok=True)
+    data = {}
+    for cfg in configs:
+        if cfg is None:
+            continue
+        for f in dataclasses.fields(cfg):
+            if f.name.startswith("_"):
+                continue
+            value = getattr(cfg, f.name)
+            if isinstance(value, enum.Enum):
+                value = value.value
+            if isinstance(value, (str, int, float, bool, type(None))) or (
+                isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in value)
+            ):
+                data[f.name] = list(value) if isinstance(value, tuple) else value
+    with open(os.path.join(output_dir, "run_config.yaml"), "w", encoding="utf-8") as f:
+        yaml.safe_dump(data, f, allow_unicode=True, sort_keys=True)

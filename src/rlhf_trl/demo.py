@@ -1,0 +1,178 @@
+"""The embedded demo: build a tiny Qwen2 and a generated Chinese preference task, then run SFT -> RM -> PPO.
+
+Run: ``make demo`` (or ``rlhf-trl demo``). Offline; about 3-5 minutes on 2 CPU cores.
+
+1. Assets (built once, cached in ``outputs/demo/assets``): task data (`rlhf_trl.demo_task`), a byte-level BPE
+   tokenizer with Qwen-style special tokens and a distinct pad token, and a random-init tiny Qwen2 model.
+2. The three stages with ``recipes/demo/{sft,rm,ppo}.yaml``, in this process.
+3. Evaluation on held-out topics: ``rm_accuracy`` (held-out pairs), ``sft_score`` / ``ppo_score`` (mean ground-truth
+   score of sampled responses of each policy, in [-1, 1]). Printed and written to ``outputs/demo/summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import torch
+
+from . import demo_task
+from .data import DEFAULT_PROMPT_TEMPLATE, Template, encode_prompt
+from .models import write_json
+
+logger = logging.getLogger(__name__)
+
+TARGETS = {"rm_accuracy": 0.95, "ppo_minus_sft": 0.25, "seconds": 300}
+
+
+def build_assets(assets_dir: str, force: bool = False) -> dict:
+    """Write the demo data files, tokenizer and base model under ``assets_dir`` (skipped when already built).
+
+    Returns a dict of the paths.
+    """
+    from .tiny import build_tiny_qwen2, train_bpe_tokenizer
+
+    paths = {
+        "sft": os.path.join(assets_dir, "sft.jsonl"),
+        "rm": os.path.join(assets_dir, "rm_ranked.jsonl"),
+        "prompts": os.path.join(assets_dir, "prompts.jsonl"),
+        "heldout_prompts": os.path.join(assets_dir, "heldout_prompts.jsonl"),
+        "heldout_pairs": os.path.join(assets_dir, "heldout_pairs.jsonl"),
+        "tokenizer": os.path.join(assets_dir, "tokenizer"),
+        "base_model": os.path.join(assets_dir, "base_model"),
+    }
+    done = os.path.join(assets_dir, "DONE")
+    if os.path.exists(done) and not force:
+        return paths
+    os.makedirs(assets_dir, exist_ok=True)
+    files = {
+        "sft": demo_task.sft_rows(800, seed=1),
+        "rm": demo_task.ranked_rows(300, seed=2),
+        "prompts": demo_task.prompt_rows(demo_task.TRAIN_TOPICS, seed=3),
+        "heldout_prompts": demo_task.prompt_rows(demo_task.HELDOUT_TOPICS, seed=4),
+        "heldout_pairs": demo_task.pair_rows(200, seed=5),
+    }
+    for key, rows in files.items():
+        with open(paths[key], "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tokenizer = train_bpe_tokenizer(demo_task.corpus(), paths["tokenizer"], vocab_size=600)
+    build_tiny_qwen2(tokenizer, paths["base_model"], hidden_size=128, num_layers=2, num_heads=4)
+    with open(done, "w") as f:
+        f.write("ok\n")
+    logger.info("demo assets built in %s", assets_dir)
+    return paths
+
+
+@torch.no_grad()
+def sample_responses(model_dir: str, questions: list[str], samples_per_prompt: int, max_new_tokens: int,
+                     temperature: float, seed: int) -> list[str]:
+    """Sample ``samples_per_prompt`` responses per question from the causal LM in ``model_dir``.
+
+    Same settings and seed for every policy: left-padded prompts built with the default template, sampling with
+    ``temperature`` (top_k / top_p off, as in PPO rollouts), stop at EOS, at most ``max_new_tokens`` tokens.
+    Returns decoded responses, ``len(questions) * samples_per_prompt`` of them.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .models import load_tokenizer
+
+    tok = load_tokenizer(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    template = Template(DEFAULT_PROMPT_TEMPLATE)
+    prompts = [encode_prompt(tok, template, q) for q in questions for _ in range(samples_per_prompt)]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    torch.manual_seed(seed)
+    out = model.generate(
+        input_ids=ids, attention_mask=ids != tok.pad_token_id, do_sample=True, temperature=temperature,
+        top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return tok.batch_decode(out[:, width:], skip_special_tokens=True)
+
+
+def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo", rebuild: bool = False) -> dict:
+    """Build the assets, run the three stages and evaluate. Returns the summary (also in ``summary.json``)."""
+    from . import ppo, rm, sft
+    from .data import DataArguments, pair_features, pair_records
+    from .models import load_tokenizer
+    from .rm import evaluate_pairs
+
+    start = time.time()
+    paths = build_assets(os.path.join(output_dir, "assets"), force=rebuild)
+    stage_seconds = {}
+    results = {}
+    for name, module in (("sft", sft), ("rm", rm), ("ppo", ppo)):
+        t0 = time.time()
+        results[name] = module.main(["--config", os.path.join(recipes_dir, f"{name}.yaml")])
+        stage_seconds[name] = round(time.time() - t0, 1)
+        logger.info("demo: %s done in %.0f s", name, stage_seconds[name])
+
+    # RM accuracy on held-out pairs (topics never seen in training)
+    from transformers import AutoModelForSequenceClassification
+
+    rm_dir = results["rm"]["merged"]
+    tok = load_tokenizer(rm_dir)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    pairs = pair_records(
+        [json.loads(line) for line in open(paths["heldout_pairs"], encoding="utf-8")], DataArguments(),
+        paths["heldout_pairs"],
+    )
+    rm_eval = evaluate_pairs(reward_model, pair_features(pairs, tok, Template()), tok.pad_token_id)
+
+    # ground-truth scores of samples from each policy on held-out prompts
+    ppo_cfg = _read_yaml(os.path.join(recipes_dir, "ppo.yaml"))
+    questions = [json.loads(line)["instruction"] for line in open(paths["heldout_prompts"], encoding="utf-8")]
+    scores, examples = {}, {}
+    for name, model_dir in (("sft", results["sft"]["merged"]), ("ppo", results["ppo"]["merged"])):
+        responses = sample_responses(
+            model_dir, questions, samples_per_prompt=4, max_new_tokens=int(ppo_cfg.get("response_length", 24)),
+            temperature=float(ppo_cfg.get("temperature", 0.7)), seed=1234,
+        )
+        scores[name] = sum(demo_task.score_text(r) for r in responses) / len(responses)
+        examples[name] = [{"prompt": q, "response": r} for q, r in zip(questions[::1], responses[::4])][:5]
+
+    summary = {
+        "rm_accuracy": rm_eval["accuracy"],
+        "rm_margin": rm_eval["margin"],
+        "rm_length_baseline_accuracy": rm_eval["length_baseline_accuracy"],
+        "rm_num_pairs": rm_eval["num_pairs"],
+        "sft_score": scores["sft"],
+        "ppo_score": scores["ppo"],
+        "seconds": round(time.time() - start, 1),
+        "stage_seconds": stage_seconds,
+        "targets": TARGETS,
+        "examples": examples,
+    }
+    summary["targets_met"] = bool(
+        summary["rm_accuracy"] >= TARGETS["rm_accuracy"]
+        and summary["ppo_score"] >= summary["sft_score"] + TARGETS["ppo_minus_sft"]
+        and summary["seconds"] <= TARGETS["seconds"]
+    )
+    write_json(os.path.join(output_dir, "summary.json"), summary)
+    return summary
+
+
+def _read_yaml(path: str) -> dict:
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f) or {}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """``rlhf-trl demo [--recipes DIR] [--output_dir DIR] [--rebuild]``."""
+    p = argparse.ArgumentParser(prog="rlhf-trl demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--recipes", default="recipes/demo", help="directory holding sft.yaml, rm.yaml, ppo.yaml")
+    p.add_argument("--output_dir", default="outputs/demo", help="must match the output paths in the recipes")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the cached assets (data, tokenizer, base model)")
+    p.add_argument("--assets_only", action="store_true", help="only build the assets")
+    args = p.parse_args(argv)
+    if args.assets_only:
+        return {"output_dir": build_assets(os.path.join(args.output_dir, "assets"), force=args.rebuild)["base_model"]}
+    summary = run_demo(args.recipes, args.output_dir, args.rebuild)
+    return {"output_dir": args.output_dir, "summary": summary}

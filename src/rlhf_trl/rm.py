@@ -1,0 +1,126 @@
+"""Stage 2: reward model on pairwise preferences with `trl.RewardTrainer` (optional LoRA, ``task_type=SEQ_CLS``).
+
+Run: ``rlhf-trl rm --config recipes/demo/rm.yaml`` (or ``python -m rlhf_trl.rm``, ``make rm RECIPE=...``).
+
+The reward model is ``AutoModelForSequenceClassification(num_labels=1)`` on the SFT model; its score is read at the
+last real token (the EOS that ends the response). Pairs are tokenized by `rlhf_trl.data.pair_features`, the same
+construction PPO uses when it scores rollouts.
+
+Outputs under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA, with the score head), ``merged/`` (a plain
+sequence-classification model with its trained score head and tokenizer: the input of PPO),
+``eval_metrics.json`` (``accuracy``, ``margin``, ``length_baseline_accuracy``, ``num_pairs`` on the eval split).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from datasets import Dataset
+
+from .config import parse_recipe, save_recipe, sibling_recipe
+from .data import DataArguments, Template, pair_features, read_records, split_records
+from .models import load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
+from .scoring import pairwise_metrics, score_sequences
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse a recipe and train the reward model. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
+    from trl import ModelConfig, RewardConfig
+
+    data_args, training_args, model_args, recipe = parse_recipe((DataArguments, RewardConfig, ModelConfig), argv)
+    return run(data_args, training_args, model_args, produced_by=sibling_recipe(recipe, "sft"))
+
+
+def run(data_args: DataArguments, training_args, model_args, produced_by: str | None = None) -> dict:
+    """Train a reward model on ``data_args.dataset_name`` starting from ``model_args.model_name_or_path``.
+
+    Raises:
+        StageInputError: the SFT model is missing (``produced_by`` names the command to run first).
+        DataError: bad rows, or no pair left after the length policy.
+    """
+    from transformers import AutoModelForSequenceClassification
+    from trl import RewardTrainer, get_peft_config
+
+    # data
+    template = Template.from_args(data_args)
+    records = read_records(data_args, "pairs")
+    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
+
+    # tokenizer and model
+    model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by)
+    tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right")
+    training_args.pad_token = tokenizer.pad_token
+
+    def features(rows, split):
+        return pair_features(
+            rows, tokenizer, template, training_args.max_length, data_args.length_policy,
+            source=f"{data_args.dataset_name} ({split} split)",
+        )
+
+    train_ds = Dataset.from_dict(features(train_records, "train"))
+    eval_feats = features(eval_records, "eval") if eval_records else None
+    eval_ds = Dataset.from_dict(eval_feats) if eval_feats else None
+    if eval_ds is None:
+        training_args.eval_strategy = "no"
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_path, num_labels=1, dtype=torch_dtype(model_args.dtype)
+    )
+    resize_for_tokenizer(model, tokenizer)
+    peft_config = get_peft_config(model_args)
+    if peft_config is not None:
+        peft_config.task_type = "SEQ_CLS"  # makes peft train and save the score head with the adapter
+
+    # trainer, train
+    trainer = RewardTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_ds.remove_columns("prompt_length"),
+        eval_dataset=eval_ds.remove_columns("prompt_length") if eval_ds is not None else None,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint or None)
+
+    # save
+    out = training_args.output_dir
+    save_recipe(out, data_args, training_args, model_args)
+    if model_args.use_peft:
+        trainer.save_model(os.path.join(out, "adapter"))
+    merged_path = os.path.join(out, "merged")
+    reward_model = merge_and_save(trainer.model, tokenizer, merged_path)
+
+    # evaluate: pairwise accuracy, margin and the length-only baseline on the held-out pairs
+    metrics = dict(train_result.metrics)
+    if eval_feats:
+        eval_metrics = evaluate_pairs(reward_model, eval_feats, tokenizer.pad_token_id)
+        write_json(os.path.join(out, "eval_metrics.json"), eval_metrics)
+        metrics.update({f"eval_{k}": v for k, v in eval_metrics.items()})
+        logger.info(
+            "RM eval: accuracy %.3f (length baseline %.3f), margin %.3f on %d pairs",
+            eval_metrics["accuracy"], eval_metrics["length_baseline_accuracy"], eval_metrics["margin"],
+            eval_metrics["num_pairs"],
+        )
+    write_json(os.path.join(out, "metrics.json"), metrics)
+    return {"output_dir": out, "merged": merged_path, "metrics": metrics}
+
+
+def evaluate_pairs(model, feats: dict, pad_token_id: int, batch_size: int = 16) -> dict:
+    """Score ``feats["chosen_ids"]`` / ``feats["rejected_ids"]`` and return `pairwise_metrics`.
+
+    Response lengths (tokens, EOS included) for the length baseline are the sequence lengths minus
+    ``feats["prompt_length"]``.
+    """
+    chosen = score_sequences(model, feats["chosen_ids"], pad_token_id, batch_size)
+    rejected = score_sequences(model, feats["rejected_ids"], pad_token_id, batch_size)
+    c_len = [len(c) - p for c, p in zip(feats["chosen_ids"], feats["prompt_length"])]
+    r_len = [len(r) - p for r, p in zip(feats["rejected_ids"], feats["prompt_length"])]
+    return pairwise_metrics(chosen, rejected, c_len, r_len)
+
+
+if __name__ == "__main__":
+    from .cli import run_stage
+
+    run_stage("rm")

@@ -1,0 +1,74 @@
+"""Reward-model scoring shared by RM evaluation, PPO and the demo.
+
+The score of a sequence is the reward model's ``score`` head applied to the hidden state of its last real token
+(prompt ids + response ids + EOS, right-padded with a pad token distinct from EOS), as in TRL's
+``trl.experimental.utils.get_reward`` that PPOTrainer uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pad_right(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """Right-pad token id lists into a ``[batch, max_len]`` long tensor."""
+    width = max(len(s) for s in sequences)
+    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def last_token_index(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Index of the last non-pad token of each right-padded row: ``[batch, seq_len] -> [batch]``.
+
+    Raises:
+        ValueError: a row is all padding.
+    """
+    real = input_ids != pad_token_id
+    if not bool(real.any(dim=1).all()):
+        raise ValueError("a sequence holds only pad tokens")
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return (positions * real).argmax(dim=1)
+
+
+@torch.no_grad()
+def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_size: int = 16) -> torch.Tensor:
+    """Reward-model scores of token id sequences, ``[num_sequences]`` (float32, on CPU).
+
+    Runs the model's backbone (``model.base_model_prefix``) and its ``score`` head, and reads the score at the last
+    non-pad token, exactly as PPO does during rollouts.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    scores = []
+    for i in range(0, len(sequences), batch_size):
+        ids = pad_right(sequences[i : i + batch_size], pad_token_id).to(device)
+        mask = ids != pad_token_id
+        position_ids = mask.long().cumsum(1) - mask.long()
+        backbone = getattr(model, model.base_model_prefix)
+        hidden = backbone(
+            input_ids=ids.masked_fill(~mask, 0), attention_mask=mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        logits = model.score(hidden).squeeze(-1)  # [batch, seq_len]
+        idx = last_token_index(ids, pad_token_id)
+        scores.append(logits[torch.arange(len(idx), device=device), idx].float().cpu())
+    model.train(was_training)
+    return torch.cat(scores)
+
+
+def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, rejected_len) -> dict:
+    """Pairwise accuracy, mean margin and the length-only baseline for ``[num_pairs]`` score tensors.
+
+    ``length_baseline_accuracy`` is the accuracy of "the longer response wins" (ties count half).
+    """
+    chosen_len = torch.as_tensor(chosen_len, dtype=torch.float)
+    rejected_len = torch.as_tensor(rejected_len, dtype=torch.float)
+    longer = (chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()
+    return {
+        "accuracy": float((chosen > rejected).float().mean()),
+        "margin": float((chosen - rejected).mean()),
+        "length_baseline_accuracy": float(longer.mean()),
+        "num_pairs": int(chosen.numel()),
+    }

@@ -1,0 +1,91 @@
+"""Stage 1: supervised fine-tuning with `trl.SFTTrainer` (completion-only loss, optional LoRA).
+
+Run: ``rlhf-trl sft --config recipes/demo/sft.yaml`` (or ``python -m rlhf_trl.sft``, ``make sft RECIPE=...``).
+
+Outputs under ``output_dir``: ``checkpoint-*/`` (resumable), ``adapter/`` (LoRA only), ``merged/`` (a plain causal
+LM with its tokenizer: the input of the RM and PPO stages), ``run_config.yaml`` and ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from datasets import Dataset
+
+from .config import parse_recipe, save_recipe
+from .data import DataArguments, Template, read_records, sft_features, split_records
+from .models import load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse a recipe and run SFT. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
+    from trl import ModelConfig, SFTConfig
+
+    data_args, training_args, model_args, recipe = parse_recipe((DataArguments, SFTConfig, ModelConfig), argv)
+    return run(data_args, training_args, model_args)
+
+
+def run(data_args: DataArguments, training_args, model_args) -> dict:
+    """Fine-tune ``model_args.model_name_or_path`` on ``data_args.dataset_name`` (prompt tokens masked from the loss).
+
+    Raises:
+        StageInputError: the base model or tokenizer is missing.
+        DataError: bad rows (file, row and field named).
+    """
+    from transformers import AutoModelForCausalLM
+    from trl import SFTTrainer, get_peft_config
+
+    # data
+    template = Template.from_args(data_args)
+    records = read_records(data_args, "sft")
+    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
+
+    # tokenizer and model
+    model_path = require_model_dir(model_args.model_name_or_path or "", "base model")
+    tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right")
+    training_args.pad_token = tokenizer.pad_token
+    train_ds = Dataset.from_dict(sft_features(train_records, tokenizer, template))
+    eval_ds = Dataset.from_dict(sft_features(eval_records, tokenizer, template)) if eval_records else None
+    if eval_ds is None:
+        training_args.eval_strategy = "no"
+    if training_args.completion_only_loss is None:
+        training_args.completion_only_loss = True
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(model_args.dtype))
+    resize_for_tokenizer(model, tokenizer)
+
+    # trainer, train
+    trainer = SFTTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint or None)
+
+    # evaluate (held-out loss on completion tokens), before the adapter is merged away
+    metrics = dict(train_result.metrics)
+    if eval_ds is not None:
+        metrics.update(trainer.evaluate())
+    metrics.update(num_train_rows=len(train_ds), num_eval_rows=len(eval_ds) if eval_ds is not None else 0)
+
+    # save
+    out = training_args.output_dir
+    save_recipe(out, data_args, training_args, model_args)
+    if model_args.use_peft:
+        trainer.save_model(os.path.join(out, "adapter"))
+    merged = os.path.join(out, "merged")
+    merge_and_save(trainer.model, tokenizer, merged)
+    write_json(os.path.join(out, "metrics.json"), metrics)
+    logger.info("SFT done: merged model at %s", merged)
+    return {"output_dir": out, "merged": merged, "metrics": metrics}
+
+
+if __name__ == "__main__":
+    from .cli import run_stage
+
+    run_stage("sft")

@@ -1,0 +1,107 @@
+"""Small models built locally from a config (random init), for the demo, tests and offline smoke runs.
+
+Run: ``rlhf-trl init-model --tokenizer DIR --output DIR [--hidden_size 64 --num_layers 2]`` builds a Qwen2-architecture
+causal LM whose vocabulary matches the tokenizer, and saves both to ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from .models import load_tokenizer, save_pretrained_atomic
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+
+def train_bpe_tokenizer(texts: list[str], output_dir: str, vocab_size: int = 1000):
+    """Train a byte-level BPE tokenizer with Qwen-style special tokens on ``texts`` and save it.
+
+    EOS is ``<|endoftext|>`` (as in Qwen base models) and the pad token is a distinct ``<|pad|>``.
+    Returns the loaded `transformers` tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        clean_up_tokenization_spaces=False,
+    )
+    with_dir = output_dir
+    os.makedirs(with_dir, exist_ok=True)
+    fast.save_pretrained(with_dir)
+    return load_tokenizer(with_dir)
+
+
+def build_tiny_qwen2(
+    tokenizer,
+    output_dir: str,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+):
+    """Build a randomly initialized `Qwen2ForCausalLM` sized to ``tokenizer`` and save it with the tokenizer.
+
+    Returns the model.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    save_pretrained_atomic(model, tokenizer, output_dir)
+    logger.info("built %s (%.2fM parameters) at %s", type(model).__name__, model.num_parameters() / 1e6, output_dir)
+    return model
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """``rlhf-trl init-model``: a random-init Qwen2 with the vocabulary of an existing tokenizer directory."""
+    p = argparse.ArgumentParser(prog="rlhf-trl init-model", description=__doc__)
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (e.g. ../shared/tokenizers/qwen2)")
+    p.add_argument("--output", required=True, help="where to save the model and tokenizer")
+    p.add_argument("--hidden_size", type=int, default=64)
+    p.add_argument("--num_layers", type=int, default=2)
+    p.add_argument("--num_heads", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="rebuild even if --output already holds a model")
+    args = p.parse_args(argv)
+    if os.path.isfile(os.path.join(args.output, "config.json")) and not args.force:
+        logger.info("%s already holds a model; keeping it (--force to rebuild)", args.output)
+        return {"output_dir": args.output}
+    tokenizer = load_tokenizer(args.tokenizer)
+    model = build_tiny_qwen2(tokenizer, args.output, args.hidden_size, args.num_layers, args.num_heads, seed=args.seed)
+    return {"output_dir": args.output, "metrics": {"parameters": model.num_parameters()}}
