@@ -312,15 +312,19 @@ def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dic
     """Normalise rows into preference pairs ``{"question", "history", "chosen", "rejected"}``.
 
     Ranked answer lists (best first) give all ordered pairs (``n*(n-1)/2`` for ``n`` answers) when
-    ``ranked_pairs='all'``, or the ``n-1`` adjacent pairs when ``ranked_pairs='adjacent'``.
+    ``ranked_pairs='all'``, or the ``n-1`` adjacent pairs when ``ranked_pairs='adjacent'``. An answer repeated
+    verbatim in a ranked list (real human-ranked data has them, e.g. oasst) counts once, at its best rank, so
+    ``n`` is the number of distinct answers; a list with a single distinct answer gives no pair.
 
     Raises:
-        DataError: missing / empty fields, a ranked list with fewer than two answers, or chosen == rejected.
+        DataError: missing / empty fields, a ranked list with fewer than two answers, or chosen == rejected
+            (pairwise rows).
     """
     if args.ranked_pairs not in ("all", "adjacent"):
         raise ValueError(f"ranked_pairs must be 'all' or 'adjacent', got {args.ranked_pairs!r}")
     fmt = _resolve_format(rows, args, source)
     out = []
+    deduplicated = 0
     for i, row in enumerate(rows):
         _check_same_format(row, fmt, args, source, i)
         if fmt == "sharegpt":
@@ -346,6 +350,9 @@ def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dic
             if len(answers) < 2:
                 raise DataError(source, f"a ranked list needs at least 2 answers, got {len(answers)}", i, key)
             ranked = [_answer_text(a, source, i, f"{key}[{j}]") for j, a in enumerate(answers)]
+            if len(set(ranked)) < len(ranked):  # a repeated answer is one answer: keep its best (first) rank
+                ranked = list(dict.fromkeys(ranked))
+                deduplicated += 1
             n = len(ranked)
             if args.ranked_pairs == "all":
                 pairs = [(a, b) for a in range(n) for b in range(a + 1, n)]
@@ -358,6 +365,10 @@ def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dic
             if ranked[a] == ranked[b]:
                 raise DataError(source, "chosen and rejected answers are identical", i, field_name)
             out.append({"question": question, "history": history, "chosen": ranked[a], "rejected": ranked[b]})
+    if deduplicated:
+        logger.warning(
+            "%s: %d ranked lists hold repeated answers; each kept once, at its best rank", source, deduplicated
+        )
     return out
 
 

@@ -28,7 +28,8 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from trl.experimental.ppo import PPOConfig, PPOTrainer
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # pinned to trl 1.12.0 on purpose: see pyproject.toml
+from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402  (the one import of TRL's PPO)
 
 from .config import parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, Template, prompt_features, read_records, split_records
@@ -153,13 +154,16 @@ class RLHFPPOTrainer(PPOTrainer):
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Parse a recipe and run PPO. Returns ``{"output_dir", "merged", "value_model", "metrics"}``; see `run`."""
+def recipe_types() -> tuple:
+    """The dataclasses a PPO recipe fills: data fields, `PPOScriptArguments`, TRL's `PPOConfig` and `ModelConfig`."""
     from trl import ModelConfig
 
-    data_args, ppo_args, training_args, model_args, recipe = parse_recipe(
-        (DataArguments, PPOScriptArguments, PPOConfig, ModelConfig), argv
-    )
+    return (DataArguments, PPOScriptArguments, PPOConfig, ModelConfig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse a recipe and run PPO. Returns ``{"output_dir", "merged", "value_model", "metrics"}``; see `run`."""
+    data_args, ppo_args, training_args, model_args, recipe = parse_recipe(recipe_types(), argv)
     return run(
         data_args, ppo_args, training_args, model_args,
         sft_hint=sibling_recipe(recipe, "sft"), rm_hint=sibling_recipe(recipe, "rm"),

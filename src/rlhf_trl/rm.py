@@ -26,11 +26,16 @@ from .scoring import pairwise_metrics, score_sequences
 logger = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Parse a recipe and train the reward model. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
+def recipe_types() -> tuple:
+    """The dataclasses a rm recipe fills: data fields, TRL's `RewardConfig`, TRL's `ModelConfig`."""
     from trl import ModelConfig, RewardConfig
 
-    data_args, training_args, model_args, recipe = parse_recipe((DataArguments, RewardConfig, ModelConfig), argv)
+    return (DataArguments, RewardConfig, ModelConfig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse a recipe and train the reward model. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
+    data_args, training_args, model_args, recipe = parse_recipe(recipe_types(), argv)
     return run(data_args, training_args, model_args, produced_by=sibling_recipe(recipe, "sft"))
 
 

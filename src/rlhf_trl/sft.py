@@ -20,11 +20,16 @@ from .models import load_tokenizer, merge_and_save, require_model_dir, resize_fo
 logger = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Parse a recipe and run SFT. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
+def recipe_types() -> tuple:
+    """The dataclasses a sft recipe fills: data fields, TRL's `SFTConfig`, TRL's `ModelConfig`."""
     from trl import ModelConfig, SFTConfig
 
-    data_args, training_args, model_args, recipe = parse_recipe((DataArguments, SFTConfig, ModelConfig), argv)
+    return (DataArguments, SFTConfig, ModelConfig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse a recipe and run SFT. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
+    data_args, training_args, model_args, recipe = parse_recipe(recipe_types(), argv)
     return run(data_args, training_args, model_args)
 
 

@@ -1,0 +1,52 @@
+# rlhf_trl: `make demo` runs SFT -> RM -> PPO on the embedded demo; `make test` runs the tests.
+# Stages: make sft|rm|ppo RECIPE=recipes/<run>/<stage>.yaml ARGS="--key value ..."
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+# CPU build of torch (installs in seconds where it is cached; on a GPU machine use e.g. TORCH="torch").
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: help install demo test test-fast sft rm ppo zh-oasst demo-assets clean
+
+help:
+	@echo "make demo                 build the tiny demo and run SFT -> RM -> PPO (offline, ~2-5 min on CPU)"
+	@echo "make test                 run the test suite"
+	@echo "make sft|rm|ppo RECIPE=recipes/<run>/<stage>.yaml [ARGS='--key value']"
+	@echo "make zh-oasst             the three stages on ../shared real Chinese data with a tiny Qwen2"
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo $(ARGS)
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(ARGS)
+
+demo-assets: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo --assets_only
+
+# Each stage: the default recipe is the demo's; the demo recipes need the demo assets.
+sft rm ppo: $(STAMP)
+	@recipe="$(or $(RECIPE),recipes/demo/$@.yaml)"; \
+	if [[ "$$recipe" == recipes/demo/* ]]; then HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo --assets_only; fi; \
+	$(BIN)/rlhf-trl $@ --config "$$recipe" $(ARGS)
+
+zh-oasst: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl init-model --tokenizer ../shared/tokenizers/qwen2 --output outputs/zh-oasst/base_model
+	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl sft --config recipes/zh-oasst/sft.yaml $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl rm --config recipes/zh-oasst/rm.yaml $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl ppo --config recipes/zh-oasst/ppo.yaml $(ARGS)
+
+clean:
+	rm -rf outputs

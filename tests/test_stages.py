@@ -1,0 +1,186 @@
+"""One tiny run of each stage on the demo assets; each asserts that something was learned, not just that it ran."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_trl import ppo, rm, sft
+from rlhf_trl.config import RecipeError, parse_recipe
+from rlhf_trl.models import StageInputError
+
+RECIPES = os.path.join(os.path.dirname(__file__), "..", "recipes", "demo")
+
+
+def weights(path):
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def changed(a, b, atol=1e-6):
+    """Names of tensors present in both state dicts whose values differ."""
+    return [k for k in a if k in b and a[k].shape == b[k].shape and not torch.allclose(a[k], b[k], atol=atol)]
+
+
+@pytest.fixture(scope="module")
+def sft_run(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft")
+    return sft.main([
+        "--config", f"{RECIPES}/sft.yaml", "--dataset_name", assets["sft"],
+        "--model_name_or_path", assets["base_model"], "--output_dir", str(out),
+        "--num_train_epochs", "3", "--logging_steps", "5",
+    ])
+
+
+@pytest.fixture(scope="module")
+def rm_run(assets, sft_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm")
+    return rm.main([
+        "--config", f"{RECIPES}/rm.yaml", "--dataset_name", assets["rm"],
+        "--model_name_or_path", sft_run["merged"], "--output_dir", str(out), "--num_train_epochs", "1",
+    ])
+
+
+@pytest.fixture(scope="module")
+def ppo_run(assets, sft_run, rm_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ppo")
+    return ppo.main([
+        "--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
+        "--sft_model_path", sft_run["merged"], "--reward_model_path", rm_run["merged"],
+        "--output_dir", str(out), "--total_episodes", "192", "--save_steps", "3", "--logging_steps", "1",
+        "--num_sample_generations", "2",
+    ])
+
+
+def test_sft_learns_and_saves_a_merged_model(assets, sft_run):
+    base, tuned = weights(assets["base_model"]), weights(sft_run["merged"])
+    assert len(changed(base, tuned)) == len(base)  # full fine-tune: every tensor moved
+    m = sft_run["metrics"]
+    assert m["eval_loss"] < 1.5  # random init starts at ln(600) ~ 6.4 nats per token
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(sft_run["merged"])
+    assert model.config.pad_token_id != model.config.eos_token_id
+    cfg = json.load(open(os.path.join(sft_run["merged"], "tokenizer_config.json")))
+    assert cfg["pad_token"] != cfg["eos_token"]
+
+
+def test_sft_loss_covers_completion_only(assets, tokenizer):
+    """The prompt tokens carry label -100: the SFT loss is on the answer (and EOS) only."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_trl.data import Template, encode_prompt, sft_features
+
+    feats = sft_features([{"question": "你觉得咖啡怎么样？", "answer": "咖啡很棒，我很喜欢。"}], tokenizer, Template())
+    args = SFTConfig(output_dir="/tmp/unused", completion_only_loss=True, report_to="none", use_cpu=True,
+                     pad_token=tokenizer.pad_token)
+    trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(assets["base_model"]), args=args,
+                         train_dataset=Dataset.from_dict(feats), processing_class=tokenizer)
+    labels = trainer.train_dataset[0]["labels"]
+    n_prompt = len(encode_prompt(tokenizer, Template(), "你觉得咖啡怎么样？"))
+    assert labels[:n_prompt] == [-100] * n_prompt
+    assert labels[n_prompt:] == feats["input_ids"][0][n_prompt:]
+
+
+def test_rm_beats_chance_and_writes_eval_metrics(rm_run):
+    path = os.path.join(rm_run["output_dir"], "eval_metrics.json")
+    metrics = json.load(open(path))
+    assert set(metrics) == {"accuracy", "margin", "length_baseline_accuracy", "num_pairs"}
+    assert metrics["num_pairs"] > 20
+    assert metrics["accuracy"] > 0.8 and metrics["margin"] > 0
+    assert os.path.isfile(os.path.join(rm_run["output_dir"], "adapter", "adapter_model.safetensors"))
+
+
+def test_rm_merged_reloads_with_its_trained_score_head(rm_run, tokenizer):
+    from transformers import AutoModelForSequenceClassification
+
+    model, info = AutoModelForSequenceClassification.from_pretrained(rm_run["merged"], output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.num_labels == 1 and model.config.pad_token_id == tokenizer.pad_token_id
+    assert float(model.score.weight.abs().sum()) > 0
+
+
+def test_ppo_changes_the_policy_and_saves_the_value_model(sft_run, rm_run, ppo_run):
+    out = ppo_run["output_dir"]
+    assert changed(weights(sft_run["merged"]), weights(ppo_run["merged"]))
+    assert os.path.isfile(os.path.join(out, "adapter", "adapter_model.safetensors"))
+    value = weights(ppo_run["value_model"])
+    assert "score.weight" in value
+    assert changed(weights(rm_run["merged"]), value)  # the critic was trained
+    for step in (3, 6):
+        ckpt = os.path.join(out, f"checkpoint-{step}")
+        assert os.path.isfile(os.path.join(ckpt, "adapter_model.safetensors"))
+        assert os.path.isfile(os.path.join(ckpt, "value_model", "model.safetensors"))
+    assert ppo_run["metrics"]["global_step"] == 6
+
+
+def test_ppo_logs_sample_tables(ppo_run):
+    rows = [json.loads(line) for line in open(os.path.join(ppo_run["output_dir"], "samples.jsonl"), encoding="utf-8")]
+    assert rows and {"step", "query", "response", "score", "reward"} <= set(rows[0])
+    assert rows[0]["query"].startswith("问：") and rows[0]["query"].endswith("答：")
+
+
+def test_reward_baseline_is_subtracted(rm_run, tokenizer):
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_trl.data import Template, pair_features
+    from rlhf_trl.scoring import score_sequences
+
+    model = AutoModelForSequenceClassification.from_pretrained(rm_run["merged"])
+    ids = pair_features([{"question": "你喜欢海边吗？", "chosen": "海边很棒，我很喜欢。", "rejected": "海边很无聊，我很讨厌。"}],
+                        tokenizer, Template())
+    seqs = ids["chosen_ids"] + ids["rejected_ids"]
+    before = score_sequences(model, seqs, tokenizer.pad_token_id)
+    ppo.apply_reward_baseline(model, 1.5)
+    after = score_sequences(model, seqs, tokenizer.pad_token_id)
+    assert torch.allclose(after, before - 1.5, atol=1e-5)
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
+
+
+def test_missing_previous_stage_names_the_stage_to_run(assets, tmp_path):
+    with pytest.raises(StageInputError, match=r"SFT model not found.*make sft RECIPE=.*recipes/demo/sft.yaml"):
+        rm.main(["--config", f"{RECIPES}/rm.yaml", "--dataset_name", assets["rm"],
+                 "--model_name_or_path", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "o")])
+    with pytest.raises(StageInputError, match=r"reward model not found.*make rm"):
+        ppo.main(["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
+                  "--sft_model_path", assets["base_model"], "--reward_model_path", str(tmp_path / "no_rm"),
+                  "--output_dir", str(tmp_path / "o")])
+
+
+def test_cli_reports_a_missing_stage_in_one_line(assets, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlhf_trl", "rm", "--config", f"{RECIPES}/rm.yaml",
+         "--model_name_or_path", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "rlhf-trl rm: error: SFT model not found" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_unknown_recipe_key_fails_loudly(tmp_path):
+    from trl import ModelConfig, SFTConfig
+
+    from rlhf_trl.data import DataArguments
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("dataset_name: x.jsonl\nlearning_rte: 0.1\noutput_dir: o\n")
+    with pytest.raises(RecipeError, match=r"r.yaml: unknown key\(s\) \['learning_rte'\]"):
+        parse_recipe((DataArguments, SFTConfig, ModelConfig), ["--config", str(recipe)])
+
+
+def test_cli_overrides_beat_the_recipe():
+    from trl import ModelConfig, SFTConfig
+
+    from rlhf_trl.data import DataArguments
+
+    data, train, model, path = parse_recipe(
+        (DataArguments, SFTConfig, ModelConfig), ["--config", f"{RECIPES}/sft.yaml", "--learning_rate", "0.5"]
+    )
+    assert train.learning_rate == 0.5 and data.dataset_format == "alpaca" and path.endswith("sft.yaml")
