@@ -195,3 +195,19 @@ def test_split_is_deterministic_and_disjoint():
     assert split_records(recs, 0.1, seed=0) == (train, held)
     assert not {r["question"] for r in train} & {r["question"] for r in held}
     assert len(split_records(recs, 16, seed=0)[1]) == 16
+
+
+def test_several_sources_each_with_its_own_mapping(tmp_path):
+    ranked = write_jsonl(tmp_path / "ranked.jsonl", [{"instruction": "q1", "output": ["a", "b", "c"]}])
+    conv = write_jsonl(tmp_path / "conv.jsonl", [
+        {"conversations": [{"from": "human", "value": "q2"}], "good": "好", "bad": "坏"},
+    ])
+    args = DataArguments(
+        dataset_name=ranked,
+        datasets=[{"dataset_name": conv, "dataset_format": "sharegpt", "good_key": "good", "bad_key": "bad"}],
+    )
+    pairs = read_records(args, "pairs")
+    assert len(pairs) == 3 + 1
+    assert pairs[-1] == {"question": "q2", "history": [], "chosen": "好", "rejected": "坏"}
+    with pytest.raises(ValueError, match=r"datasets\[0\].*unknown key"):
+        read_records(DataArguments(datasets=[{"dataset_name": conv, "god_key": "x"}]), "pairs")

@@ -57,6 +57,13 @@ class DataArguments:
         default=None,
         metadata={"help": "Local file (.json/.jsonl/.csv/.parquet) or a hub dataset id."},
     )
+    datasets: list[dict] = field(
+        default_factory=list,
+        metadata={
+            "help": "More sources, concatenated after dataset_name (recipe YAML only): a list of mappings, each with "
+            "dataset_name and optionally dataset_split, dataset_format, max_samples and the *_key column mapping."
+        },
+    )
     dataset_split: str = field(default="train", metadata={"help": "Split to read (hub datasets / local files)."})
     dataset_format: str = field(
         default="auto",
@@ -510,18 +517,57 @@ def split_records(records: list[dict], eval_split_size: float, seed: int) -> tup
     return rows[n_eval:], rows[:n_eval]
 
 
+SOURCE_KEYS = (
+    "dataset_name", "dataset_split", "dataset_format", "max_samples", "question_key", "input_key", "answer_key",
+    "good_key", "bad_key", "history_key", "conversations_key",
+)
+
+
+def sources(args: DataArguments) -> list[DataArguments]:
+    """The recipe's data sources: ``dataset_name`` (if set) then each entry of ``datasets``.
+
+    Each entry of ``datasets`` inherits the template and ``ranked_pairs`` of the recipe and sets its own
+    ``dataset_name``, format and column mapping (`SOURCE_KEYS`); the other mapping keys start from their defaults.
+
+    Raises:
+        ValueError: no source at all, or an entry with an unknown key or without ``dataset_name``.
+    """
+    import dataclasses
+
+    out = [args] if args.dataset_name else []
+    for j, entry in enumerate(args.datasets or []):
+        if not isinstance(entry, dict) or not entry.get("dataset_name"):
+            raise ValueError(f"datasets[{j}] must be a mapping with a dataset_name, got {entry!r}")
+        unknown = sorted(set(entry) - set(SOURCE_KEYS))
+        if unknown:
+            raise ValueError(f"datasets[{j}] ({entry['dataset_name']}): unknown key(s) {unknown}; use {SOURCE_KEYS}")
+        defaults = {k: f.default for k, f in DataArguments.__dataclass_fields__.items() if k in SOURCE_KEYS}
+        out.append(dataclasses.replace(args, datasets=[], **{**defaults, **entry}))
+    if not out:
+        raise ValueError("the recipe names no data: set dataset_name (a local file or a hub dataset id) or datasets")
+    return out
+
+
+def describe_sources(args: DataArguments) -> str:
+    """The recipe's data files / dataset ids, comma-separated (for messages)."""
+    names = [args.dataset_name] if args.dataset_name else []
+    names += [str(e.get("dataset_name")) for e in args.datasets or [] if isinstance(e, dict)]
+    return ", ".join(names) or "<no dataset>"
+
+
 def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts"]) -> list[dict]:
-    """Read ``args.dataset_name`` and normalise it into records of ``kind`` (see module docstring).
+    """Read every source of the recipe (`sources`) and normalise it into records of ``kind`` (see module doc).
 
     Raises:
         DataError: see `load_rows`, `sft_records`, `pair_records`, `prompt_records`.
     """
-    if not args.dataset_name:
-        raise ValueError("dataset_name is required (a local file or a hub dataset id)")
-    rows = load_rows(args.dataset_name, args.dataset_split)
-    if args.max_samples is not None:
-        rows = rows[: args.max_samples]
     fn = {"sft": sft_records, "pairs": pair_records, "prompts": prompt_records}[kind]
-    records = fn(rows, args, args.dataset_name)
-    logger.info("%s: %d rows -> %d %s records", args.dataset_name, len(rows), len(records), kind)
+    records = []
+    for src in sources(args):
+        rows = load_rows(src.dataset_name, src.dataset_split)
+        if src.max_samples is not None:
+            rows = rows[: src.max_samples]
+        part = fn(rows, src, src.dataset_name)
+        logger.info("%s: %d rows -> %d %s records", src.dataset_name, len(rows), len(part), kind)
+        records.extend(part)
     return records

@@ -63,7 +63,12 @@ def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = 
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if trust_remote_code and is_baichuan(path):
+            from .baichuan import load_tokenizer as load_baichuan_tokenizer
+
+            tok = load_baichuan_tokenizer(path)
+        else:
+            tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise StageInputError(f"cannot load a tokenizer from '{path}': {exc}") from None
     if tok.eos_token_id is None:
@@ -84,6 +89,70 @@ def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = 
         tok.pad_token = choice
     tok.padding_side = padding_side
     return tok
+
+
+def model_type(path: str, trust_remote_code: bool = False) -> str | None:
+    """``config.model_type`` of a local model directory or hub id (None if it has no readable config)."""
+    local = os.path.join(path, "config.json")
+    if os.path.isfile(local):
+        with open(local, encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).model_type
+    except (OSError, ValueError):
+        return None
+
+
+def is_baichuan(path: str) -> bool:
+    """True for Baichuan / Baichuan2 remote-code checkpoints (``model_type`` starting with ``baichuan``)."""
+    return (model_type(path) or "").lower().startswith("baichuan")
+
+
+def _check_remote_code(path: str, trust_remote_code: bool) -> None:
+    if is_baichuan(path) and not trust_remote_code:
+        raise ValueError(
+            f"'{path}' is a Baichuan remote-code model: set `trust_remote_code: true` in the recipe to run its code"
+        )
+    if trust_remote_code:
+        logger.warning("trust_remote_code: the Python code in '%s' will run in this process", path)
+
+
+def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False):
+    """A causal LM (policy / SFT model); Baichuan remote-code models go through `rlhf_trl.baichuan`.
+
+    Raises:
+        ValueError: a remote-code model without ``trust_remote_code``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    _check_remote_code(path, trust_remote_code)
+    if trust_remote_code and is_baichuan(path):
+        from .baichuan import load_causal_lm as load_baichuan
+
+        return load_baichuan(path, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = False):
+    """A ``num_labels=1`` sequence classifier (reward / value model) with a last-token ``score`` head.
+
+    Baichuan remote-code models get `rlhf_trl.baichuan.BaichuanForSequenceClassification`.
+
+    Raises:
+        ValueError: a remote-code model without ``trust_remote_code``.
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    _check_remote_code(path, trust_remote_code)
+    if trust_remote_code and is_baichuan(path):
+        from .baichuan import load_sequence_classifier as load_baichuan
+
+        return load_baichuan(path, dtype=dtype)
+    return AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
+    )
 
 
 def resize_for_tokenizer(model, tokenizer) -> None:

@@ -32,8 +32,10 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # pinned to trl 1.12.0 o
 from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402  (the one import of TRL's PPO)
 
 from .config import parse_recipe, save_recipe, sibling_recipe
-from .data import DataArguments, Template, prompt_features, read_records, split_records
+from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records
 from .models import (
+    load_causal_lm,
+    load_sequence_classifier,
     load_tokenizer,
     merge_and_save,
     require_model_dir,
@@ -55,6 +57,9 @@ class PPOScriptArguments:
     )
     value_model_path: str | None = field(
         default=None, metadata={"help": "Value model initialization (default: the reward model)."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run model code shipped in the model directories (e.g. Baichuan)."}
     )
 
 
@@ -178,7 +183,6 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         DataError: bad rows; ValueError: fewer eval prompts than ``per_device_eval_batch_size``.
     """
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from trl import get_peft_config
 
     # inputs
@@ -192,18 +196,19 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
     if len(eval_records) < training_args.per_device_eval_batch_size:
         raise ValueError(
-            f"{data_args.dataset_name}: {len(eval_records)} eval prompts, fewer than per_device_eval_batch_size="
+            f"{describe_sources(data_args)}: {len(eval_records)} eval prompts, fewer than per_device_eval_batch_size="
             f"{training_args.per_device_eval_batch_size}; raise eval_split_size"
         )
 
     # tokenizer and models (prompts left-padded; pad distinct from EOS)
-    tokenizer = load_tokenizer(sft_path, padding_side="left")
+    remote = ppo_args.trust_remote_code
+    tokenizer = load_tokenizer(sft_path, padding_side="left", trust_remote_code=remote)
     train_ds = Dataset.from_dict(prompt_features(train_records, tokenizer, template, data_args.max_prompt_length))
     eval_ds = Dataset.from_dict(prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length))
     dtype = torch_dtype(model_args.dtype)
-    policy = AutoModelForCausalLM.from_pretrained(sft_path, dtype=dtype)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(rm_path, num_labels=1, dtype=dtype)
-    value_model = AutoModelForSequenceClassification.from_pretrained(value_path, num_labels=1, dtype=dtype)
+    policy = load_causal_lm(sft_path, dtype, remote)
+    reward_model = load_sequence_classifier(rm_path, dtype, remote)
+    value_model = load_sequence_classifier(value_path, dtype, remote)
     for name, m in (("policy", policy), ("reward model", reward_model), ("value model", value_model)):
         if m.config.vocab_size < len(tokenizer):
             raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) is smaller than the tokenizer's ({len(tokenizer)})")

@@ -19,8 +19,8 @@ import os
 from datasets import Dataset
 
 from .config import parse_recipe, save_recipe, sibling_recipe
-from .data import DataArguments, Template, pair_features, read_records, split_records
-from .models import load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
+from .data import DataArguments, Template, describe_sources, pair_features, read_records, split_records
+from .models import load_sequence_classifier, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
 from .scoring import pairwise_metrics, score_sequences
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,6 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
         StageInputError: the SFT model is missing (``produced_by`` names the command to run first).
         DataError: bad rows, or no pair left after the length policy.
     """
-    from transformers import AutoModelForSequenceClassification
     from trl import RewardTrainer, get_peft_config
 
     # data
@@ -56,13 +55,16 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
 
     # tokenizer and model
     model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by)
-    tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right")
+    tokenizer = load_tokenizer(
+        model_path, pad_token=training_args.pad_token, padding_side="right",
+        trust_remote_code=training_args.trust_remote_code,
+    )
     training_args.pad_token = tokenizer.pad_token
 
     def features(rows, split):
         return pair_features(
             rows, tokenizer, template, training_args.max_length, data_args.length_policy,
-            source=f"{data_args.dataset_name} ({split} split)",
+            source=f"{describe_sources(data_args)} ({split} split)",
         )
 
     train_ds = Dataset.from_dict(features(train_records, "train"))
@@ -70,9 +72,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     eval_ds = Dataset.from_dict(eval_feats) if eval_feats else None
     if eval_ds is None:
         training_args.eval_strategy = "no"
-    model = AutoModelForSequenceClassification.from_pretrained(
-        model_path, num_labels=1, dtype=torch_dtype(model_args.dtype)
-    )
+    model = load_sequence_classifier(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code)
     resize_for_tokenizer(model, tokenizer)
     peft_config = get_peft_config(model_args)
     if peft_config is not None:

@@ -15,7 +15,7 @@ from datasets import Dataset
 
 from .config import parse_recipe, save_recipe
 from .data import DataArguments, Template, read_records, sft_features, split_records
-from .models import load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
+from .models import load_causal_lm, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ def run(data_args: DataArguments, training_args, model_args) -> dict:
         StageInputError: the base model or tokenizer is missing.
         DataError: bad rows (file, row and field named).
     """
-    from transformers import AutoModelForCausalLM
     from trl import SFTTrainer, get_peft_config
 
     # data
@@ -50,7 +49,10 @@ def run(data_args: DataArguments, training_args, model_args) -> dict:
 
     # tokenizer and model
     model_path = require_model_dir(model_args.model_name_or_path or "", "base model")
-    tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right")
+    tokenizer = load_tokenizer(
+        model_path, pad_token=training_args.pad_token, padding_side="right",
+        trust_remote_code=training_args.trust_remote_code,
+    )
     training_args.pad_token = tokenizer.pad_token
     train_ds = Dataset.from_dict(sft_features(train_records, tokenizer, template))
     eval_ds = Dataset.from_dict(sft_features(eval_records, tokenizer, template)) if eval_records else None
@@ -58,7 +60,7 @@ def run(data_args: DataArguments, training_args, model_args) -> dict:
         training_args.eval_strategy = "no"
     if training_args.completion_only_loss is None:
         training_args.completion_only_loss = True
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(model_args.dtype))
+    model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code)
     resize_for_tokenizer(model, tokenizer)
 
     # trainer, train
