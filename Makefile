@@ -9,6 +9,8 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
+# `make ppo RECIPE=... resume_from_checkpoint=true` (or =path/to/checkpoint-N) continues a run; also for sft / rm.
+RESUME := $(if $(resume_from_checkpoint),--resume_from_checkpoint $(resume_from_checkpoint))
 
 .PHONY: help install demo test test-fast sft rm ppo zh-oasst demo-assets clean
 
@@ -40,7 +42,7 @@ demo-assets: $(STAMP)
 sft rm ppo: $(STAMP)
 	@recipe="$(or $(RECIPE),recipes/demo/$@.yaml)"; \
 	if [[ "$$recipe" == recipes/demo/* ]]; then HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo --assets_only; fi; \
-	$(BIN)/rlhf-trl $@ --config "$$recipe" $(ARGS)
+	$(BIN)/rlhf-trl $@ --config "$$recipe" $(RESUME) $(ARGS)
 
 zh-oasst: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl init-model --tokenizer ../shared/tokenizers/qwen2 --output outputs/zh-oasst/base_model

@@ -31,3 +31,42 @@ def write_jsonl(path, rows):
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return str(path)
+
+
+RECIPES = str(REPO / "recipes" / "demo")
+
+
+@pytest.fixture(scope="session")
+def sft_run(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft")
+    from rlhf_trl import sft
+
+    return sft.main([
+        "--config", f"{RECIPES}/sft.yaml", "--dataset_name", assets["sft"],
+        "--model_name_or_path", assets["base_model"], "--output_dir", str(out),
+        "--num_train_epochs", "3", "--logging_steps", "5",
+    ])
+
+
+@pytest.fixture(scope="session")
+def rm_run(assets, sft_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm")
+    from rlhf_trl import rm
+
+    return rm.main([
+        "--config", f"{RECIPES}/rm.yaml", "--dataset_name", assets["rm"],
+        "--model_name_or_path", sft_run["merged"], "--output_dir", str(out), "--num_train_epochs", "1",
+    ])
+
+
+@pytest.fixture(scope="session")
+def ppo_run(assets, sft_run, rm_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ppo")
+    from rlhf_trl import ppo
+
+    return ppo.main([
+        "--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
+        "--sft_model_path", sft_run["merged"], "--reward_model_path", rm_run["merged"],
+        "--output_dir", str(out), "--total_episodes", "192", "--save_steps", "3", "--logging_steps", "1",
+        "--log_samples_every", "3",
+    ])

@@ -25,36 +25,6 @@ def changed(a, b, atol=1e-6):
     return [k for k in a if k in b and a[k].shape == b[k].shape and not torch.allclose(a[k], b[k], atol=atol)]
 
 
-@pytest.fixture(scope="module")
-def sft_run(assets, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sft")
-    return sft.main([
-        "--config", f"{RECIPES}/sft.yaml", "--dataset_name", assets["sft"],
-        "--model_name_or_path", assets["base_model"], "--output_dir", str(out),
-        "--num_train_epochs", "3", "--logging_steps", "5",
-    ])
-
-
-@pytest.fixture(scope="module")
-def rm_run(assets, sft_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("rm")
-    return rm.main([
-        "--config", f"{RECIPES}/rm.yaml", "--dataset_name", assets["rm"],
-        "--model_name_or_path", sft_run["merged"], "--output_dir", str(out), "--num_train_epochs", "1",
-    ])
-
-
-@pytest.fixture(scope="module")
-def ppo_run(assets, sft_run, rm_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ppo")
-    return ppo.main([
-        "--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
-        "--sft_model_path", sft_run["merged"], "--reward_model_path", rm_run["merged"],
-        "--output_dir", str(out), "--total_episodes", "192", "--save_steps", "3", "--logging_steps", "1",
-        "--num_sample_generations", "2",
-    ])
-
-
 def test_sft_learns_and_saves_a_merged_model(assets, sft_run):
     base, tuned = weights(assets["base_model"]), weights(sft_run["merged"])
     assert len(changed(base, tuned)) == len(base)  # full fine-tune: every tensor moved

@@ -38,6 +38,12 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     from .data import DataError
     from .models import StageInputError
 
+    diverged: tuple = ()
+    if stage == "ppo":
+        from .ppo import TrainingDivergedError
+
+        diverged = (TrainingDivergedError,)
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging()
     module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
@@ -46,6 +52,9 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     except (RecipeError, DataError, StageInputError) as exc:
         print(f"rlhf-trl {stage}: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except diverged as exc:
+        print(f"rlhf-trl {stage}: training stopped: {exc}", file=sys.stderr)
+        sys.exit(3)
     if stage == "demo" and "summary" in result:
         print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
         return 0

@@ -62,6 +62,8 @@ def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = 
     """
     from transformers import AutoTokenizer
 
+    if os.path.isdir(path):
+        _check_remote_code(path, trust_remote_code)
     try:
         if trust_remote_code and is_baichuan(path):
             from .baichuan import load_tokenizer as load_baichuan_tokenizer
@@ -165,6 +167,28 @@ def resize_for_tokenizer(model, tokenizer) -> None:
     if gen is not None:
         gen.pad_token_id = tokenizer.pad_token_id
         gen.eos_token_id = tokenizer.eos_token_id
+
+
+def resolve_resume(value, output_dir: str) -> str | None:
+    """Turn a recipe's ``resume_from_checkpoint`` into a checkpoint directory (or None to start fresh).
+
+    ``true`` / ``last`` picks the newest complete ``checkpoint-N`` in ``output_dir``; a path must exist.
+
+    Raises:
+        StageInputError: ``true`` with no checkpoint in ``output_dir``, or a path that does not exist.
+    """
+    if value is None or str(value).strip().lower() in ("", "false", "no", "0", "none"):
+        return None
+    if str(value).strip().lower() in ("true", "yes", "1", "last"):
+        from transformers.trainer_utils import get_last_checkpoint
+
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise StageInputError(f"resume_from_checkpoint=true, but '{output_dir}' holds no checkpoint-N directory")
+        return last
+    if not os.path.isdir(str(value)):
+        raise StageInputError(f"resume_from_checkpoint: checkpoint '{value}' not found")
+    return str(value)
 
 
 def torch_dtype(name: str | None):

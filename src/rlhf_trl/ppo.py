@@ -1,6 +1,7 @@
 """Stage 3: PPO against the reward model with a KL penalty to a frozen reference (TRL 1.12's PPOTrainer).
 
 Run: ``rlhf-trl ppo --config recipes/demo/ppo.yaml`` (or ``python -m rlhf_trl.ppo``, ``make ppo RECIPE=...``).
+Resume: ``make ppo RECIPE=... resume_from_checkpoint=true`` (the last checkpoint) or ``=path/to/checkpoint-N``.
 
 This is the only module that imports ``trl.experimental.ppo`` (PPOTrainer was removed in TRL 1.13).
 
@@ -8,37 +9,56 @@ Models:
   - policy: the merged SFT model (``sft_model_path``) plus a LoRA adapter (``use_peft: true``); the reference is the
     same model with the adapter disabled, so no second copy of the weights is held;
   - reward model: the merged RM (``reward_model_path``), frozen, in eval mode, its score shifted by
-    ``reward_baseline`` (score - baseline);
-  - value model: initialized from the reward model (``value_model_path`` overrides), trained with the policy.
+    ``reward_baseline`` (a number, or ``auto``: the mean RM score of SFT rollouts on a calibration batch);
+  - value model: initialized from the reward model (``value_model_path`` overrides), trained with the policy, fully
+    or through its own LoRA adapter (``value_use_peft``) with a frozen base.
 
-Outputs under ``output_dir``: ``checkpoint-*/`` (policy adapter, optimizer, scheduler, RNG, trainer state and
-``value_model/``), ``adapter/``, ``merged/`` (plain causal LM + tokenizer), ``value_model/``, ``samples.jsonl``
-(query / response / score / reward tables logged every ``num_sample_generations``-th of training),
-``run_config.yaml`` and ``metrics.json``.
+What `RLHFPPOTrainer` adds around TRL's trainer (which it subclasses; the PPO loop itself is TRL's):
+  - checkpoints written under a temporary name, then renamed, holding the policy (adapter and merged), the value
+    model, optimizer / scheduler / RNG / trainer state, the data position and the run's recipe;
+  - exact resume from such a checkpoint (TRL's ``train()`` cannot resume);
+  - ``bf16`` and ``gradient_checkpointing`` honoured (TRL ignores both);
+  - an adaptive KL coefficient (``kl_target`` / ``kl_horizon``; Ziegler et al. 2019, "Fine-Tuning Language Models
+    from Human Preferences", section 2.2), logged as ``objective/kl_coef``;
+  - a stop on the first non-finite loss, reward or value, naming the update (the last good checkpoint is kept);
+  - sample tables (query / response / score / reward) every ``log_samples_every`` updates, to the logs and to
+    ``samples.jsonl``; sampling for them never perturbs the training RNG.
+
+Outputs under ``output_dir``: ``checkpoint-N/``, ``adapter/``, ``merged/`` (plain causal LM + tokenizer),
+``value_model/`` (plain sequence classifier), ``samples.jsonl``, ``run_config.yaml`` and ``metrics.json``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import math
 import os
+import random
+import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # pinned to trl 1.12.0 on purpose: see pyproject.toml
 from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402  (the one import of TRL's PPO)
+from trl.experimental.ppo.ppo_trainer import batch_generation, truncate_response  # noqa: E402
+from trl.experimental.utils import get_reward  # noqa: E402
 
-from .config import parse_recipe, save_recipe, sibling_recipe
-from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records
-from .models import (
+from .config import parse_recipe, save_recipe, sibling_recipe  # noqa: E402
+from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records  # noqa: E402
+from .models import (  # noqa: E402
     load_causal_lm,
     load_sequence_classifier,
     load_tokenizer,
     merge_and_save,
     require_model_dir,
+    resolve_resume,
     save_pretrained_atomic,
     torch_dtype,
     write_json,
@@ -46,21 +66,91 @@ from .models import (
 
 logger = logging.getLogger(__name__)
 
+# Generation settings that change the sampling distribution away from softmax(logits / temperature): with them the
+# rollout log-probs are not the policy's, and the KL estimate and the policy gradient are biased.
+BIASING_GENERATION_KEYS = {
+    "min_new_tokens": (None, 0), "min_length": (None, 0), "no_repeat_ngram_size": (None, 0),
+    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "top_k": (None, 0),
+    "top_p": (None, 1.0), "typical_p": (None, 1.0), "min_p": (None, 0.0), "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0), "bad_words_ids": (None,), "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,), "sequence_bias": (None,), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "exponential_decay_length_penalty": (None,), "num_beams": (None, 1),
+}
+
+
+class TrainingDivergedError(RuntimeError):
+    """A loss, reward or value became NaN or infinite; the message names the update and the last good checkpoint."""
+
 
 @dataclass
 class PPOScriptArguments:
     """PPO fields that TRL's PPOConfig lacks."""
 
-    reward_baseline: float = field(
-        default=0.0,
-        metadata={"help": "Subtracted from every reward-model score before PPO sees it (reward units)."},
+    reward_baseline: str = field(
+        default="0.0",
+        metadata={
+            "help": "Subtracted from every reward-model score (reward units): a number, or 'auto' for the mean RM "
+            "score of SFT rollouts on reward_baseline_batches calibration batches before training."
+        },
+    )
+    reward_baseline_batches: int = field(
+        default=2, metadata={"help": "Rollout batches (of per_device_train_batch_size prompts) for 'auto'."}
     )
     value_model_path: str | None = field(
         default=None, metadata={"help": "Value model initialization (default: the reward model)."}
     )
+    value_use_peft: bool = field(
+        default=False, metadata={"help": "Train the value model through a LoRA adapter; its base stays frozen."}
+    )
+    value_lora_r: int = field(default=16, metadata={"help": "LoRA rank of the value model."})
+    value_lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha of the value model."})
+    value_lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout of the value model."})
+    value_lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Value-model modules given LoRA (default: peft's choice for the model)."}
+    )
+    kl_target: float | None = field(
+        default=None,
+        metadata={"help": "Adaptive KL control: target KL per response (nats). None keeps kl_coef fixed."},
+    )
+    kl_horizon: int = field(
+        default=10000, metadata={"help": "Adaptive KL control horizon (episodes), as in Ziegler et al. 2019."}
+    )
+    log_samples_every: int = field(
+        default=10, metadata={"help": "Updates between sample tables (logs and samples.jsonl); 0 turns them off."}
+    )
+    save_merged_checkpoints: bool = field(
+        default=True, metadata={"help": "Also write the merged policy into each checkpoint (costs one model copy)."}
+    )
+    reset_generation_config: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop sampling settings of the policy's generation_config that bias the KL estimate "
+            "(repetition_penalty, top_k, min_new_tokens, ...) instead of refusing to start."
+        },
+    )
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run model code shipped in the model directories (e.g. Baichuan)."}
     )
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", 2.2).
+
+    After each update with mean KL ``kl`` (nats per response) over ``n_steps`` episodes::
+
+        error = clip(kl / target - 1, -0.2, 0.2)
+        coef *= 1 + error * n_steps / horizon
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"kl_target and kl_horizon must be positive, got {target} and {horizon}")
+        self.value, self.target, self.horizon = float(init_kl_coef), float(target), int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
+        self.value *= 1 + error * n_steps / self.horizon
+        return self.value
 
 
 class BaselineShiftedScore(torch.nn.Module):
@@ -91,31 +181,142 @@ def apply_reward_baseline(reward_model, baseline: float):
     return reward_model
 
 
-class SaveValueModelCallback(TrainerCallback):
-    """Writes the value model into each checkpoint (``checkpoint-N/value_model``); PPOTrainer saves the policy only."""
+def rng_state() -> dict:
+    """Python, numpy and torch (CPU, CUDA) RNG states."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state
 
-    def __init__(self, tokenizer=None):
-        self.tokenizer = tokenizer
 
-    def on_save(self, args, state, control, model=None, **kwargs):
-        if not state.is_world_process_zero or model is None:
-            return
-        ckpt = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if os.path.isdir(ckpt):
-            save_pretrained_atomic(model.value_model, None, os.path.join(ckpt, "value_model"))
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.random.set_rng_state_all(state["cuda"])
+
+
+@contextmanager
+def preserved_rng():
+    """Run a block without changing any RNG state seen after it (for sampling that is not part of training)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+class ResumableLoader:
+    """Wraps PPOTrainer's prompt dataloader so the data position can be saved and restored exactly.
+
+    It records the RNG state at which each pass over the data started (the shuffle is drawn from it) and how many
+    batches of that pass were consumed. Resuming replays the shuffle from that state, skips the consumed batches,
+    then restores the RNG state of the checkpoint.
+    """
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.epoch_rng: dict | None = None
+        self.consumed = 0
+        self._resume: tuple[dict, int, dict] | None = None
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        if self._resume is not None:
+            epoch_rng, consumed, now = self._resume
+            self._resume = None
+            set_rng_state(epoch_rng)
+            self.epoch_rng, self.consumed = epoch_rng, 0
+            it = iter(self.loader)
+            for _ in range(consumed):
+                next(it)
+                self.consumed += 1
+            set_rng_state(now)
+        else:
+            self.epoch_rng, self.consumed = rng_state(), 0
+            it = iter(self.loader)
+        for batch in it:
+            self.consumed += 1
+            yield batch
+
+    def state(self) -> dict:
+        return {"epoch_rng": self.epoch_rng, "consumed": self.consumed, "now": rng_state()}
+
+    def resume_from(self, state: dict) -> None:
+        self._resume = (state["epoch_rng"], state["consumed"], state["now"])
+
+
+class _ContinueCounters(TrainerCallback):
+    """Puts the restored step / episode counters back after PPOTrainer.train() resets them to zero."""
+
+    def __init__(self, global_step: int, episode: int, max_steps: int, log_history: list):
+        self.values = (global_step, episode, max_steps, log_history)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        state.global_step, state.episode, state.max_steps, state.log_history = self.values
 
 
 class RLHFPPOTrainer(PPOTrainer):
-    """TRL's PPOTrainer with sample tables that go to the logs and to ``samples.jsonl`` (not only to rich/wandb)."""
+    """TRL's PPOTrainer plus resumable, atomic checkpoints with the value model, KL control, divergence checks and
+    sample tables. See the module docstring; the PPO algorithm is TRL's (``trl/experimental/ppo/ppo_trainer.py``).
+    """
 
-    reward_baseline: float = 0.0
+    def __init__(self, *args, script_args: PPOScriptArguments | None = None, tokenizer_for_saving=None,
+                 recipe_configs: tuple = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.script_args = script_args or PPOScriptArguments()
+        self.reward_baseline = 0.0
+        self.recipe_configs = recipe_configs
+        self.tokenizer_for_saving = tokenizer_for_saving or self.processing_class
+        self.dataloader = ResumableLoader(self.dataloader)
+        every = self.script_args.log_samples_every
+        if every and every > 0:
+            self.args.num_sample_generations = max(1, self.args.num_sample_generations or 1)
+            self.sample_generations_freq = every
+        else:
+            self.args.num_sample_generations = 0
+        self.kl_controller = None
+        if self.script_args.kl_target is not None:
+            self.kl_controller = AdaptiveKLController(
+                self.args.kl_coef, self.script_args.kl_target, self.script_args.kl_horizon
+            )
 
+    # -- logging: KL control, divergence check -------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "objective/kl" in logs:
+            bad = sorted(k for k, v in logs.items() if isinstance(v, float) and not math.isfinite(v))
+            if bad:
+                last = self._last_checkpoint()
+                raise TrainingDivergedError(
+                    f"non-finite {', '.join(bad)} at update {self.state.global_step} (episode {self.state.episode}); "
+                    f"nothing was saved for this update; last good checkpoint: {last or 'none yet'}"
+                )
+            if logs["objective/kl"] < 0:
+                logger.warning(
+                    "update %d: mean KL to the reference is negative (%.4f): the rollouts are not samples of the "
+                    "policy (check temperature / generation settings) or the estimate is noisy (use kl_estimator k3)",
+                    self.state.global_step, logs["objective/kl"],
+                )
+            logs["objective/kl_coef"] = self.args.kl_coef
+            if self.kl_controller is not None:
+                self.args.kl_coef = self.kl_controller.update(logs["objective/kl"], self.args.batch_size)
+        super().log(logs, start_time)
+
+    def _last_checkpoint(self) -> str | None:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        return get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+
+    # -- sample tables -------------------------------------------------------------------------------------------
     def generate_completions(self, sampling: bool = False):
-        """Sample one eval batch (near-greedy, as TRL does), score it and log query / response / score / reward."""
-        from transformers import GenerationConfig
+        """Sample one eval batch (near-greedy, as TRL does), score it and log query / response / score / reward.
 
-        from trl.experimental.ppo.ppo_trainer import batch_generation, truncate_response
-        from trl.experimental.utils import get_reward
+        Runs under `preserved_rng`, so sample tables never change the training run.
+        """
+        from transformers import GenerationConfig
 
         if self.eval_dataset is None:
             return
@@ -125,28 +326,27 @@ class RLHFPPOTrainer(PPOTrainer):
         )
         policy = self.accelerator.unwrap_model(self.model).policy
         rows = []
-        for batch in self.eval_dataloader:
-            query = batch["input_ids"]
-            with torch.no_grad():
-                context_length = query.shape[1]
-                query_response, _ = batch_generation(policy, query, query.shape[0], tok.pad_token_id, gen_config)
-                response = query_response[:, context_length:]
-                if self.stop_token_id is not None:
-                    response = truncate_response(self.stop_token_id, tok.pad_token_id, response)
-                _, reward, _ = get_reward(
-                    self.reward_model, torch.cat((query, response), 1), tok.pad_token_id, context_length
-                )
-            for q, r, s in zip(
-                tok.batch_decode(query, skip_special_tokens=True),
-                tok.batch_decode(response, skip_special_tokens=True),
-                reward.float().cpu().tolist(),
-            ):
-                rows.append(
-                    {"step": self.state.global_step, "query": q, "response": r,
-                     "score": s + self.reward_baseline, "reward": s}
-                )
-            if sampling:
-                break
+        with preserved_rng():
+            for batch in self.eval_dataloader:
+                query = batch["input_ids"]
+                with torch.no_grad():
+                    context_length = query.shape[1]
+                    query_response, _ = batch_generation(policy, query, query.shape[0], tok.pad_token_id, gen_config)
+                    response = query_response[:, context_length:]
+                    if self.stop_token_id is not None:
+                        response = truncate_response(self.stop_token_id, tok.pad_token_id, response)
+                    _, reward, _ = get_reward(
+                        self.reward_model, torch.cat((query, response), 1), tok.pad_token_id, context_length
+                    )
+                for q, r, s in zip(
+                    tok.batch_decode(query, skip_special_tokens=True),
+                    tok.batch_decode(response, skip_special_tokens=True),
+                    reward.float().cpu().tolist(),
+                ):
+                    rows.append({"step": self.state.global_step, "query": q, "response": r,
+                                 "score": s + self.reward_baseline, "reward": s})
+                if sampling:
+                    break
         if not self.accelerator.is_main_process or not rows:
             return
         lines = [f"samples at update {self.state.global_step} (score = RM score, reward = score - baseline):"]
@@ -158,6 +358,165 @@ class RLHFPPOTrainer(PPOTrainer):
             for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        """Write ``checkpoint-N`` under a temporary name, add what TRL leaves out, then rename it into place."""
+        root = self.args.output_dir
+        name = f"checkpoint-{self.state.global_step}"
+        staging = os.path.join(root, f".tmp-{name}")
+        shutil.rmtree(staging, ignore_errors=True)
+        data_state = self.dataloader.state()  # before anything else can touch the RNG
+        self.args.output_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.output_dir = root
+        if not self.args.should_save:
+            return
+        ckpt = os.path.join(staging, name)
+        self._save_extras(ckpt, data_state, merged=self.script_args.save_merged_checkpoints)
+        final = os.path.join(root, name)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(ckpt, final)
+        shutil.rmtree(staging, ignore_errors=True)
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(root, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False)
+
+    def _save_extras(self, ckpt: str, data_state: dict | None, merged: bool) -> None:
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
+        if merged:
+            from peft import PeftModel
+
+            policy = unwrapped.policy
+            if isinstance(policy, PeftModel):
+                policy = copy.deepcopy(policy).merge_and_unload()
+            policy.save_pretrained(os.path.join(ckpt, "merged"), safe_serialization=True)
+            self.tokenizer_for_saving.save_pretrained(os.path.join(ckpt, "merged"))
+        if data_state is not None:
+            torch.save(data_state, os.path.join(ckpt, "data_state.pt"))
+        write_json(os.path.join(ckpt, "reward_baseline.json"), {"reward_baseline": self.reward_baseline,
+                                                                "kl_coef": self.args.kl_coef})
+        if self.recipe_configs:
+            save_recipe(ckpt, *self.recipe_configs)
+
+    # -- resume --------------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | None = None):
+        """Run PPO; with ``resume_from_checkpoint`` (a ``checkpoint-N`` directory) continue that run exactly.
+
+        Restores policy (adapter or full weights), value model, optimizer, scheduler, step / episode counters,
+        KL coefficient, data position and RNG state, then runs the remaining updates.
+
+        Raises:
+            FileNotFoundError: the checkpoint lacks a file needed to resume.
+        """
+        if resume_from_checkpoint:
+            self._restore(resume_from_checkpoint)
+        return super().train()
+
+    def _restore(self, ckpt: str) -> None:
+        from peft import PeftModel, set_peft_model_state_dict
+        from safetensors.torch import load_file
+        from trl.experimental.ppo.ppo_trainer import OnlineTrainerState
+
+        needed = ["optimizer.pt", "scheduler.pt", "trainer_state.json", "data_state.pt", "value_model"]
+        missing = [n for n in needed if not os.path.exists(os.path.join(ckpt, n))]
+        if missing:
+            raise FileNotFoundError(f"cannot resume from {ckpt}: missing {missing}")
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        _load_weights(unwrapped.policy, ckpt, PeftModel, set_peft_model_state_dict, load_file)
+        _load_weights(unwrapped.value_model, os.path.join(ckpt, "value_model"), PeftModel,
+                      set_peft_model_state_dict, load_file)
+        self.optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=True))
+        saved = OnlineTrainerState.load_from_json(os.path.join(ckpt, "trainer_state.json"))
+        extras = json.load(open(os.path.join(ckpt, "reward_baseline.json"))) if os.path.exists(
+            os.path.join(ckpt, "reward_baseline.json")) else {}
+        if "kl_coef" in extras:
+            self.args.kl_coef = extras["kl_coef"]
+            if self.kl_controller is not None:
+                self.kl_controller.value = extras["kl_coef"]
+        episode = getattr(saved, "episode", saved.global_step * self.args.batch_size)
+        total = self.args.num_total_batches
+        done = saved.global_step
+        if done >= total:
+            raise ValueError(f"{ckpt} is at update {done}; the recipe has {total} updates: nothing left to run")
+        self.args.num_total_batches = total - done
+        self.add_callback(_ContinueCounters(done, episode, total, saved.log_history))
+        self.dataloader.resume_from(torch.load(os.path.join(ckpt, "data_state.pt"), weights_only=False))
+        logger.info("resuming from %s at update %d of %d (episode %d)", ckpt, done, total, episode)
+
+
+def _load_weights(model, folder, PeftModel, set_peft_model_state_dict, load_file) -> None:
+    """Load a policy / value model's trainable weights saved by ``save_pretrained`` in ``folder``."""
+    if isinstance(model, PeftModel):
+        set_peft_model_state_dict(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
+        return
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        state = load_file(single)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {k for k in missing if "lm_head" in k}
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"{folder}: weights do not match the model (missing {missing}, unexpected {unexpected})")
+    else:
+        from transformers.trainer_utils import load_sharded_checkpoint
+
+        load_sharded_checkpoint(model, folder, strict=False)
+
+
+def check_generation_config(model, source: str, reset: bool) -> None:
+    """Refuse (or, with ``reset``, drop) generation settings of ``model`` that bias the rollout log-probs.
+
+    Raises:
+        ValueError: such settings are present and ``reset`` is False; the message names them and ``source``.
+    """
+    gen = model.generation_config
+    found = {k: getattr(gen, k, None) for k, ok in BIASING_GENERATION_KEYS.items() if getattr(gen, k, None) not in ok}
+    if not found:
+        return
+    if not reset:
+        raise ValueError(
+            f"{source}/generation_config.json sets {found}, which bias PPO's KL estimate and policy gradient "
+            "(rollouts would not be samples of the policy); remove them or set `reset_generation_config: true`"
+        )
+    for key in found:
+        setattr(gen, key, BIASING_GENERATION_KEYS[key][-1])
+    logger.warning("dropped generation settings %s of %s (reset_generation_config)", found, source)
+
+
+@torch.no_grad()
+def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset: Dataset, args, batches: int) -> float:
+    """Mean RM score (reward units) of SFT-policy rollouts on ``batches`` batches of prompts, as PPO would sample them.
+
+    Uses TRL's rollout functions (``batch_generation``, ``truncate_response``, ``get_reward``) with the recipe's
+    temperature and ``response_length``; runs under `preserved_rng`.
+    """
+    from transformers import DataCollatorWithPadding, GenerationConfig
+
+    collator = DataCollatorWithPadding(tokenizer)
+    gen = GenerationConfig(max_new_tokens=args.response_length, temperature=args.temperature + 1e-7, top_k=0,
+                           top_p=1.0, do_sample=True)
+    size = args.per_device_train_batch_size
+    scores = []
+    with preserved_rng():
+        torch.manual_seed(args.seed)
+        for b in range(batches):
+            rows = [dataset[i] for i in range(b * size, min(len(dataset), (b + 1) * size))]
+            if not rows:
+                break
+            query = collator(rows)["input_ids"].to(policy.device)
+            qr, _ = batch_generation(policy, query, len(rows), tokenizer.pad_token_id, gen)
+            response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, qr[:, query.shape[1]:])
+            _, score, _ = get_reward(reward_model, torch.cat((query, response), 1), tokenizer.pad_token_id,
+                                     query.shape[1])
+            scores.append(score.float().cpu())
+    value = float(torch.cat(scores).mean())
+    logger.info("reward_baseline auto: mean RM score %.4f over %d SFT rollouts", value, sum(len(s) for s in scores))
+    return value
+
 
 def recipe_types() -> tuple:
     """The dataclasses a PPO recipe fills: data fields, `PPOScriptArguments`, TRL's `PPOConfig` and `ModelConfig`."""
@@ -166,29 +525,47 @@ def recipe_types() -> tuple:
     return (DataArguments, PPOScriptArguments, PPOConfig, ModelConfig)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Parse a recipe and run PPO. Returns ``{"output_dir", "merged", "value_model", "metrics"}``; see `run`."""
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
+    """Parse a recipe and run PPO; see `run` for the result."""
     data_args, ppo_args, training_args, model_args, recipe = parse_recipe(recipe_types(), argv)
     return run(
         data_args, ppo_args, training_args, model_args,
-        sft_hint=sibling_recipe(recipe, "sft"), rm_hint=sibling_recipe(recipe, "rm"),
+        sft_hint=sibling_recipe(recipe, "sft"), rm_hint=sibling_recipe(recipe, "rm"), callbacks=callbacks,
     )
 
 
-def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_hint=None, rm_hint=None) -> dict:
-    """Train the policy with PPO on the prompts of ``data_args.dataset_name``.
+def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_hint=None, rm_hint=None,
+        callbacks: list | None = None) -> dict:
+    """Train the policy with PPO on the prompts of the recipe's data.
+
+    Returns ``{"output_dir", "merged", "value_model", "metrics", "trainer"}``.
 
     Raises:
         StageInputError: the SFT or reward model is missing (the hint names the stage to run first).
-        DataError: bad rows; ValueError: fewer eval prompts than ``per_device_eval_batch_size``.
+        DataError: bad rows.
+        ValueError: fewer eval prompts than ``per_device_eval_batch_size``; biasing generation settings; a bad
+            ``reward_baseline``.
+        TrainingDivergedError: a non-finite loss, reward or value.
     """
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import set_seed
     from trl import get_peft_config
+
+    set_seed(training_args.seed)  # LoRA initialization happens before TRL seeds its trainer
 
     # inputs
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", sft_hint)
     rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint)
     value_path = require_model_dir(ppo_args.value_model_path or rm_path, "value model", rm_hint)
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    baseline_arg = str(ppo_args.reward_baseline).strip().lower()
+    if baseline_arg != "auto":
+        try:
+            baseline = float(baseline_arg)
+        except ValueError:
+            raise ValueError(f"reward_baseline must be a number or 'auto', got {ppo_args.reward_baseline!r}") from None
+    if training_args.stop_token is None and training_args.stop_token_id is None:
+        training_args.stop_token = "eos"  # responses end at EOS; the reward is read there
 
     # data
     template = Template.from_args(data_args)
@@ -205,7 +582,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     tokenizer = load_tokenizer(sft_path, padding_side="left", trust_remote_code=remote)
     train_ds = Dataset.from_dict(prompt_features(train_records, tokenizer, template, data_args.max_prompt_length))
     eval_ds = Dataset.from_dict(prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length))
-    dtype = torch_dtype(model_args.dtype)
+    dtype = torch.bfloat16 if training_args.bf16 else torch_dtype(model_args.dtype)  # TRL ignores bf16
     policy = load_causal_lm(sft_path, dtype, remote)
     reward_model = load_sequence_classifier(rm_path, dtype, remote)
     value_model = load_sequence_classifier(value_path, dtype, remote)
@@ -213,10 +590,31 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         if m.config.vocab_size < len(tokenizer):
             raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) is smaller than the tokenizer's ({len(tokenizer)})")
         m.config.pad_token_id = tokenizer.pad_token_id
+    check_generation_config(policy, sft_path, ppo_args.reset_generation_config)
     policy.generation_config.pad_token_id = tokenizer.pad_token_id
-    apply_reward_baseline(reward_model, ppo_args.reward_baseline)
+    if ppo_args.value_use_peft:
+        value_model = get_peft_model(value_model, LoraConfig(
+            task_type="SEQ_CLS", r=ppo_args.value_lora_r, lora_alpha=ppo_args.value_lora_alpha,
+            lora_dropout=ppo_args.value_lora_dropout, target_modules=ppo_args.value_lora_target_modules,
+        ))
+    if training_args.gradient_checkpointing:  # TRL ignores it
+        kwargs = training_args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+        for m in (policy, value_model):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            m.config.use_cache = False
+    if resume:
+        saved = os.path.join(resume, "reward_baseline.json")
+        baseline = json.load(open(saved))["reward_baseline"] if os.path.exists(saved) else 0.0
+    elif baseline_arg == "auto":
+        baseline = calibrate_reward_baseline(policy, reward_model, tokenizer, train_ds, training_args,
+                                             ppo_args.reward_baseline_batches)
+    ppo_args.reward_baseline = str(baseline)
+    apply_reward_baseline(reward_model, baseline)
 
     # trainer
+    out = training_args.output_dir
+    if not resume and os.path.exists(os.path.join(out, "samples.jsonl")):
+        os.remove(os.path.join(out, "samples.jsonl"))
     trainer = RLHFPPOTrainer(
         args=training_args,
         processing_class=tokenizer,
@@ -227,32 +625,38 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         train_dataset=train_ds,
         eval_dataset=eval_ds,
         peft_config=get_peft_config(model_args),
-        callbacks=[SaveValueModelCallback(tokenizer)],
+        callbacks=callbacks,
+        script_args=ppo_args,
+        recipe_configs=(data_args, ppo_args, training_args, model_args),
     )
-    trainer.reward_baseline = ppo_args.reward_baseline
+    trainer.reward_baseline = baseline
 
     # train
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
 
-    # save: adapter, merged policy, value model, run config
-    out = training_args.output_dir
+    # save: adapter, merged policy, value model (merged if it has an adapter), run config
     save_recipe(out, data_args, ppo_args, training_args, model_args)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     if isinstance(unwrapped.policy, PeftModel):
         unwrapped.policy.save_pretrained(os.path.join(out, "adapter"))
     merged = os.path.join(out, "merged")
     merge_and_save(unwrapped.policy, tokenizer, merged)
-    value_dir = save_pretrained_atomic(unwrapped.value_model, tokenizer, os.path.join(out, "value_model"))
+    value_dir = os.path.join(out, "value_model")
+    if isinstance(unwrapped.value_model, PeftModel):
+        merge_and_save(unwrapped.value_model, tokenizer, value_dir)
+    else:
+        save_pretrained_atomic(unwrapped.value_model, tokenizer, value_dir)
 
     # evaluate: the last logged training statistics
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
-    metrics = {"global_step": trainer.state.global_step, "episode": trainer.state.episode}
+    metrics = {"global_step": trainer.state.global_step, "episode": trainer.state.episode,
+               "reward_baseline": baseline, "kl_coef_final": trainer.args.kl_coef}
     if logs:
         metrics.update({k: v for k, v in logs[-1].items() if isinstance(v, (int, float))})
         metrics["first_scores"] = logs[0]["objective/scores"]
     write_json(os.path.join(out, "metrics.json"), metrics)
     logger.info("PPO done: merged policy at %s, value model at %s", merged, value_dir)
-    return {"output_dir": out, "merged": merged, "value_model": value_dir, "metrics": metrics}
+    return {"output_dir": out, "merged": merged, "value_model": value_dir, "metrics": metrics, "trainer": trainer}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from datasets import Dataset
 
 from .config import parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, Template, describe_sources, pair_features, read_records, split_records
-from .models import load_sequence_classifier, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
+from .models import resolve_resume, load_sequence_classifier, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
 from .scoring import pairwise_metrics, score_sequences
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint or None)
+    train_result = trainer.train(resume_from_checkpoint=resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir))
 
     # save
     out = training_args.output_dir

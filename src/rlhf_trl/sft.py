@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 from datasets import Dataset
 
 from .config import parse_recipe, save_recipe
 from .data import DataArguments, Template, read_records, sft_features, split_records
-from .models import load_causal_lm, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
+from .models import resolve_resume, load_causal_lm, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,11 @@ def run(data_args: DataArguments, training_args, model_args) -> dict:
         training_args.completion_only_loss = True
     model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code)
     resize_for_tokenizer(model, tokenizer)
+    head = model.get_output_embeddings()
+    if training_args.loss_type in (None, "chunked_nll") and not isinstance(head, torch.nn.Linear):
+        # TRL's chunked loss reads lm_head.weight / .bias directly: wrong for Baichuan2's NormHead
+        logger.warning("%s: output head %s is not nn.Linear; using loss_type 'nll'", model_path, type(head).__name__)
+        training_args.loss_type = "nll"
 
     # trainer, train
     trainer = SFTTrainer(
@@ -72,7 +79,7 @@ def run(data_args: DataArguments, training_args, model_args) -> dict:
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
-    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint or None)
+    train_result = trainer.train(resume_from_checkpoint=resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir))
 
     # evaluate (held-out loss on completion tokens), before the adapter is merged away
     metrics = dict(train_result.metrics)

@@ -1,0 +1,580 @@
+"""Baichuan / Baichuan2 remote-code models made usable by TRL on transformers 5 (SFT, reward model, PPO).
+
+Reached through `rlhf_trl.models` only when a recipe sets ``trust_remote_code: true`` and the model directory's
+``config.json`` has ``model_type: baichuan``: the Python files shipped next to the weights (``modeling_baichuan.py``,
+``tokenization_baichuan.py``, ``configuration_baichuan.py``) run in this process.
+
+What the remote code lacks on transformers 5, and what this module does about it:
+
+- **Tokenizer init order.** ``BaichuanTokenizer.__init__`` calls ``super().__init__`` before it loads its
+  sentencepiece model, and the base ``__init__`` calls ``get_vocab()`` -> ``vocab_size`` -> ``self.sp_model``, which
+  fails (``TypeError: 'property' object cannot be interpreted as an integer`` / ``AttributeError``). `load_tokenizer`
+  uses a subclass that loads ``sp_model`` first and then runs the remote ``__init__`` unchanged.
+- **position_ids.** TRL's PPO passes ``position_ids`` to the policy, to the reward model's backbone and to the value
+  model's backbone; Baichuan's forwards have no such argument (they compute positions from the cache length).
+  Positions are dropped: Baichuan's rotary (7B) and ALiBi (13B) position encodings depend only on the distance
+  between tokens, and pads are hidden by the attention mask, so the shift that left padding causes changes nothing.
+  Other keywords the remote forward does not name (``cache_position``, ``logits_to_keep``, ...) are dropped too.
+- **No ``generate``.** The remote ``BaichuanForCausalLM`` derives from ``PreTrainedModel`` only. `load_causal_lm`
+  returns a subclass that mixes in `transformers.GenerationMixin` and drives the remote code's legacy KV cache (a
+  tuple of per-layer ``(key, value)``): transformers 5 would otherwise hand it a ``DynamicCache`` it cannot read.
+- **No sequence classifier.** `BaichuanForSequenceClassification`: the remote ``BaichuanModel`` as ``model`` and a
+  bias-free ``score`` Linear(hidden, 1), read at the last non-pad token (``config.pad_token_id``), as TRL's reward and
+  value models expect (``base_model_prefix = "model"``, ``model.score(hidden_states)``).
+- **Saving.** ``save_pretrained`` of both classes also copies the remote ``*.py`` files and keeps ``auto_map`` and
+  ``model_type`` in ``config.json``, so every saved stage output (SFT ``merged/``, RM ``merged/``, PPO ``merged/``,
+  ``value_model/``) is again a Baichuan remote-code directory. The tokenizer's ``save_pretrained`` does the same for
+  ``tokenization_baichuan.py`` and its ``auto_map``.
+
+LoRA: the attention projections are ``W_pack`` (fused q/k/v) and ``o_proj``; the MLP has ``gate_proj``, ``up_proj``,
+``down_proj`` (``lora_target_modules: [W_pack, o_proj]`` or all five). With ``task_type=SEQ_CLS`` peft trains and
+saves ``score`` as a ``modules_to_save`` copy, as for any transformers classifier.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import json
+import logging
+import os
+import shutil
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+logger = logging.getLogger(__name__)
+
+CONFIG_REF = "configuration_baichuan.BaichuanConfig"
+CAUSAL_LM_REF = "modeling_baichuan.BaichuanForCausalLM"
+TOKENIZER_REF = "tokenization_baichuan.BaichuanTokenizer"
+CLASSIFIER_ARCH = "BaichuanForSequenceClassification"
+
+# keywords TRL / peft / transformers pass that Baichuan's forwards do not take; dropped without a message (as are
+# private ones such as SFTTrainer's ``_prediction_loss_only``)
+_SILENTLY_DROPPED = frozenset({"position_ids", "cache_position", "logits_to_keep", "num_items_in_batch"})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# remote code
+# ----------------------------------------------------------------------------------------------------------------
+def _remote_class(ref: str, path: str):
+    """Import ``module.Class`` from the remote-code files in the local directory ``path``."""
+    if not os.path.isfile(os.path.join(path, ref.split(".")[0] + ".py")):
+        raise FileNotFoundError(f"'{path}' has no {ref.split('.')[0]}.py (Baichuan remote code)")
+    return get_class_from_dynamic_module(ref, path)
+
+
+def _auto_ref(path: str, key: str, default: str, config_file: str = "config.json") -> str:
+    """``auto_map[key]`` of ``path``'s config file as ``module.Class`` (Baichuan-7B v1 says ``BaiChuan...``)."""
+    try:
+        with open(os.path.join(path, config_file), encoding="utf-8") as f:
+            ref = (json.load(f).get("auto_map") or {}).get(key)
+    except (OSError, ValueError):
+        ref = None
+    if isinstance(ref, (list, tuple)):  # AutoTokenizer: [slow, fast]
+        ref = next((r for r in ref if r), None)
+    if not isinstance(ref, str) or not ref:
+        return default
+    return ref.split("--")[-1]  # "org/repo--module.Class" -> "module.Class"
+
+
+def _new_instance(factory, args):
+    """Unpickling helper: an empty instance of ``factory(*args)`` (a class built at runtime by this module)."""
+    cls = factory(*args)
+    return cls.__new__(cls)
+
+
+def _state(obj) -> dict:
+    getstate = getattr(obj, "__getstate__", None)
+    return getstate() if getstate is not None else obj.__dict__
+
+
+def _code_files(directory: str) -> list[str]:
+    """The top-level remote-code ``*.py`` files of a model directory or a dynamic-module cache directory."""
+    if not directory or not os.path.isdir(directory):
+        return []
+    return sorted(
+        os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".py") and f != "__init__.py"
+    )
+
+
+def _copy_code(sources: list[str], save_directory: str) -> None:
+    for src in sources:
+        dst = os.path.join(save_directory, os.path.basename(src))
+        if not os.path.exists(dst):
+            shutil.copyfile(src, dst)
+
+
+def _update_json(path: str, update) -> None:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    update(data)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False, indent=2)
+        f.write("\n")
+
+
+def _named_parameters(forward) -> frozenset:
+    """Names of the parameters of ``forward`` that can be passed by keyword (not ``**kwargs``)."""
+    params = inspect.signature(forward).parameters.values()
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def _legacy_past(past, cache):
+    """The legacy tuple cache out of ``past_key_values`` / ``cache`` (transformers 5's name); None when empty."""
+    from transformers.cache_utils import Cache
+
+    past = past if past is not None else cache
+    if isinstance(past, Cache):
+        if past.get_seq_length() == 0:
+            return None
+        raise ValueError(
+            "Baichuan remote code reads a legacy tuple KV cache, not a transformers Cache object; "
+            "generate with rlhf_trl.baichuan.load_causal_lm models (they manage the tuple cache)"
+        )
+    if isinstance(past, (tuple, list)) and len(past) == 0:
+        return None
+    return past
+
+
+def _filter_kwargs(owner: str, named: frozenset, kwargs: dict) -> dict:
+    """Keep the keywords the remote forward names; drop the others (logged once unless they are expected ones)."""
+    kept = {}
+    for key, value in kwargs.items():
+        if key in named:
+            kept[key] = value
+        elif key not in _SILENTLY_DROPPED and not key.startswith("_") and value is not None:
+            _warn_dropped(owner, key)
+    return kept
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_dropped(owner: str, key: str) -> None:
+    logger.warning("%s: keyword %r is not an argument of the Baichuan remote forward; ignored", owner, key)
+
+
+@functools.lru_cache(maxsize=None)
+def _tolerant_backbone_class(backbone_cls: type) -> type:
+    """A subclass of the remote ``BaichuanModel`` whose forward accepts (and drops) ``position_ids`` and friends.
+
+    TRL calls the reward / value backbone as ``backbone(input_ids=, attention_mask=, position_ids=, return_dict=True,
+    output_hidden_states=True, use_cache=False)``. ``position_ids`` are dropped even where the remote forward names
+    them (Baichuan-7B v1): the remote code then derives positions from the cache length, as the policy does (see the
+    module docstring). Same name as the remote class; no new state.
+    """
+    if getattr(backbone_cls, "_rlhf_trl_tolerant", False):
+        return backbone_cls
+    named = _named_parameters(backbone_cls.forward)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+        past = _legacy_past(kwargs.pop("past_key_values", None), kwargs.pop("cache", None))
+        if past is not None:
+            kwargs["past_key_values"] = past
+        if kwargs.get("return_dict") is None:
+            kwargs["return_dict"] = True
+        kwargs = _filter_kwargs(backbone_cls.__name__, named, kwargs)
+        return backbone_cls.forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    def __reduce__(self):
+        return _new_instance, (_tolerant_backbone_class, (backbone_cls,)), _state(self)
+
+    return type(backbone_cls.__name__, (backbone_cls,), {
+        "forward": forward, "__reduce__": __reduce__, "_rlhf_trl_tolerant": True, "_rlhf_trl_remote": backbone_cls,
+        "__module__": backbone_cls.__module__,
+    })
+
+
+def _make_backbone_tolerant(model: PreTrainedModel) -> None:
+    model.model.__class__ = _tolerant_backbone_class(type(model.model))
+
+
+def _record_code_dir(loaded, path) -> None:
+    """Remember the directory a model was loaded from: its ``*.py`` files are saved with the model."""
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+        model._baichuan_code_dir = os.path.abspath(path)
+
+
+def _save_code_and_config(model: PreTrainedModel, save_directory: str, remote_classes: tuple) -> None:
+    """After ``save_pretrained``: copy the remote ``*.py`` next to the weights and keep ``auto_map`` / ``model_type``.
+
+    The files come from the directory the model was loaded from, else from the dynamic-module cache of its remote
+    classes (``remote_classes`` and the config class).
+    """
+    files = _code_files(getattr(model, "_baichuan_code_dir", None))
+    if not files:
+        dirs = {os.path.dirname(inspect.getfile(c)) for c in (type(model.config), *remote_classes) if c is not None}
+        files = [f for d in sorted(dirs) for f in _code_files(d)]
+    _copy_code(files, save_directory)
+    auto_map = dict(getattr(model.config, "auto_map", None) or {})
+    auto_map.setdefault("AutoConfig", CONFIG_REF)
+    auto_map.setdefault("AutoModelForCausalLM", CAUSAL_LM_REF)
+
+    def update(data):
+        data["auto_map"] = auto_map
+        data["model_type"] = model.config.model_type
+
+    config_path = os.path.join(save_directory, "config.json")
+    if os.path.isfile(config_path):
+        _update_json(config_path, update)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tokenizer
+# ----------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _fixed_tokenizer_class(remote_cls: type) -> type:
+    """Subclass of the remote ``BaichuanTokenizer`` that loads its sentencepiece model BEFORE the remote ``__init__``.
+
+    The remote ``__init__`` then runs unchanged (its ``super().__init__`` can call ``get_vocab()``) and loads the same
+    model again afterwards.
+    """
+
+    def __init__(self, vocab_file, *args, sp_model_kwargs=None, **kwargs):
+        import sentencepiece as spm
+
+        self.vocab_file = vocab_file
+        self.sp_model_kwargs = {} if sp_model_kwargs is None else sp_model_kwargs
+        self.sp_model = spm.SentencePieceProcessor(**self.sp_model_kwargs)
+        self.sp_model.Load(vocab_file)
+        remote_cls.__init__(self, vocab_file, *args, sp_model_kwargs=sp_model_kwargs, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        files = remote_cls.save_pretrained(self, save_directory, *args, **kwargs)
+        _copy_code([inspect.getfile(remote_cls)], save_directory)
+
+        def update(data):
+            module = os.path.splitext(os.path.basename(inspect.getfile(remote_cls)))[0]
+            data.setdefault("auto_map", {})["AutoTokenizer"] = [f"{module}.{remote_cls.__name__}", None]
+            data["tokenizer_class"] = remote_cls.__name__
+            # transformers 5 leaves these out; the remote defaults (add_bos_token=True) would then differ on reload
+            for key in ("add_bos_token", "add_eos_token"):
+                if isinstance(getattr(self, key, None), bool):
+                    data[key] = getattr(self, key)
+
+        config_path = os.path.join(save_directory, "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            _update_json(config_path, update)
+        return files
+
+    def __reduce__(self):
+        return _new_instance, (_fixed_tokenizer_class, (remote_cls,)), _state(self)
+
+    return type(remote_cls.__name__, (remote_cls,), {
+        "__init__": __init__, "save_pretrained": save_pretrained, "__reduce__": __reduce__,
+        "__module__": remote_cls.__module__,
+    })
+
+
+def load_tokenizer(path: str):
+    """The remote ``BaichuanTokenizer`` of ``path`` (slow, sentencepiece), with the init-order bug worked around.
+
+    Pad handling is left to `rlhf_trl.models.load_tokenizer` (Baichuan2 ships pad ``<unk>``, id 0, distinct from EOS
+    ``</s>``, id 2).
+
+    Raises:
+        ValueError: the tokenizer has no EOS token.
+        OSError: ``path`` lacks ``tokenization_baichuan.py`` or ``tokenizer.model``.
+    """
+    try:
+        remote = _remote_class(_auto_ref(path, "AutoTokenizer", TOKENIZER_REF, "tokenizer_config.json"), path)
+    except FileNotFoundError as exc:
+        raise OSError(str(exc)) from None
+    if not os.path.isfile(os.path.join(path, "tokenizer.model")):
+        raise OSError(f"'{path}' has no tokenizer.model (Baichuan sentencepiece model)")
+    tok = _fixed_tokenizer_class(remote).from_pretrained(path)
+    if tok.eos_token_id is None or tok.eos_token_id == tok.unk_token_id:
+        if "</s>" in tok.get_vocab():
+            tok.eos_token = "</s>"
+        else:
+            raise ValueError(f"Baichuan tokenizer at '{path}' has no EOS token")
+    return tok
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# causal LM (policy)
+# ----------------------------------------------------------------------------------------------------------------
+class _BaichuanCausalLMAdapter:
+    """Mixed in before the remote ``BaichuanForCausalLM`` (and `GenerationMixin` after it) by `causal_lm_class`."""
+
+    accepts_loss_kwargs = False  # the remote loss is a mean over tokens: let Trainer scale for accumulation
+    _rlhf_trl_remote: type | None = None  # the remote BaichuanForCausalLM
+    _rlhf_trl_remote_named: frozenset = frozenset()  # the keywords its forward names
+
+    def __reduce__(self):
+        return _new_instance, (_causal_lm_class, (self._rlhf_trl_remote,)), _state(self)
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        _make_backbone_tolerant(self)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the remote code keeps a tuple cache; generate must not hand it a DynamicCache
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
+        """The remote forward, minus ``position_ids`` (relative position encodings: see the module docstring)."""
+        past = _legacy_past(past_key_values, kwargs.pop("cache", None))
+        if past is not None:
+            kwargs["past_key_values"] = past
+        kwargs = _filter_kwargs("BaichuanForCausalLM", self._rlhf_trl_remote_named, kwargs)
+        for key in ("output_attentions", "output_hidden_states", "return_dict"):
+            if key in kwargs and kwargs[key] is None:
+                del kwargs[key]  # keep the remote defaults (False / False / True)
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self, input_ids, next_sequence_length=None, cache=None, attention_mask=None, inputs_embeds=None,
+        is_first_iteration=False, **kwargs,
+    ):
+        """Feed only the tokens the legacy tuple cache has not seen (all of them on the first step)."""
+        past = _legacy_past(kwargs.pop("past_key_values", None), cache)
+        if past is not None:
+            input_ids = input_ids[:, past[0][0].shape[2]:]
+        if inputs_embeds is not None and past is None:
+            model_inputs = {"inputs_embeds": inputs_embeds}
+        else:
+            model_inputs = {"input_ids": input_ids}
+        model_inputs.update({"past_key_values": past, "attention_mask": attention_mask,
+                             "use_cache": kwargs.get("use_cache", True)})
+        for key in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(key) is not None:
+                model_inputs[key] = kwargs[key]
+        return model_inputs
+
+    def _get_resized_lm_head(self, old_lm_head, new_num_tokens=None, transposed=False, mean_resizing=True):
+        """Baichuan2's ``NormHead`` is not an ``nn.Linear``: resize its ``weight`` ([vocab, hidden]) in a copy.
+
+        New rows are the mean of the old ones (``resize_for_tokenizer`` after a recipe adds a pad token).
+        """
+        if isinstance(old_lm_head, nn.Linear) or new_num_tokens is None:
+            return super()._get_resized_lm_head(old_lm_head, new_num_tokens, transposed, mean_resizing)
+        old = old_lm_head.weight
+        if new_num_tokens == old.shape[0]:
+            return old_lm_head
+        with torch.no_grad():
+            new = old.new_empty((new_num_tokens, old.shape[1]))
+            keep = min(new_num_tokens, old.shape[0])
+            new[:keep] = old[:keep]
+            new[keep:] = old.mean(dim=0, keepdim=True)
+        head = copy.deepcopy(old_lm_head)
+        head.weight = nn.Parameter(new, requires_grad=old.requires_grad)
+        return head
+
+    def _reorder_cache(self, past_key_values, beam_idx):
+        return tuple(tuple(s.index_select(0, beam_idx.to(s.device)) for s in layer) for layer in past_key_values)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        _record_code_dir(loaded, pretrained_model_name_or_path)
+        return loaded
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        _save_code_and_config(self, save_directory, (self._rlhf_trl_remote,))
+        return result
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_lm_class(remote_cls: type) -> type:
+    return type(remote_cls.__name__, (_BaichuanCausalLMAdapter, remote_cls, GenerationMixin), {
+        "_rlhf_trl_remote": remote_cls, "_rlhf_trl_remote_named": _named_parameters(remote_cls.forward),
+        "__module__": remote_cls.__module__,
+    })
+
+
+def causal_lm_class(path: str) -> type:
+    """The TRL-ready subclass of the remote ``BaichuanForCausalLM`` in ``path`` (see `load_causal_lm`)."""
+    return _causal_lm_class(_remote_class(_auto_ref(path, "AutoModelForCausalLM", CAUSAL_LM_REF), path))
+
+
+def load_causal_lm(path: str, dtype=None):
+    """The Baichuan causal LM of ``path``, usable as SFT model and PPO policy.
+
+    The returned model is an instance of a subclass of the remote ``BaichuanForCausalLM`` (same name, same weights
+    and module names) that accepts ``position_ids``, has ``generate`` (with the remote legacy KV cache) and saves its
+    remote code with its weights.
+    """
+    return causal_lm_class(path).from_pretrained(path, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sequence classifier (reward / value model)
+# ----------------------------------------------------------------------------------------------------------------
+class BaichuanForSequenceClassification(PreTrainedModel):
+    """Baichuan backbone (``model``, the remote ``BaichuanModel``) + ``score`` = Linear(hidden, 1, bias=False).
+
+    ``forward`` returns ``logits`` ``[batch, 1]``: the score at each row's last non-pad token
+    (``config.pad_token_id``; the last position when it is None or when ``inputs_embeds`` are given). TRL's PPO
+    uses ``model.model(...)`` (which accepts ``position_ids``) and ``model.score(hidden_states)`` directly.
+
+    The backbone class comes from the remote code: build it with `classifier_class` / `load_sequence_classifier`
+    (``config_class`` is then the remote ``BaichuanConfig``), or pass the ``config`` of a loaded Baichuan model (the
+    backbone is imported from the module next to the config's module).
+    """
+
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    accepts_loss_kwargs = False
+    _no_split_modules = ["DecoderLayer"]
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\.", r"decoder\.version"]
+    _backbone_class: type | None = None
+
+    def __init__(self, config):
+        config.num_labels = 1
+        super().__init__(config)
+        backbone_cls = self._backbone_class or _backbone_class_next_to(config)
+        self.model = _tolerant_backbone_class(backbone_cls)(config)
+        self.score = nn.Linear(config.hidden_size, 1, bias=False)
+        self.post_init()
+
+    def __reduce_ex__(self, protocol):
+        cls = type(self)
+        if cls._backbone_class is None:  # the importable base class itself
+            return super().__reduce_ex__(protocol)
+        return _new_instance, (_classifier_class, (cls.config_class, cls._backbone_class)), _state(self)
+
+    def _init_weights(self, module):
+        std = getattr(self.config, "initializer_range", 0.02)
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.data.normal_(mean=0.0, std=std)
+            if module.padding_idx is not None:
+                module.weight.data[module.padding_idx].zero_()
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.model.set_input_embeddings(value)
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ):
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            output_attentions=bool(output_attentions),
+            output_hidden_states=bool(output_hidden_states),
+            return_dict=True,
+        )
+        hidden = outputs.last_hidden_state
+        logits = self.score(hidden)  # [batch, seq_len, 1]
+        batch = hidden.shape[0]
+        last = self.last_token_index(input_ids, hidden.shape[1], hidden.device, batch)
+        pooled = logits[torch.arange(batch, device=hidden.device), last]  # [batch, 1]
+
+        loss = None
+        if labels is not None:
+            loss = nn.functional.mse_loss(pooled.squeeze(-1).float(), labels.to(pooled.device).float().view(-1))
+        if return_dict is False:
+            out = (pooled,) + ((outputs.hidden_states,) if output_hidden_states else ())
+            return ((loss,) + out) if loss is not None else out
+        return SequenceClassifierOutputWithPast(
+            loss=loss, logits=pooled, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+    def last_token_index(self, input_ids, seq_len: int, device, batch: int) -> torch.Tensor:
+        """Index of each row's last non-pad token (``[batch]``); right or left padding."""
+        pad = self.config.pad_token_id
+        if input_ids is None or pad is None:
+            return torch.full((batch,), seq_len - 1, dtype=torch.long, device=device)
+        real = (input_ids != pad).to(device)
+        positions = torch.arange(seq_len, device=device)
+        return (positions * real).argmax(dim=-1)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        _record_code_dir(loaded, pretrained_model_name_or_path)
+        return loaded
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        _save_code_and_config(self, save_directory, (self._backbone_class or type(self.model),))
+        return result
+
+
+def _backbone_class_of(causal_cls: type, config) -> type:
+    """The class of the remote causal LM's backbone (``BaichuanModel``; ``Model`` in Baichuan-7B v1).
+
+    Found by building the (adapted) causal LM on the meta device: no memory, no weights, a few milliseconds.
+    """
+    adapted = causal_cls if issubclass(causal_cls, _BaichuanCausalLMAdapter) else _causal_lm_class(causal_cls)
+    with torch.device("meta"):
+        skeleton = adapted(copy.deepcopy(config))
+    backbone_cls = type(getattr(skeleton, adapted.base_model_prefix))
+    return getattr(backbone_cls, "_rlhf_trl_remote", backbone_cls)  # the remote class, not our tolerant subclass
+
+
+def _backbone_class_next_to(config) -> type:
+    """Backbone class for a remote config built without `classifier_class`.
+
+    Works for configs of a loaded Baichuan model (``model.config``: its class sits next to ``modeling_baichuan``);
+    a config read on its own (``AutoConfig``) lives in a module without the model code.
+    """
+    import importlib
+
+    ref = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM", CAUSAL_LM_REF).split("--")[-1]
+    module_name, cls_name = ref.rsplit(".", 1)
+    package = type(config).__module__.rsplit(".", 1)[0]
+    try:
+        causal_cls = getattr(importlib.import_module(f"{package}.{module_name}"), cls_name)
+    except (ImportError, AttributeError):
+        raise TypeError(
+            "BaichuanForSequenceClassification(config) needs the remote Baichuan model code next to the config's "
+            "module: use rlhf_trl.baichuan.classifier_class(path)(config) or load_sequence_classifier(path)"
+        ) from None
+    return _backbone_class_of(causal_cls, config)
+
+
+@functools.lru_cache(maxsize=None)
+def _classifier_class(config_cls: type, backbone_cls: type) -> type:
+    return type(CLASSIFIER_ARCH, (BaichuanForSequenceClassification,), {
+        "config_class": config_cls, "_backbone_class": backbone_cls, "__module__": __name__,
+    })
+
+
+def classifier_class(path: str) -> type:
+    """`BaichuanForSequenceClassification` bound to the remote config and backbone classes of ``path``."""
+    config_cls = _remote_class(_auto_ref(path, "AutoConfig", CONFIG_REF), path)
+    causal_cls = causal_lm_class(path)
+    backbone_cls = _backbone_class_of(causal_cls, config_cls.from_pretrained(path))
+    return _classifier_class(config_cls, backbone_cls)
+
+
+def load_sequence_classifier(path: str, dtype=None):
+    """A `BaichuanForSequenceClassification` (``num_labels=1``) from ``path``.
+
+    ``path`` is a Baichuan causal-LM directory (SFT output, base model: the backbone is loaded, ``lm_head`` ignored,
+    ``score`` newly initialized) or a saved classifier (reward model, value model: ``score`` restored).
+    """
+    cls = classifier_class(path)
+    model, info = cls.from_pretrained(path, dtype=dtype, num_labels=1, output_loading_info=True)
+    missing = set(info.get("missing_keys") or ())
+    if missing - {"score.weight"}:
+        raise ValueError(f"Baichuan classifier at '{path}': weights missing: {sorted(missing)}")
+    if "score.weight" in missing:
+        logger.info("Baichuan classifier from the causal LM at '%s': score head newly initialized", path)
+    return model
