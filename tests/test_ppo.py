@@ -142,10 +142,12 @@ def test_biasing_generation_settings_are_refused(sft_run):
 
 
 class PoisonValueHead(TrainerCallback):
+    """Makes the value head NaN right after checkpoint `at` is written, as a blown-up update would."""
+
     def __init__(self, at):
         self.at = at
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
+    def on_save(self, args, state, control, model=None, **kwargs):
         if state.global_step == self.at:
             with torch.no_grad():
                 model.value_model.score.weight.fill_(float("nan"))
