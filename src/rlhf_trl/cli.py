@@ -32,8 +32,17 @@ def setup_logging() -> None:
     transformers.utils.logging.set_verbosity_warning()
 
 
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (bad input errors never print a traceback; RLHF_TRL_DEBUG=1 does)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def run_stage(stage: str, argv: list[str] | None = None) -> int:
-    """Run one stage's ``main(argv)``; known input errors print one line on stderr and exit with status 2."""
+    """Run one stage's ``main(argv)``.
+
+    Bad input (recipe, data, missing or unsafe model files) prints one line on stderr and exits with status 2; a
+    diverged PPO run exits with status 3. ``RLHF_TRL_DEBUG=1`` re-raises with the traceback.
+    """
     from .config import RecipeError
     from .data import DataError
     from .models import StageInputError
@@ -49,8 +58,10 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
     try:
         result = module.main(sys.argv[1:] if argv is None else argv)
-    except (RecipeError, DataError, StageInputError) as exc:
-        print(f"rlhf-trl {stage}: error: {exc}", file=sys.stderr)
+    except (RecipeError, DataError, StageInputError, ValueError, FileNotFoundError) as exc:
+        if os.environ.get("RLHF_TRL_DEBUG"):
+            raise
+        print(f"rlhf-trl {stage}: error: {one_line(exc)}", file=sys.stderr)
         sys.exit(2)
     except diverged as exc:
         print(f"rlhf-trl {stage}: training stopped: {exc}", file=sys.stderr)

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import logging
 import os
+from dataclasses import dataclass, field
 
 import yaml
 
@@ -14,6 +15,36 @@ logger = logging.getLogger(__name__)
 
 class RecipeError(ValueError):
     """A recipe (YAML file or command-line override) is invalid. The message names the file and the key."""
+
+
+@dataclass
+class RunArguments:
+    """Run-level fields every stage's recipe accepts."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Allow writing into an output_dir that already holds a finished run of this stage."},
+    )
+    allow_pickle_weights: bool = field(
+        default=False,
+        metadata={"help": "Load *.bin / pickle weights when a model has no safetensors (pickle can run code)."},
+    )
+
+
+def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
+    """Refuse to write over a finished run (its ``run_config.yaml`` and ``merged/`` exist) unless asked to.
+
+    Raises:
+        RecipeError: the directory holds a finished run and neither ``overwrite_output_dir`` nor resume is set.
+    """
+    finished = os.path.isfile(os.path.join(output_dir, "run_config.yaml")) and os.path.isdir(
+        os.path.join(output_dir, "merged")
+    )
+    if finished and not overwrite and not resuming:
+        raise RecipeError(
+            f"output_dir '{output_dir}' already holds a finished run; set `overwrite_output_dir: true` "
+            "(or --overwrite_output_dir true) to replace it, or choose another output_dir"
+        )
 
 
 def recipe_path(argv: list[str]) -> str | None:

@@ -432,18 +432,33 @@ def encode_response(tokenizer, template: Template, answer: str) -> list[int]:
     return ids + [tokenizer.eos_token_id]
 
 
-def sft_features(records: list[dict], tokenizer, template: Template) -> dict[str, list]:
+def sft_features(
+    records: list[dict], tokenizer, template: Template, max_length: int | None = None, source: str = "dataset"
+) -> dict[str, list]:
     """Tokenize SFT records into ``input_ids`` and ``completion_mask`` (1 on response tokens incl. EOS).
 
     Returns columns for `trl.SFTTrainer` (pre-tokenized datasets skip its own tokenization), each a list of
-    ``[prompt_len + response_len + 1]`` lists.
+    ``[prompt_len + response_len + 1]`` lists. Rows whose prompt alone fills ``max_length`` tokens (truncation would
+    leave no answer token to learn from) are dropped and counted in a warning.
+
+    Raises:
+        DataError: no row is left.
     """
     input_ids, masks = [], []
+    dropped = 0
     for r in records:
         p = encode_prompt(tokenizer, template, r["question"], r.get("history"))
         c = encode_response(tokenizer, template, r["answer"])
+        if max_length is not None and len(p) >= max_length:
+            dropped += 1
+            continue
         input_ids.append(p + c)
         masks.append([0] * len(p) + [1] * len(c))
+    if dropped:
+        logger.warning("%s: %d of %d rows dropped: the prompt alone fills max_length=%s tokens",
+                       source, dropped, len(records), max_length)
+    if records and not input_ids:
+        raise DataError(source, f"no row is left: every prompt fills max_length={max_length} tokens (raise max_length)")
     return {"input_ids": input_ids, "completion_mask": masks}
 
 

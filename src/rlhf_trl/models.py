@@ -15,14 +15,13 @@ logger = logging.getLogger(__name__)
 
 # Tried in order when a tokenizer has no pad token, or its pad token is EOS (Qwen base: both "<|endoftext|>").
 PAD_CANDIDATES = ("<|endoftext|>", "<|pad|>", "<pad>", "<|vision_pad|>", "<unk>")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 
 
 class StageInputError(FileNotFoundError):
     """A stage's input (model, tokenizer, previous stage's output) is missing. The message names what to run."""
 
 
-def require_model_dir(path: str, what: str, produced_by: str | None = None) -> str:
+def require_model_dir(path: str, what: str, produced_by: str | None = None, allow_pickle: bool = False) -> str:
     """Check that ``path`` is a local model directory with a config and weights, or looks like a hub id.
 
     Args:
@@ -31,7 +30,8 @@ def require_model_dir(path: str, what: str, produced_by: str | None = None) -> s
         produced_by: the command that produces it (e.g. ``make sft RECIPE=recipes/demo/sft.yaml``).
 
     Raises:
-        StageInputError: the path is local (or clearly meant as a local path) but missing or incomplete.
+        StageInputError: the path is local (or clearly meant as a local path) but missing or incomplete, or it
+            holds only pickle weights and ``allow_pickle`` is False.
     """
     looks_local = path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1
     if not looks_local:
@@ -42,8 +42,14 @@ def require_model_dir(path: str, what: str, produced_by: str | None = None) -> s
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise StageInputError(f"{what} at '{path}' has no config.json (incomplete or not a model directory){hint}")
     files = os.listdir(path)
-    if not any(f in files for f in WEIGHT_FILES) and not any(f.endswith((".safetensors", ".bin")) for f in files):
-        raise StageInputError(f"{what} at '{path}' holds no weights (*.safetensors){hint}")
+    if not any(f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in files):
+        if any(f.endswith((".bin", ".pt", ".pth", ".ckpt")) for f in files) and not allow_pickle:
+            raise StageInputError(
+                f"{what} at '{path}' has only pickle weights (*.bin), which can run code when loaded; convert them to "
+                "safetensors, or set `allow_pickle_weights: true` in the recipe if you trust the files"
+            )
+        if not any(f.endswith((".bin", ".pt", ".pth", ".ckpt")) for f in files):
+            raise StageInputError(f"{what} at '{path}' holds no weights (*.safetensors){hint}")
     return path
 
 
@@ -121,7 +127,7 @@ def _check_remote_code(path: str, trust_remote_code: bool) -> None:
         logger.warning("trust_remote_code: the Python code in '%s' will run in this process", path)
 
 
-def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False):
+def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False):
     """A causal LM (policy / SFT model); Baichuan remote-code models go through `rlhf_trl.baichuan`.
 
     Raises:
@@ -134,10 +140,12 @@ def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False):
         from .baichuan import load_causal_lm as load_baichuan
 
         return load_baichuan(path, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True
+    )
 
 
-def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = False):
+def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False):
     """A ``num_labels=1`` sequence classifier (reward / value model) with a last-token ``score`` head.
 
     Baichuan remote-code models get `rlhf_trl.baichuan.BaichuanForSequenceClassification`.
@@ -153,7 +161,8 @@ def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = Fa
 
         return load_baichuan(path, dtype=dtype)
     return AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
+        path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code,
+        use_safetensors=None if allow_pickle else True,
     )
 
 

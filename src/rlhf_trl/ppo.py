@@ -50,7 +50,7 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402  (the one i
 from trl.experimental.ppo.ppo_trainer import batch_generation, truncate_response  # noqa: E402
 from trl.experimental.utils import get_reward  # noqa: E402
 
-from .config import parse_recipe, save_recipe, sibling_recipe  # noqa: E402
+from .config import RunArguments, check_output_dir, parse_recipe, save_recipe, sibling_recipe  # noqa: E402
 from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records  # noqa: E402
 from .models import (  # noqa: E402
     load_causal_lm,
@@ -522,20 +522,21 @@ def recipe_types() -> tuple:
     """The dataclasses a PPO recipe fills: data fields, `PPOScriptArguments`, TRL's `PPOConfig` and `ModelConfig`."""
     from trl import ModelConfig
 
-    return (DataArguments, PPOScriptArguments, PPOConfig, ModelConfig)
+    return (DataArguments, PPOScriptArguments, PPOConfig, ModelConfig, RunArguments)
 
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     """Parse a recipe and run PPO; see `run` for the result."""
-    data_args, ppo_args, training_args, model_args, recipe = parse_recipe(recipe_types(), argv)
+    data_args, ppo_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv)
     return run(
         data_args, ppo_args, training_args, model_args,
         sft_hint=sibling_recipe(recipe, "sft"), rm_hint=sibling_recipe(recipe, "rm"), callbacks=callbacks,
+        run_args=run_args,
     )
 
 
 def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_hint=None, rm_hint=None,
-        callbacks: list | None = None) -> dict:
+        callbacks: list | None = None, run_args: RunArguments | None = None) -> dict:
     """Train the policy with PPO on the prompts of the recipe's data.
 
     Returns ``{"output_dir", "merged", "value_model", "metrics", "trainer"}``.
@@ -554,10 +555,13 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     set_seed(training_args.seed)  # LoRA initialization happens before TRL seeds its trainer
 
     # inputs
-    sft_path = require_model_dir(training_args.sft_model_path, "SFT model", sft_hint)
-    rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint)
-    value_path = require_model_dir(ppo_args.value_model_path or rm_path, "value model", rm_hint)
+    run_args = run_args or RunArguments()
+    pickle_ok = run_args.allow_pickle_weights
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
+    sft_path = require_model_dir(training_args.sft_model_path, "SFT model", sft_hint, pickle_ok)
+    rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint, pickle_ok)
+    value_path = require_model_dir(ppo_args.value_model_path or rm_path, "value model", rm_hint, pickle_ok)
     baseline_arg = str(ppo_args.reward_baseline).strip().lower()
     if baseline_arg != "auto":
         try:
@@ -583,9 +587,9 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     train_ds = Dataset.from_dict(prompt_features(train_records, tokenizer, template, data_args.max_prompt_length))
     eval_ds = Dataset.from_dict(prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length))
     dtype = torch.bfloat16 if training_args.bf16 else torch_dtype(model_args.dtype)  # TRL ignores bf16
-    policy = load_causal_lm(sft_path, dtype, remote)
-    reward_model = load_sequence_classifier(rm_path, dtype, remote)
-    value_model = load_sequence_classifier(value_path, dtype, remote)
+    policy = load_causal_lm(sft_path, dtype, remote, pickle_ok)
+    reward_model = load_sequence_classifier(rm_path, dtype, remote, pickle_ok)
+    value_model = load_sequence_classifier(value_path, dtype, remote, pickle_ok)
     for name, m in (("policy", policy), ("reward model", reward_model), ("value model", value_model)):
         if m.config.vocab_size < len(tokenizer):
             raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) is smaller than the tokenizer's ({len(tokenizer)})")
@@ -627,7 +631,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         peft_config=get_peft_config(model_args),
         callbacks=callbacks,
         script_args=ppo_args,
-        recipe_configs=(data_args, ppo_args, training_args, model_args),
+        recipe_configs=(data_args, ppo_args, training_args, model_args, run_args),
     )
     trainer.reward_baseline = baseline
 
@@ -635,7 +639,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     trainer.train(resume_from_checkpoint=resume)
 
     # save: adapter, merged policy, value model (merged if it has an adapter), run config
-    save_recipe(out, data_args, ppo_args, training_args, model_args)
+    save_recipe(out, data_args, ppo_args, training_args, model_args, run_args)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     if isinstance(unwrapped.policy, PeftModel):
         unwrapped.policy.save_pretrained(os.path.join(out, "adapter"))

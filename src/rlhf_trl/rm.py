@@ -18,7 +18,7 @@ import os
 
 from datasets import Dataset
 
-from .config import parse_recipe, save_recipe, sibling_recipe
+from .config import RunArguments, check_output_dir, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, Template, describe_sources, pair_features, read_records, split_records
 from .models import resolve_resume, load_sequence_classifier, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
 from .scoring import pairwise_metrics, score_sequences
@@ -30,16 +30,17 @@ def recipe_types() -> tuple:
     """The dataclasses a rm recipe fills: data fields, TRL's `RewardConfig`, TRL's `ModelConfig`."""
     from trl import ModelConfig, RewardConfig
 
-    return (DataArguments, RewardConfig, ModelConfig)
+    return (DataArguments, RewardConfig, ModelConfig, RunArguments)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse a recipe and train the reward model. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
-    data_args, training_args, model_args, recipe = parse_recipe(recipe_types(), argv)
-    return run(data_args, training_args, model_args, produced_by=sibling_recipe(recipe, "sft"))
+    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv)
+    return run(data_args, training_args, model_args, produced_by=sibling_recipe(recipe, "sft"), run_args=run_args)
 
 
-def run(data_args: DataArguments, training_args, model_args, produced_by: str | None = None) -> dict:
+def run(data_args: DataArguments, training_args, model_args, produced_by: str | None = None,
+        run_args: RunArguments | None = None) -> dict:
     """Train a reward model on ``data_args.dataset_name`` starting from ``model_args.model_name_or_path``.
 
     Raises:
@@ -48,13 +49,19 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     """
     from trl import RewardTrainer, get_peft_config
 
+    # inputs
+    run_args = run_args or RunArguments()
+    pickle_ok = run_args.allow_pickle_weights
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
+
     # data
     template = Template.from_args(data_args)
     records = read_records(data_args, "pairs")
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
 
     # tokenizer and model
-    model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by)
+    model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by, pickle_ok)
     tokenizer = load_tokenizer(
         model_path, pad_token=training_args.pad_token, padding_side="right",
         trust_remote_code=training_args.trust_remote_code,
@@ -72,7 +79,9 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     eval_ds = Dataset.from_dict(eval_feats) if eval_feats else None
     if eval_ds is None:
         training_args.eval_strategy = "no"
-    model = load_sequence_classifier(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code)
+    model = load_sequence_classifier(
+        model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok
+    )
     resize_for_tokenizer(model, tokenizer)
     peft_config = get_peft_config(model_args)
     if peft_config is not None:
@@ -87,11 +96,11 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    train_result = trainer.train(resume_from_checkpoint=resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir))
+    train_result = trainer.train(resume_from_checkpoint=resume)
 
     # save
     out = training_args.output_dir
-    save_recipe(out, data_args, training_args, model_args)
+    save_recipe(out, data_args, training_args, model_args, run_args)
     if model_args.use_peft:
         trainer.save_model(os.path.join(out, "adapter"))
     merged_path = os.path.join(out, "merged")

@@ -15,8 +15,8 @@ import torch
 
 from datasets import Dataset
 
-from .config import parse_recipe, save_recipe
-from .data import DataArguments, Template, read_records, sft_features, split_records
+from .config import RunArguments, check_output_dir, parse_recipe, save_recipe
+from .data import DataArguments, Template, describe_sources, read_records, sft_features, split_records
 from .models import resolve_resume, load_causal_lm, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
 
 logger = logging.getLogger(__name__)
@@ -26,16 +26,16 @@ def recipe_types() -> tuple:
     """The dataclasses a sft recipe fills: data fields, TRL's `SFTConfig`, TRL's `ModelConfig`."""
     from trl import ModelConfig, SFTConfig
 
-    return (DataArguments, SFTConfig, ModelConfig)
+    return (DataArguments, SFTConfig, ModelConfig, RunArguments)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse a recipe and run SFT. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
-    data_args, training_args, model_args, recipe = parse_recipe(recipe_types(), argv)
-    return run(data_args, training_args, model_args)
+    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv)
+    return run(data_args, training_args, model_args, run_args)
 
 
-def run(data_args: DataArguments, training_args, model_args) -> dict:
+def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None) -> dict:
     """Fine-tune ``model_args.model_name_or_path`` on ``data_args.dataset_name`` (prompt tokens masked from the loss).
 
     Raises:
@@ -44,25 +44,35 @@ def run(data_args: DataArguments, training_args, model_args) -> dict:
     """
     from trl import SFTTrainer, get_peft_config
 
+    # inputs
+    run_args = run_args or RunArguments()
+    pickle_ok = run_args.allow_pickle_weights
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
+
     # data
     template = Template.from_args(data_args)
     records = read_records(data_args, "sft")
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
 
     # tokenizer and model
-    model_path = require_model_dir(model_args.model_name_or_path or "", "base model")
+    model_path = require_model_dir(model_args.model_name_or_path or "", "base model", None, pickle_ok)
     tokenizer = load_tokenizer(
         model_path, pad_token=training_args.pad_token, padding_side="right",
         trust_remote_code=training_args.trust_remote_code,
     )
     training_args.pad_token = tokenizer.pad_token
-    train_ds = Dataset.from_dict(sft_features(train_records, tokenizer, template))
-    eval_ds = Dataset.from_dict(sft_features(eval_records, tokenizer, template)) if eval_records else None
+    def features(rows, split):
+        source = f"{describe_sources(data_args)} ({split} split)"
+        return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, source))
+
+    train_ds = features(train_records, "train")
+    eval_ds = features(eval_records, "eval") if eval_records else None
     if eval_ds is None:
         training_args.eval_strategy = "no"
     if training_args.completion_only_loss is None:
         training_args.completion_only_loss = True
-    model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code)
+    model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok)
     resize_for_tokenizer(model, tokenizer)
     head = model.get_output_embeddings()
     if training_args.loss_type in (None, "chunked_nll") and not isinstance(head, torch.nn.Linear):
@@ -79,7 +89,7 @@ def run(data_args: DataArguments, training_args, model_args) -> dict:
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
     )
-    train_result = trainer.train(resume_from_checkpoint=resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir))
+    train_result = trainer.train(resume_from_checkpoint=resume)
 
     # evaluate (held-out loss on completion tokens), before the adapter is merged away
     metrics = dict(train_result.metrics)
@@ -89,7 +99,7 @@ def run(data_args: DataArguments, training_args, model_args) -> dict:
 
     # save
     out = training_args.output_dir
-    save_recipe(out, data_args, training_args, model_args)
+    save_recipe(out, data_args, training_args, model_args, run_args)
     if model_args.use_peft:
         trainer.save_model(os.path.join(out, "adapter"))
     merged = os.path.join(out, "merged")
