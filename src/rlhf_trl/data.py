@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal
 
@@ -153,6 +154,28 @@ def load_rows(dataset_name: str, split: str = "train") -> list[dict]:
     import datasets
 
     ext = os.path.splitext(dataset_name)[1].lower()
+    with _quiet_datasets():
+        return _load_rows(dataset_name, split, ext, datasets)
+
+
+@contextmanager
+def _quiet_datasets():
+    """No progress bars or error logs from `datasets` while reading: a bad file gets one `DataError` line instead."""
+    import datasets
+
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    level = datasets.utils.logging.get_verbosity()
+    datasets.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.utils.logging.set_verbosity(level)
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
+
+
+def _load_rows(dataset_name: str, split: str, ext: str, datasets) -> list[dict]:
     is_local = os.path.exists(dataset_name) or ext in LOCAL_LOADERS
     if is_local:
         if not os.path.isfile(dataset_name):
