@@ -444,15 +444,20 @@ def _check_same_format(row: dict, fmt: str, args: DataArguments, source: str, i:
 # ----------------------------------------------------------------------------------------------------------------
 # tokenization: one construction for every stage
 # ----------------------------------------------------------------------------------------------------------------
+def _encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of plain text: no BOS/EOS added, and special-token strings in the data ("<|endoftext|>") are
+    tokenized as text, so the only EOS / pad ids in a sequence are the ones this module places."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def encode_prompt(tokenizer, template: Template, question: str, history=None) -> list[int]:
     """Token ids of the rendered prompt, ``[prompt_len]``, without special tokens."""
-    return tokenizer(template.format_prompt(question, history), add_special_tokens=False)["input_ids"]
+    return _encode_text(tokenizer, template.format_prompt(question, history))
 
 
 def encode_response(tokenizer, template: Template, answer: str) -> list[int]:
     """Token ids of the rendered completion followed by EOS, ``[response_len + 1]``; tokenized on its own."""
-    ids = tokenizer(template.format_completion(answer), add_special_tokens=False)["input_ids"]
-    return ids + [tokenizer.eos_token_id]
+    return _encode_text(tokenizer, template.format_completion(answer)) + [tokenizer.eos_token_id]
 
 
 def sft_features(
