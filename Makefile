@@ -11,13 +11,19 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 # `make ppo RECIPE=... resume_from_checkpoint=true` (or =path/to/checkpoint-N) continues a run; also for sft / rm.
 RESUME := $(if $(resume_from_checkpoint),--resume_from_checkpoint $(resume_from_checkpoint))
+# `make sft ACCEL=ddp NPROC=2`: launch through `accelerate launch` with recipes/accelerate_configs/$(ACCEL).yaml
+ACCEL ?=
+NPROC ?= 1
+ACCEL_CONFIGS := $(basename $(notdir $(wildcard recipes/accelerate_configs/*.yaml)))
+RUN := $(if $(ACCEL),$(BIN)/accelerate launch --config_file recipes/accelerate_configs/$(ACCEL).yaml --num_processes $(NPROC) -m rlhf_trl.cli,$(BIN)/rlhf-trl)
 
-.PHONY: help install demo test test-fast sft rm ppo zh-oasst demo-assets clean
+.PHONY: help install demo test sft rm ppo zh-oasst demo-assets clean check-accel
 
 help:
 	@echo "make demo                 build the tiny demo and run SFT -> RM -> PPO (offline, ~2-5 min on CPU)"
 	@echo "make test                 run the test suite"
-	@echo "make sft|rm|ppo RECIPE=recipes/<run>/<stage>.yaml [ARGS='--key value']"
+	@echo "make sft|rm|ppo RECIPE=recipes/<run>/<stage>.yaml [ARGS='--key value'] [resume_from_checkpoint=true]"
+	@echo "                          [ACCEL=$(subst $() ,|,$(ACCEL_CONFIGS)) NPROC=n]"
 	@echo "make zh-oasst             the three stages on ../shared real Chinese data with a tiny Qwen2"
 
 $(STAMP): pyproject.toml
@@ -39,10 +45,15 @@ demo-assets: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo --assets_only
 
 # Each stage: the default recipe is the demo's; the demo recipes need the demo assets.
-sft rm ppo: $(STAMP)
+check-accel:
+	@if [ -n "$(ACCEL)" ] && [ ! -f "recipes/accelerate_configs/$(ACCEL).yaml" ]; then \
+		echo "make: error: ACCEL=$(ACCEL): no recipes/accelerate_configs/$(ACCEL).yaml (choose one of: $(ACCEL_CONFIGS))" >&2; \
+		exit 2; fi
+
+sft rm ppo: check-accel $(STAMP)
 	@recipe="$(or $(RECIPE),recipes/demo/$@.yaml)"; \
 	if [[ "$$recipe" == recipes/demo/* ]]; then HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo --assets_only; fi; \
-	$(BIN)/rlhf-trl $@ --config "$$recipe" $(RESUME) $(ARGS)
+	$(RUN) $@ --config "$$recipe" $(RESUME) $(ARGS)
 
 zh-oasst: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl init-model --tokenizer ../shared/tokenizers/qwen2 --output outputs/zh-oasst/base_model

@@ -220,3 +220,11 @@ def test_the_real_command_prints_no_traceback(assets, tmp_path):
     lines = [line for line in proc.stderr.splitlines() if "rlhf-trl sft" in line]
     assert lines == [f"rlhf-trl sft: error: {data}, row 1, field 'output': is null"]
     assert "Traceback" not in proc.stderr
+
+
+def test_bad_accelerate_config_name():
+    root = os.path.join(os.path.dirname(__file__), "..")
+    proc = subprocess.run(["make", "-s", "-C", root, "check-accel", "ACCEL=ddpp"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert "ACCEL=ddpp: no recipes/accelerate_configs/ddpp.yaml (choose one of: ddp fsdp single_process" in proc.stderr

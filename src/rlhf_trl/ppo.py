@@ -50,6 +50,7 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402  (the one i
 from trl.experimental.ppo.ppo_trainer import batch_generation, truncate_response  # noqa: E402
 from trl.experimental.utils import get_reward  # noqa: E402
 
+from .checkpoints import AtomicCheckpointMixin, remove_staging  # noqa: E402
 from .config import RunArguments, check_output_dir, parse_recipe, save_recipe, sibling_recipe  # noqa: E402
 from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records  # noqa: E402
 from .models import (  # noqa: E402
@@ -259,7 +260,7 @@ class _ContinueCounters(TrainerCallback):
         state.global_step, state.episode, state.max_steps, state.log_history = self.values
 
 
-class RLHFPPOTrainer(PPOTrainer):
+class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
     """TRL's PPOTrainer plus resumable, atomic checkpoints with the value model, KL control, divergence checks and
     sample tables. See the module docstring; the PPO algorithm is TRL's (``trl/experimental/ppo/ppo_trainer.py``).
     """
@@ -359,30 +360,9 @@ class RLHFPPOTrainer(PPOTrainer):
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    def _save_checkpoint(self, model, trial):
-        """Write ``checkpoint-N`` under a temporary name, add what TRL leaves out, then rename it into place."""
-        root = self.args.output_dir
-        name = f"checkpoint-{self.state.global_step}"
-        staging = os.path.join(root, f".tmp-{name}")
-        shutil.rmtree(staging, ignore_errors=True)
-        data_state = self.dataloader.state()  # before anything else can touch the RNG
-        self.args.output_dir = staging
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.output_dir = root
-        if not self.args.should_save:
-            return
-        ckpt = os.path.join(staging, name)
-        self._save_extras(ckpt, data_state, merged=self.script_args.save_merged_checkpoints)
-        final = os.path.join(root, name)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(ckpt, final)
-        shutil.rmtree(staging, ignore_errors=True)
-        from transformers.trainer_utils import rotate_checkpoints
-
-        rotate_checkpoints(root, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False)
+    def checkpoint_extras(self, checkpoint_dir: str) -> None:
+        """What TRL's checkpoints lack: value model, merged policy, data position, baseline / KL state, recipe."""
+        self._save_extras(checkpoint_dir, self.dataloader.state(), merged=self.script_args.save_merged_checkpoints)
 
     def _save_extras(self, ckpt: str, data_state: dict | None, merged: bool) -> None:
         unwrapped = self.accelerator.unwrap_model(self.model)
@@ -559,6 +539,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     pickle_ok = run_args.allow_pickle_weights
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
+    remove_staging(training_args.output_dir)
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", sft_hint, pickle_ok)
     rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint, pickle_ok)
     value_path = require_model_dir(ppo_args.value_model_path or rm_path, "value model", rm_hint, pickle_ok)

@@ -18,6 +18,7 @@ import os
 
 from datasets import Dataset
 
+from .checkpoints import remove_staging, with_atomic_checkpoints
 from .config import RunArguments, check_output_dir, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, Template, describe_sources, pair_features, read_records, split_records
 from .models import resolve_resume, load_sequence_classifier, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
@@ -54,6 +55,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     pickle_ok = run_args.allow_pickle_weights
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
+    remove_staging(training_args.output_dir)
 
     # data
     template = Template.from_args(data_args)
@@ -88,7 +90,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
         peft_config.task_type = "SEQ_CLS"  # makes peft train and save the score head with the adapter
 
     # trainer, train
-    trainer = RewardTrainer(
+    trainer = with_atomic_checkpoints(RewardTrainer)(
         model=model,
         args=training_args,
         train_dataset=train_ds.remove_columns("prompt_length"),
@@ -107,7 +109,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     reward_model = merge_and_save(trainer.model, tokenizer, merged_path)
 
     # evaluate: pairwise accuracy, margin and the length-only baseline on the held-out pairs
-    metrics = dict(train_result.metrics)
+    metrics = dict(train_result.metrics, global_step=trainer.state.global_step)
     if eval_feats:
         eval_metrics = evaluate_pairs(reward_model, eval_feats, tokenizer.pad_token_id)
         write_json(os.path.join(out, "eval_metrics.json"), eval_metrics)

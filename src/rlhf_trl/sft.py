@@ -15,6 +15,7 @@ import torch
 
 from datasets import Dataset
 
+from .checkpoints import remove_staging, with_atomic_checkpoints
 from .config import RunArguments, check_output_dir, parse_recipe, save_recipe
 from .data import DataArguments, Template, describe_sources, read_records, sft_features, split_records
 from .models import resolve_resume, load_causal_lm, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
@@ -49,6 +50,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     pickle_ok = run_args.allow_pickle_weights
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
+    remove_staging(training_args.output_dir)
 
     # data
     template = Template.from_args(data_args)
@@ -81,7 +83,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         training_args.loss_type = "nll"
 
     # trainer, train
-    trainer = SFTTrainer(
+    trainer = with_atomic_checkpoints(SFTTrainer)(
         model=model,
         args=training_args,
         train_dataset=train_ds,
@@ -92,7 +94,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     train_result = trainer.train(resume_from_checkpoint=resume)
 
     # evaluate (held-out loss on completion tokens), before the adapter is merged away
-    metrics = dict(train_result.metrics)
+    metrics = dict(train_result.metrics, global_step=trainer.state.global_step)
     if eval_ds is not None:
         metrics.update(trainer.evaluate())
     metrics.update(num_train_rows=len(train_ds), num_eval_rows=len(eval_ds) if eval_ds is not None else 0)
