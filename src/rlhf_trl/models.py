@@ -127,43 +127,43 @@ def _check_remote_code(path: str, trust_remote_code: bool) -> None:
         logger.warning("trust_remote_code: the Python code in '%s' will run in this process", path)
 
 
+def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pickle: bool):
+    """Load a causal LM (``kind='causal_lm'``) or a one-label sequence classifier (``'sequence_classifier'``)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    _check_remote_code(path, trust_remote_code)
+    if trust_remote_code and is_baichuan(path):
+        from . import baichuan
+
+        return getattr(baichuan, f"load_{kind}")(path, dtype=dtype)
+    auto, extra = (AutoModelForCausalLM, {}) if kind == "causal_lm" else (AutoModelForSequenceClassification,
+                                                                         {"num_labels": 1})
+    return auto.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True, **extra
+    )
+
+
 def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False):
     """A causal LM (policy / SFT model); Baichuan remote-code models go through `rlhf_trl.baichuan`.
+
+    Weights load from safetensors only unless ``allow_pickle``.
 
     Raises:
         ValueError: a remote-code model without ``trust_remote_code``.
     """
-    from transformers import AutoModelForCausalLM
-
-    _check_remote_code(path, trust_remote_code)
-    if trust_remote_code and is_baichuan(path):
-        from .baichuan import load_causal_lm as load_baichuan
-
-        return load_baichuan(path, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True
-    )
+    return _load_model("causal_lm", path, dtype, trust_remote_code, allow_pickle)
 
 
 def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False):
     """A ``num_labels=1`` sequence classifier (reward / value model) with a last-token ``score`` head.
 
-    Baichuan remote-code models get `rlhf_trl.baichuan.BaichuanForSequenceClassification`.
+    Baichuan remote-code models get `rlhf_trl.baichuan.BaichuanForSequenceClassification`. Weights load from
+    safetensors only unless ``allow_pickle``.
 
     Raises:
         ValueError: a remote-code model without ``trust_remote_code``.
     """
-    from transformers import AutoModelForSequenceClassification
-
-    _check_remote_code(path, trust_remote_code)
-    if trust_remote_code and is_baichuan(path):
-        from .baichuan import load_sequence_classifier as load_baichuan
-
-        return load_baichuan(path, dtype=dtype)
-    return AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code,
-        use_safetensors=None if allow_pickle else True,
-    )
+    return _load_model("sequence_classifier", path, dtype, trust_remote_code, allow_pickle)
 
 
 def resize_for_tokenizer(model, tokenizer) -> None:
