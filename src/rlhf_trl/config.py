@@ -90,6 +90,8 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None):
     try:
         parsed = parser.parse_args_and_config(argv)
     except SystemExit as exc:  # argparse reports bad CLI values / unknown flags on stderr and exits 2
+        if exc.code in (0, None):  # --help
+            raise
         raise RecipeError(f"{path or 'command line'}: invalid arguments (see the message above)") from exc
     except (ValueError, TypeError) as exc:
         raise RecipeError(f"{path or 'command line'}: {exc}") from None
