@@ -569,8 +569,9 @@ SOURCE_KEYS = (
 def sources(args: DataArguments) -> list[DataArguments]:
     """The recipe's data sources: ``dataset_name`` (if set) then each entry of ``datasets``.
 
-    Each entry of ``datasets`` inherits the template and ``ranked_pairs`` of the recipe and sets its own
-    ``dataset_name``, format and column mapping (`SOURCE_KEYS`); the other mapping keys start from their defaults.
+    Each entry of ``datasets`` inherits the template, ``ranked_pairs``, ``max_samples`` and ``dataset_split`` of the
+    recipe and sets its own ``dataset_name``, format and column mapping (`SOURCE_KEYS`); mapping keys it does not
+    set start from their defaults.
 
     Raises:
         ValueError: no source at all, or an entry with an unknown key or without ``dataset_name``.
@@ -584,7 +585,10 @@ def sources(args: DataArguments) -> list[DataArguments]:
         unknown = sorted(set(entry) - set(SOURCE_KEYS))
         if unknown:
             raise ValueError(f"datasets[{j}] ({entry['dataset_name']}): unknown key(s) {unknown}; use {SOURCE_KEYS}")
-        defaults = {k: f.default for k, f in DataArguments.__dataclass_fields__.items() if k in SOURCE_KEYS}
+        defaults = {  # mapping keys start from their defaults; max_samples and dataset_split are inherited
+            k: f.default for k, f in DataArguments.__dataclass_fields__.items()
+            if k in SOURCE_KEYS and k not in ("max_samples", "dataset_split")
+        }
         out.append(dataclasses.replace(args, datasets=[], **{**defaults, **entry}))
     if not out:
         raise ValueError("the recipe names no data: set dataset_name (a local file or a hub dataset id) or datasets")
