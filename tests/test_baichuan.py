@@ -137,9 +137,16 @@ def test_remote_code_needs_trust_remote_code(bc_dir):
         models.load_causal_lm(bc_dir)
     with pytest.raises(ValueError, match="trust_remote_code"):
         models.load_sequence_classifier(bc_dir)
-    # the tokenizer goes through AutoTokenizer, which refuses the remote code (reported as StageInputError)
-    with pytest.raises((ValueError, models.StageInputError), match="trust_remote_code"):
+    with pytest.raises(ValueError, match="trust_remote_code"):
         models.load_tokenizer(bc_dir)
+
+
+def test_trusting_remote_code_warns_with_the_directory(bc_dir, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="rlhf_trl.models"):
+        models.load_tokenizer(bc_dir, trust_remote_code=True)
+    assert f"trust_remote_code: the Python code in '{bc_dir}' will run in this process" in caplog.text
 
 
 # ----------------------------------------------------------------------------------------------------------------
