@@ -103,7 +103,7 @@ RECIPE_CASES = [
     ("wrong_value_type", "learning_rate: fast\n", [], ["recipe.yaml"]),
     ("not_a_mapping", "- a\n- b\n", [], ["recipe.yaml", "mapping"]),
     ("invalid_yaml", "a: [1, 2\n", [], ["recipe.yaml", "YAML"]),
-    ("missing_dataset", "model_name_or_path: m\n", [], ["names no data"]),
+    ("missing_dataset", "seed: 3\n", [], ["names no data"]),
     ("bad_format_value", "dataset_format: xml\n", [], ["dataset_format"]),
     ("bad_ranked_pairs", "ranked_pairs: some\n", [], ["ranked_pairs"]),
     ("bad_length_policy", "length_policy: squeeze\n", [], ["length_policy"]),

@@ -146,11 +146,7 @@ def test_unknown_recipe_key_fails_loudly(tmp_path):
 
 
 def test_cli_overrides_beat_the_recipe():
-    from trl import ModelConfig, SFTConfig
-
-    from rlhf_trl.data import DataArguments
-
-    data, train, model, path = parse_recipe(
-        (DataArguments, SFTConfig, ModelConfig), ["--config", f"{RECIPES}/sft.yaml", "--learning_rate", "0.5"]
+    data, train, model, run, path = parse_recipe(
+        sft.recipe_types(), ["--config", f"{RECIPES}/sft.yaml", "--learning_rate", "0.5"]
     )
     assert train.learning_rate == 0.5 and data.dataset_format == "alpaca" and path.endswith("sft.yaml")

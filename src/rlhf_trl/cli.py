@@ -6,6 +6,7 @@ import importlib
 import logging
 import os
 import sys
+import warnings
 
 STAGES = {
     "sft": "supervised fine-tuning (trl.SFTTrainer)",
@@ -54,6 +55,7 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
         diverged = (TrainingDivergedError,)
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notices are not for users
     setup_logging()
     module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
     try:

@@ -56,6 +56,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
     remove_staging(training_args.output_dir)
+    model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by, pickle_ok)
 
     # data
     template = Template.from_args(data_args)
@@ -63,7 +64,6 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
 
     # tokenizer and model
-    model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by, pickle_ok)
     tokenizer = load_tokenizer(
         model_path, pad_token=training_args.pad_token, padding_side="right",
         trust_remote_code=training_args.trust_remote_code,
