@@ -17,13 +17,15 @@ NPROC ?= 1
 ACCEL_CONFIGS := $(basename $(notdir $(wildcard recipes/accelerate_configs/*.yaml)))
 RUN := $(if $(ACCEL),$(BIN)/accelerate launch --config_file recipes/accelerate_configs/$(ACCEL).yaml --num_processes $(NPROC) -m rlhf_trl.cli,$(BIN)/rlhf-trl)
 
-.PHONY: help install demo test sft rm ppo zh-oasst demo-assets clean check-accel
+.PHONY: help install demo test sft rm ppo zh-oasst demo-assets clean check-accel merge eval
 
 help:
 	@echo "make demo                 build the tiny demo and run SFT -> RM -> PPO (offline, ~2-5 min on CPU)"
 	@echo "make test                 run the test suite"
 	@echo "make sft|rm|ppo RECIPE=recipes/<run>/<stage>.yaml [ARGS='--key value'] [resume_from_checkpoint=true]"
 	@echo "                          [ACCEL=$(subst $() ,|,$(ACCEL_CONFIGS)) NPROC=n]"
+	@echo "make merge ADAPTER=dir OUTPUT=dir [BASE=dir]  merge a LoRA adapter into its base (plain transformers model)"
+	@echo "make eval RECIPE=recipes/<run>/ppo.yaml [ARGS='--num_prompts 16']  SFT vs PPO: eval.json + report.md"
 	@echo "make zh-oasst             the three stages on ../shared real Chinese data with a tiny Qwen2"
 
 $(STAMP): pyproject.toml
@@ -54,6 +56,15 @@ sft rm ppo: check-accel $(STAMP)
 	@recipe="$(or $(RECIPE),recipes/demo/$@.yaml)"; \
 	if [[ "$$recipe" == recipes/demo/* ]]; then HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo --assets_only; fi; \
 	$(RUN) $@ --config "$$recipe" $(RESUME) $(ARGS)
+
+# merge / evaluate / report
+merge: $(STAMP)
+	@test -n "$(ADAPTER)" -a -n "$(OUTPUT)" || { echo "make: error: usage: make merge ADAPTER=dir OUTPUT=dir [BASE=dir]" >&2; exit 2; }
+	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl merge --adapter "$(ADAPTER)" --output "$(OUTPUT)" $(if $(BASE),--base "$(BASE)") $(ARGS)
+
+eval: $(STAMP)
+	@recipe="$(or $(RECIPE),recipes/demo/ppo.yaml)"; \
+	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl eval --config "$$recipe" $(if $(filter recipes/demo/%,$(or $(RECIPE),recipes/demo/ppo.yaml)),--demo) $(ARGS)
 
 zh-oasst: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl init-model --tokenizer ../shared/tokenizers/qwen2 --output outputs/zh-oasst/base_model

@@ -14,8 +14,11 @@ STAGES = {
     "ppo": "PPO against the reward model (trl.experimental.ppo.PPOTrainer)",
     "demo": "build the embedded demo and run SFT -> RM -> PPO on it",
     "init-model": "build a random-init tiny Qwen2 with a tokenizer's vocabulary (offline smoke runs)",
+    # merge / evaluate / report
+    "merge": "merge a LoRA adapter into its base: --adapter DIR --output DIR [--base DIR]",
+    "eval": "compare the PPO policy with its SFT policy (rewards, win rate, KL), write eval.json + report.md",
 }
-MODULES = {"init-model": "tiny"}
+MODULES = {"init-model": "tiny", "eval": "evaluate"}
 
 USAGE = "usage: rlhf-trl {" + ",".join(STAGES) + "} --config RECIPE.yaml [--key value ...]\n\n" + "\n".join(
     f"  {name:5s} {text}" for name, text in STAGES.items()

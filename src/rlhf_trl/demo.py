@@ -136,6 +136,15 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
         scores[name] = sum(demo_task.score_text(r) for r in responses) / len(responses)
         examples[name] = [{"prompt": q, "response": r} for q, r in zip(questions[::1], responses[::4])][:5]
 
+    # merge / evaluate / report: eval.json + report.md (SFT vs PPO on the PPO recipe's held-out prompts)
+    from . import evaluate
+
+    trainer = results["ppo"].get("trainer")
+    report = evaluate.main(
+        ["--config", os.path.join(recipes_dir, "ppo.yaml"), "--demo"],
+        ppo_logs=trainer.state.log_history if trainer is not None else None,
+    )["report"]
+
     summary = {
         "rm_accuracy": rm_eval["accuracy"],
         "rm_margin": rm_eval["margin"],
@@ -147,6 +156,7 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
         "stage_seconds": stage_seconds,
         "targets": TARGETS,
         "examples": examples,
+        "report": report,
     }
     summary["targets_met"] = bool(
         summary["rm_accuracy"] >= TARGETS["rm_accuracy"]

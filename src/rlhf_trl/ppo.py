@@ -36,7 +36,6 @@ import logging
 import math
 import os
 import random
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
