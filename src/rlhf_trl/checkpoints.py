@@ -57,3 +57,25 @@ def remove_staging(output_dir: str) -> None:
     for path in glob.glob(os.path.join(output_dir, f"{STAGING_PREFIX}checkpoint-*")):
         logger.info("removing the unfinished checkpoint %s of an interrupted run", path)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def start_run(training_args, run_args=None):
+    """Checks every stage makes before it writes anything into ``training_args.output_dir``.
+
+    Resolves ``resume_from_checkpoint`` (``true`` -> the newest complete checkpoint), refuses to overwrite a finished
+    run unless ``overwrite_output_dir``, and removes ``.tmp-checkpoint-*`` leftovers of a killed run.
+
+    Returns:
+        ``(run_args, resume)``: the run arguments (defaults if None) and the checkpoint to resume from, or None.
+
+    Raises:
+        StageInputError: resume requested but no checkpoint; RecipeError: a finished run is in the way.
+    """
+    from .config import RunArguments, check_output_dir
+    from .models import resolve_resume
+
+    run_args = run_args or RunArguments()
+    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
+    remove_staging(training_args.output_dir)
+    return run_args, resume

@@ -49,8 +49,8 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402  (the one i
 from trl.experimental.ppo.ppo_trainer import batch_generation, truncate_response  # noqa: E402
 from trl.experimental.utils import get_reward  # noqa: E402
 
-from .checkpoints import AtomicCheckpointMixin, remove_staging  # noqa: E402
-from .config import RunArguments, check_output_dir, parse_recipe, save_recipe, sibling_recipe  # noqa: E402
+from .checkpoints import AtomicCheckpointMixin, start_run  # noqa: E402
+from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe  # noqa: E402
 from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records  # noqa: E402
 from .models import (  # noqa: E402
     load_causal_lm,
@@ -58,7 +58,6 @@ from .models import (  # noqa: E402
     load_tokenizer,
     merge_and_save,
     require_model_dir,
-    resolve_resume,
     save_pretrained_atomic,
     torch_dtype,
     write_json,
@@ -534,11 +533,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     set_seed(training_args.seed)  # LoRA initialization happens before TRL seeds its trainer
 
     # inputs
-    run_args = run_args or RunArguments()
+    run_args, resume = start_run(training_args, run_args)
     pickle_ok = run_args.allow_pickle_weights
-    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
-    check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
-    remove_staging(training_args.output_dir)
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", sft_hint, pickle_ok)
     rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint, pickle_ok)
     value_path = require_model_dir(ppo_args.value_model_path or rm_path, "value model", rm_hint, pickle_ok)

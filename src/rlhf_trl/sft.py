@@ -15,10 +15,10 @@ import torch
 
 from datasets import Dataset
 
-from .checkpoints import remove_staging, with_atomic_checkpoints
-from .config import RunArguments, check_output_dir, parse_recipe, save_recipe
+from .checkpoints import start_run, with_atomic_checkpoints
+from .config import RunArguments, parse_recipe, save_recipe
 from .data import DataArguments, Template, describe_sources, read_records, sft_features, split_records
-from .models import resolve_resume, load_causal_lm, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
+from .models import load_causal_lm, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,8 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     from trl import SFTTrainer, get_peft_config
 
     # inputs
-    run_args = run_args or RunArguments()
+    run_args, resume = start_run(training_args, run_args)
     pickle_ok = run_args.allow_pickle_weights
-    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
-    check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
-    remove_staging(training_args.output_dir)
     model_path = require_model_dir(model_args.model_name_or_path or "", "base model", None, pickle_ok)
 
     # data
