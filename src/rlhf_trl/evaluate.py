@@ -1,0 +1,415 @@
+"""Evaluate a PPO run against its SFT policy: ``rlhf-trl eval --config recipes/<run>/ppo.yaml``.
+
+Options: ``[--output_dir DIR] [--num_prompts N] [--samples_per_prompt K] [--demo]`` plus any PPO recipe override
+(``--output_dir`` is the PPO run's ``output_dir``, as in the recipe).
+
+What is computed (all on the PPO recipe's held-out prompts: ``read_records(data_args, "prompts")`` then
+``split_records(records, eval_split_size, seed)``, the eval split `rlhf_trl.ppo` holds out; the first
+``num_prompts`` of them, each sampled ``samples_per_prompt`` times):
+
+1. Sampling. The SFT policy (``sft_model_path``) and the PPO policy (``<output_dir>/merged``) each sample
+   responses to the same left-padded prompts (prompt ids built as PPO builds them: `prompt_features`, kept from the
+   right to ``max_prompt_length``), with the same seed (``torch.manual_seed(seed)`` right before each policy's
+   ``generate``) and settings: softmax(logits / ``temperature``) sampling, ``top_k=0``, ``top_p=1``, stop at EOS, at
+   most ``response_length`` new tokens. A response's ids end at its first EOS (kept) or after ``response_length``
+   tokens.
+2. Rewards. Each ``prompt ids + response ids`` (EOS included when present) is scored by the reward model
+   (``reward_model_path``) with `rlhf_trl.scoring.score_sequences`: the raw RM score, without PPO's
+   ``reward_baseline`` and ``missing_eos_penalty``.
+3. Figures (``eval.json``), over all ``num_prompts x samples_per_prompt`` pairs (pair = same prompt, same sample
+   index):
+
+   - ``sft_reward`` / ``ppo_reward``: mean RM score (reward units);
+   - ``win_rate``: fraction of pairs where the PPO response's score > the SFT response's (ties count 1/2);
+   - ``kl_per_token`` (nats per token): mean, over every token of every PPO response (EOS included when sampled),
+     of ``log p_ppo(y_t | x, y_<t) - log p_sft(y_t | x, y_<t)``, both log-probs from a forward pass of each model
+     on ``prompt + PPO response`` with plain ``log_softmax(logits)`` (temperature 1). Pooled over tokens (sum of
+     log-ratios / number of tokens). It is a Monte Carlo estimate of the per-token KL(pi_ppo || pi_sft) of the
+     temperature-1 policies only when ``temperature`` is 1; at other temperatures it is that log-ratio averaged
+     over responses sampled at the recipe temperature;
+   - ``sft_mean_length`` / ``ppo_mean_length``: mean response length in tokens, EOS excluded;
+   - ``sft_eos_rate`` / ``ppo_eos_rate``: fraction of responses that ended with EOS;
+   - with ``--demo`` (the embedded demo task): ``sft_score`` / ``ppo_score``, the mean ground-truth score
+     (`rlhf_trl.demo_task.score_text` of the decoded response) in [-1, 1].
+
+Writes into the PPO ``output_dir``: ``eval.json`` (the figures and the settings), ``eval_samples.jsonl`` (one row per
+pair: prompt ids, both responses' ids, EOS flags, texts, rewards, and the per-token log-probs behind the KL) and
+``report.md`` (figures, 5 side-by-side samples, training-curve PNGs under ``report/``).
+
+Training curves come from each stage's logs: the ``log_history`` of the newest ``checkpoint-*/trainer_state.json``
+in the stage's output directory, else its ``metrics.json`` (one final record). The SFT and RM stage directories are
+the parents of ``sft_model_path`` / ``reward_model_path`` when those end in ``merged``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import logging
+import os
+import re
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PPO_CURVES = ["objective/scores", "objective/kl", "objective/entropy", "loss/value_avg", "objective/kl_coef"]
+SFT_CURVES = ["loss", "eval_loss", "train_loss", "mean_token_accuracy", "eval_mean_token_accuracy"]
+RM_CURVES = ["loss", "eval_loss", "train_loss", "eval_accuracy", "accuracy", "margin"]
+FIGURES = ["sft_reward", "ppo_reward", "win_rate", "kl_per_token", "sft_mean_length", "ppo_mean_length",
+           "sft_eos_rate", "ppo_eos_rate"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sampling, scoring, log-probs
+# ----------------------------------------------------------------------------------------------------------------
+def cut_at_eos(tokens: list[int], eos_token_id: int, max_len: int) -> tuple[list[int], bool]:
+    """Response ids up to and including the first EOS (else the first ``max_len`` tokens), and whether EOS ended it."""
+    tokens = list(tokens)[:max_len]
+    if eos_token_id in tokens:
+        return tokens[: tokens.index(eos_token_id) + 1], True
+    return tokens, False
+
+
+@torch.no_grad()
+def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int, max_new_tokens: int,
+           temperature: float, seed: int, batch_size: int = 64) -> list[tuple[list[int], bool]]:
+    """Sample one response per prompt (``[num_prompts]`` lists of ids) from a causal LM.
+
+    Prompts are left-padded with ``pad_token_id`` (which must differ from EOS); sampling is softmax(logits /
+    ``temperature``) with top-k / top-p off, stopping at EOS, at most ``max_new_tokens`` tokens. The RNG is seeded
+    with ``seed`` once, before the first batch. Returns ``(response ids, ended with EOS)`` per prompt; the ids
+    include the EOS when present.
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in chunk], device=device)
+        gen = model.generate(
+            input_ids=ids, attention_mask=(ids != pad_token_id).long(), do_sample=True, temperature=temperature,
+            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        )
+        out.extend(cut_at_eos(row.tolist(), eos_token_id, max_new_tokens) for row in gen[:, width:].cpu())
+    return out
+
+
+@torch.no_grad()
+def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
+                      batch_size: int = 16) -> list[list[float]]:
+    """Per-token log-probs ``log_softmax(logits)[y_t]`` (temperature 1, nats) of each response given its prompt.
+
+    Each ``prompt + response`` is right-padded and run through ``model`` with an attention mask. Returns one list
+    per response, ``[len(response)]`` floats (empty for an empty response).
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    out: list[list[float]] = []
+    for i in range(0, len(prompts), batch_size):
+        seqs = [list(p) + list(r) for p, r in zip(prompts[i : i + batch_size], responses[i : i + batch_size])]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for j, s in enumerate(seqs):
+            ids[j, : len(s)] = torch.tensor(s)
+            mask[j, : len(s)] = 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits.float()
+        logp = torch.log_softmax(logits, dim=-1).cpu()
+        for j, (p, r) in enumerate(zip(prompts[i : i + batch_size], responses[i : i + batch_size])):
+            pos = torch.arange(len(p) - 1, len(p) - 1 + len(r))  # logits at t-1 predict token t
+            out.append(logp[j, pos, torch.tensor(list(r), dtype=torch.long)].tolist() if r else [])
+    return out
+
+
+def figures(rows: list[dict], demo: bool = False) -> dict:
+    """The eval figures (see the module docstring) from ``eval_samples.jsonl`` rows.
+
+    Each row holds ``sft`` and ``ppo`` dicts with ``response_ids`` (EOS included when ``eos``), ``eos``, ``reward``
+    (and ``score`` for the demo); ``ppo`` also holds ``logprobs_ppo`` / ``logprobs_sft`` (one float per response
+    token). Raises ``ValueError`` on no rows.
+    """
+    if not rows:
+        raise ValueError("no eval samples")
+    n = len(rows)
+    out = {}
+    for name in ("sft", "ppo"):
+        out[f"{name}_reward"] = sum(r[name]["reward"] for r in rows) / n
+        out[f"{name}_mean_length"] = sum(len(r[name]["response_ids"]) - int(r[name]["eos"]) for r in rows) / n
+        out[f"{name}_eos_rate"] = sum(int(r[name]["eos"]) for r in rows) / n
+        if demo:
+            out[f"{name}_score"] = sum(r[name]["score"] for r in rows) / n
+    out["win_rate"] = sum(
+        1.0 if r["ppo"]["reward"] > r["sft"]["reward"] else 0.5 if r["ppo"]["reward"] == r["sft"]["reward"] else 0.0
+        for r in rows
+    ) / n
+    diffs = [a - b for r in rows for a, b in zip(r["ppo"]["logprobs_ppo"], r["ppo"]["logprobs_sft"])]
+    out["kl_per_token"] = sum(diffs) / len(diffs) if diffs else 0.0
+    out["num_samples"] = n
+    out["num_kl_tokens"] = len(diffs)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# training logs and plots
+# ----------------------------------------------------------------------------------------------------------------
+def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
+    """A stage's training log records and where they came from.
+
+    The ``log_history`` of the newest ``checkpoint-N/trainer_state.json`` under ``stage_dir``, else
+    ``[metrics.json]``, else ``[]``. Returns ``(records, source path or None)``.
+    """
+    if not stage_dir or not os.path.isdir(stage_dir):
+        return [], None
+    ckpts = []
+    for path in glob.glob(os.path.join(stage_dir, "checkpoint-*", "trainer_state.json")):
+        m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.dirname(path)))
+        if m:
+            ckpts.append((int(m.group(1)), path))
+    if ckpts:
+        path = max(ckpts)[1]
+        with open(path, encoding="utf-8") as f:
+            history = json.load(f).get("log_history") or []
+        if history:
+            return history, path
+    path = os.path.join(stage_dir, "metrics.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return [json.load(f)], path
+    return [], None
+
+
+def plot_curves(logs: list[dict], keys: list[str], path: str, title: str) -> list[str]:
+    """Plot each of ``keys`` found in ``logs`` (a list of log dicts) against ``step`` (else the record index),
+    one panel per key, into the PNG ``path``.
+
+    Returns the keys plotted; writes nothing and returns ``[]`` when no record holds any of them.
+    """
+    present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in logs)]
+    if not present:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(present), figsize=(3.2 * len(present), 2.8), squeeze=False)
+    for ax, key in zip(axes[0], present):
+        pts = [(r.get("step", r.get("global_step", i)), r[key]) for i, r in enumerate(logs)
+               if isinstance(r.get(key), (int, float))]
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o" if len(pts) < 20 else None, markersize=3)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format="png", dpi=80)
+    plt.close(fig)
+    return present
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------------------------
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", "⏎")
+
+
+def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[str, tuple[list[dict], str | None]],
+                 num_examples: int = 5) -> str:
+    """Write ``report.md`` (and ``report/<stage>_curves.png``) into ``out_dir``; returns the report path.
+
+    ``stage_logs`` maps a stage name (``sft`` / ``rm`` / ``ppo``) to ``(log records, source)`` as returned by
+    `read_stage_logs`; a stage without records is reported as having no logs.
+    """
+    lines = ["# RLHF evaluation report", "",
+             f"PPO run `{result['ppo_output_dir']}` against its SFT policy `{result['sft_model_path']}`, "
+             f"reward model `{result['reward_model_path']}`.", "",
+             f"{result['num_prompts']} held-out prompts x {result['samples_per_prompt']} samples, temperature "
+             f"{result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} tokens, seed "
+             f"{result['seed']}. Rewards are raw reward-model scores (no baseline, no missing-EOS penalty).", "",
+             "## Figures", "", "| figure | value |", "|---|---|"]
+    keys = FIGURES + [k for k in ("sft_score", "ppo_score") if k in result["figures"]]
+    for key in keys:
+        lines.append(f"| `{key}` | {result['figures'][key]:.4f} |")
+    lines += ["", "`kl_per_token`: mean over PPO response tokens (EOS included) of log p_ppo - log p_sft at "
+              "temperature 1 (nats per token); lengths in tokens, EOS excluded.", "",
+              "## Samples", "", "| prompt | SFT response | PPO response | SFT reward | PPO reward |",
+              "|---|---|---|---|---|"]
+    for r in rows[:num_examples]:
+        lines.append(f"| {_cell(r['question'])} | {_cell(r['sft']['text'])} | {_cell(r['ppo']['text'])} | "
+                     f"{r['sft']['reward']:.3f} | {r['ppo']['reward']:.3f} |")
+    lines += ["", "## Training curves", ""]
+    curve_keys = {"sft": SFT_CURVES, "rm": RM_CURVES, "ppo": PPO_CURVES}
+    plots = {}
+    for stage in ("sft", "rm", "ppo"):
+        logs, source = stage_logs.get(stage, ([], None))
+        png = os.path.join(out_dir, "report", f"{stage}_curves.png")
+        plotted = plot_curves(logs, curve_keys[stage], png, f"{stage.upper()} training") if logs else []
+        if plotted:
+            plots[stage] = png
+            note = "" if len(logs) > 1 else " (one final record: no checkpoint `trainer_state.json` was kept)"
+            lines += [f"### {stage.upper()}", "", f"From `{source}`{note}: {', '.join(plotted)}.", "",
+                      f"![{stage} curves](report/{stage}_curves.png)", ""]
+        else:
+            lines += [f"### {stage.upper()}", "",
+                      f"No training logs found for this stage{f' (read {source})' if source else ''}.", ""]
+    result["plots"] = plots
+    path = os.path.join(out_dir, "report.md")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# entry points
+# ----------------------------------------------------------------------------------------------------------------
+def _stage_dir(model_path: str) -> str | None:
+    path = os.path.normpath(model_path)
+    return os.path.dirname(path) if os.path.basename(path) == "merged" else None
+
+
+def evaluate(data_args, training_args, num_prompts: int | None = None, samples_per_prompt: int = 4,
+             demo: bool = False, ppo_logs: list[dict] | None = None, trust_remote_code: bool = False) -> dict:
+    """Sample, score and compare the SFT and PPO policies of a PPO recipe; write eval.json, eval_samples.jsonl,
+    report.md into ``training_args.output_dir``.
+
+    Args:
+        data_args: the recipe's `DataArguments` (data, template, ``eval_split_size``, ``max_prompt_length``).
+        training_args: the recipe's `PPOConfig` (``sft_model_path``, ``reward_model_path``, ``output_dir``,
+            ``response_length``, ``temperature``, ``seed``).
+        num_prompts: use the first N held-out prompts (default: all of them).
+        samples_per_prompt: responses per prompt and policy.
+        demo: also report the demo task's ground-truth ``sft_score`` / ``ppo_score``.
+        ppo_logs: the PPO trainer's ``log_history`` (default: read from the newest checkpoint).
+
+    Returns:
+        The content of ``eval.json`` plus ``report`` (path) and ``plots`` (stage -> PNG path).
+
+    Raises:
+        StageInputError: a model is missing. DataError: bad prompt rows. ValueError: no held-out prompt, or
+        ``samples_per_prompt`` < 1.
+    """
+    from .data import Template, prompt_features, read_records, split_records
+    from .models import load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir, write_json
+    from .scoring import score_sequences
+
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    out_dir = training_args.output_dir
+    sft_path = require_model_dir(training_args.sft_model_path, "SFT model")
+    rm_path = require_model_dir(training_args.reward_model_path, "reward model")
+    ppo_path = require_model_dir(os.path.join(out_dir, "merged"), "PPO policy", "make ppo")
+
+    records = read_records(data_args, "prompts")
+    _, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
+    if num_prompts is not None:
+        eval_records = eval_records[:num_prompts]
+    if not eval_records:
+        raise ValueError("no held-out prompts to evaluate on; raise eval_split_size or num_prompts")
+    template = Template.from_args(data_args)
+    tokenizer = load_tokenizer(sft_path, padding_side="left", trust_remote_code=trust_remote_code)
+    prompt_ids = prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length)["input_ids"]
+    prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    settings = dict(max_new_tokens=training_args.response_length, temperature=training_args.temperature,
+                    seed=training_args.seed)
+
+    policies = {}
+    responses = {}
+    for name, path in (("sft", sft_path), ("ppo", ppo_path)):
+        model = load_causal_lm(path, None, trust_remote_code)
+        model.generation_config.pad_token_id = pad
+        policies[name] = model
+        responses[name] = sample(model, prompts, pad, eos, **settings)
+    ppo_resp = [r for r, _ in responses["ppo"]]
+    logp_ppo = response_logprobs(policies["ppo"], prompts, ppo_resp, pad)
+    logp_sft = response_logprobs(policies["sft"], prompts, ppo_resp, pad)
+    del policies
+
+    reward_model = load_sequence_classifier(rm_path, None, trust_remote_code)
+    reward_model.config.pad_token_id = pad
+    rewards = {name: score_sequences(reward_model, [p + r for p, (r, _) in zip(prompts, responses[name])], pad).tolist()
+               for name in ("sft", "ppo")}
+    del reward_model
+
+    rows = []
+    for i, p in enumerate(prompts):
+        row = {"prompt_index": i // samples_per_prompt, "sample_index": i % samples_per_prompt,
+               "question": eval_records[i // samples_per_prompt]["question"], "prompt_ids": p}
+        for name in ("sft", "ppo"):
+            ids, ended = responses[name][i]
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            row[name] = {"response_ids": ids, "eos": ended, "text": text, "reward": rewards[name][i]}
+            if demo:
+                from .demo_task import score_text
+
+                row[name]["score"] = score_text(text)
+        row["ppo"]["logprobs_ppo"] = logp_ppo[i]
+        row["ppo"]["logprobs_sft"] = logp_sft[i]
+        rows.append(row)
+
+    result = {
+        "figures": figures(rows, demo),
+        "ppo_output_dir": out_dir, "sft_model_path": sft_path, "reward_model_path": rm_path, "ppo_model_path": ppo_path,
+        "num_prompts": len(eval_records), "samples_per_prompt": samples_per_prompt,
+        "temperature": training_args.temperature, "response_length": training_args.response_length,
+        "seed": training_args.seed,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    samples_path = os.path.join(out_dir, "eval_samples.jsonl")
+    with open(samples_path + ".tmp", "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(samples_path + ".tmp", samples_path)
+
+    stage_logs = {"sft": read_stage_logs(_stage_dir(training_args.sft_model_path)),
+                  "rm": read_stage_logs(_stage_dir(training_args.reward_model_path))}
+    stage_logs["ppo"] = (ppo_logs, "the PPO trainer's log_history") if ppo_logs else read_stage_logs(out_dir)
+    report = write_report(out_dir, result, rows, stage_logs)
+    result["report"] = report
+    result["samples"] = samples_path
+    write_json(os.path.join(out_dir, "eval.json"), {**result["figures"], **result})
+    logger.info("eval: %s", ", ".join(f"{k} {v:.4g}" for k, v in result["figures"].items()))
+    return {**result["figures"], **result}
+
+
+def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> dict:
+    """``rlhf-trl eval --config ppo.yaml [--num_prompts N] [--samples_per_prompt K] [--demo] [--key value ...]``.
+
+    ``ppo_logs``: the PPO trainer's ``log_history`` when the caller has it (default: read from the newest
+    checkpoint). Returns ``{"output_dir", "metrics", "report", ...}`` (``metrics``: the figures). Errors: see
+    `evaluate`; a bad recipe raises `RecipeError`.
+    """
+    import sys
+
+    from .config import parse_recipe
+    from .ppo import recipe_types
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="rlhf-trl eval", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter,
+                                epilog="Any other --key value is a PPO recipe override (see rlhf-trl ppo --help).")
+    p.add_argument("--config", help="the PPO recipe (recipes/<run>/ppo.yaml)")
+    p.add_argument("--num_prompts", type=int, default=None, help="first N held-out prompts (default: all)")
+    p.add_argument("--samples_per_prompt", type=int, default=4, help="responses per prompt and policy")
+    p.add_argument("--demo", action="store_true", help="also report the demo task's ground-truth scores")
+    own, rest = p.parse_known_args(argv)
+    if own.config:
+        rest = ["--config", own.config, *rest]
+    data_args, ppo_args, training_args, model_args, run_args, _ = parse_recipe(recipe_types(), rest)
+    result = evaluate(data_args, training_args, own.num_prompts, own.samples_per_prompt, own.demo,
+                      ppo_logs=ppo_logs, trust_remote_code=ppo_args.trust_remote_code)
+    return {"output_dir": training_args.output_dir, "metrics": dict(result["figures"]), **result}
+
+
+if __name__ == "__main__":
+    from .cli import run_stage
+
+    run_stage("eval")

@@ -1,0 +1,160 @@
+"""Merge a LoRA adapter into its base model: ``rlhf-trl merge --adapter DIR --output DIR [--base DIR]``.
+
+The result is a plain `transformers` model directory (safetensors, written atomically) with a tokenizer and a short
+``README.md`` model card:
+
+- ``task_type: CAUSAL_LM`` adapters (SFT / PPO policies) give an ``AutoModelForCausalLM``;
+- ``task_type: SEQ_CLS`` adapters (reward models) give an ``AutoModelForSequenceClassification`` with
+  ``num_labels=1`` and the adapter's trained ``score`` head (peft's ``modules_to_save`` copy).
+
+The base defaults to ``base_model_name_or_path`` of the adapter's ``adapter_config.json`` (a relative path is tried
+as given, then relative to the adapter directory). The tokenizer is the adapter directory's when it holds one, else
+the base's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+TASK_KINDS = {"CAUSAL_LM": "causal_lm", "SEQ_CLS": "sequence_classifier"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def read_adapter_config(adapter_dir: str) -> dict:
+    """``adapter_config.json`` of a peft adapter directory, as a dict.
+
+    Raises:
+        StageInputError: ``adapter_dir`` holds no ``adapter_config.json``.
+        ValueError: the file is not valid JSON.
+    """
+    from .models import StageInputError
+
+    path = os.path.join(adapter_dir, "adapter_config.json")
+    if not os.path.isfile(path):
+        raise StageInputError(f"no LoRA adapter at '{adapter_dir}' (adapter_config.json not found)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+
+
+def resolve_base(adapter_dir: str, config: dict, base: str | None = None) -> str:
+    """The base model directory (or hub id): ``base`` if given, else the adapter config's
+    ``base_model_name_or_path`` (tried as given, then relative to ``adapter_dir``).
+
+    Raises:
+        ValueError: no base given and the adapter config names none.
+    """
+    if base:
+        return base
+    name = config.get("base_model_name_or_path")
+    if not name:
+        raise ValueError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path; pass --base DIR")
+    if not os.path.isabs(name) and not os.path.exists(name):
+        candidate = os.path.join(adapter_dir, name)
+        if os.path.exists(candidate):
+            return candidate
+    return name
+
+
+def has_tokenizer(path: str) -> bool:
+    """True when the directory ``path`` holds tokenizer files."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dtype=None,
+                  trust_remote_code: bool = False, allow_pickle: bool = False):
+    """Merge the LoRA adapter in ``adapter_dir`` into its base and save a plain model to ``output_dir``.
+
+    Args:
+        adapter_dir: a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+        output_dir: where the merged model, tokenizer and ``README.md`` go (replaced atomically if it exists).
+        base: the base model; default: the adapter config's ``base_model_name_or_path``.
+        dtype: ``from_pretrained`` dtype of the base (None: the checkpoint's default).
+
+    Returns:
+        The merged plain `transformers` model (eval mode).
+
+    Raises:
+        StageInputError: the adapter or the base model is missing.
+        ValueError: a task type other than CAUSAL_LM / SEQ_CLS, or no base can be determined.
+    """
+    from peft import PeftModel
+
+    from .models import (
+        load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir, resize_for_tokenizer,
+        save_pretrained_atomic,
+    )
+
+    config = read_adapter_config(adapter_dir)
+    task_type = str(config.get("task_type") or "")
+    if task_type not in TASK_KINDS:
+        raise ValueError(
+            f"{adapter_dir}: adapter task_type {task_type!r} is not supported; expected one of {sorted(TASK_KINDS)}"
+        )
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{adapter_dir}: peft_type {config.get('peft_type')!r} is not a LoRA adapter")
+    base_path = require_model_dir(resolve_base(adapter_dir, config, base), "base model", None, allow_pickle)
+    tokenizer_src = adapter_dir if has_tokenizer(adapter_dir) else base_path
+    tokenizer = load_tokenizer(tokenizer_src, trust_remote_code=trust_remote_code)
+    loader = load_causal_lm if task_type == "CAUSAL_LM" else load_sequence_classifier
+    model = loader(base_path, dtype, trust_remote_code, allow_pickle)
+    resize_for_tokenizer(model, tokenizer)
+    peft_model = PeftModel.from_pretrained(model, adapter_dir)
+    merged = peft_model.merge_and_unload().eval()
+    save_pretrained_atomic(merged, tokenizer, output_dir)
+    card = model_card(adapter_dir, base_path, task_type, tokenizer_src, config)
+    tmp = os.path.join(output_dir, "README.md.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(card)
+    os.replace(tmp, os.path.join(output_dir, "README.md"))
+    logger.info("merged %s (%s) into %s -> %s", adapter_dir, task_type, base_path, output_dir)
+    return merged
+
+
+def model_card(adapter_dir: str, base_path: str, task_type: str, tokenizer_src: str, config: dict) -> str:
+    """The text of the merged model's ``README.md``: base model, task type, adapter and how it was made."""
+    auto = "AutoModelForCausalLM" if task_type == "CAUSAL_LM" else "AutoModelForSequenceClassification"
+    return (
+        "# Merged model (rlhf_trl)\n\n"
+        f"- base model: `{base_path}`\n"
+        f"- task type: `{task_type}` — load with `transformers.{auto}.from_pretrained(<this dir>)`"
+        + (" (num_labels=1, trained `score` head included)\n" if task_type == "SEQ_CLS" else "\n")
+        + f"- LoRA adapter merged in: `{os.path.abspath(adapter_dir)}` (r={config.get('r')}, "
+        f"lora_alpha={config.get('lora_alpha')}, target_modules={config.get('target_modules')}, "
+        f"modules_to_save={config.get('modules_to_save')})\n"
+        f"- tokenizer from: `{tokenizer_src}`\n"
+        f"- made by: `rlhf-trl merge --adapter {adapter_dir} --output <this dir>` (peft `merge_and_unload`)\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """``rlhf-trl merge --adapter DIR --output DIR [--base DIR] [--dtype D]``. Returns ``{"output_dir", "merged"}``."""
+    import sys
+
+    from .models import torch_dtype
+
+    p = argparse.ArgumentParser(prog="rlhf-trl merge", description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--adapter", required=True, help="peft LoRA adapter directory")
+    p.add_argument("--output", required=True, help="directory for the merged model")
+    p.add_argument("--base", default=None, help="base model (default: the adapter's base_model_name_or_path)")
+    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the base's)")
+    p.add_argument("--trust_remote_code", action="store_true", help="run model code of the base (Baichuan)")
+    p.add_argument("--allow_pickle_weights", action="store_true", help="load *.bin weights when no safetensors")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    merge_adapter(args.adapter, args.output, args.base, torch_dtype(args.dtype), args.trust_remote_code,
+                  args.allow_pickle_weights)
+    return {"output_dir": args.output, "merged": args.output}
+
+
+if __name__ == "__main__":
+    from .cli import run_stage
+
+    run_stage("merge")
