@@ -99,6 +99,8 @@ def print_demo_summary(summary: dict, path: str) -> None:
         ex = summary["examples"][name][0]
         print(f"  {name} sample: {ex['prompt']} -> {ex['response']}")
     print(f"  targets met: {summary['targets_met']}\n  written to {path}")
+    if summary.get("report"):
+        print(f"  report (SFT vs PPO, training curves): {summary['report']}")
 
 
 def main(argv: list[str] | None = None) -> int:
