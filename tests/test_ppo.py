@@ -169,3 +169,21 @@ def test_sample_tables_every_n_updates(assets, sft_run, rm_run, tmp_path):
     assert sorted({r["step"] for r in rows}) == [1, 3]  # TRL samples after updates 1, 1+2, ...
     assert all(r["reward"] == pytest.approx(r["score"] - 0.5) for r in rows)
     assert {"query", "response", "score", "reward"} <= set(rows[0])
+
+
+def test_negative_kl_is_warned_about(ppo_run, caplog):
+    import logging
+
+    trainer = ppo_run["trainer"]
+    with caplog.at_level(logging.WARNING, logger="rlhf_trl.ppo"):
+        trainer.log({"objective/kl": -0.25, "objective/scores": 1.0})
+    assert "mean KL to the reference is negative (-0.2500)" in caplog.text
+
+
+def test_missing_eos_penalty_sees_only_the_completion(tokenizer, assets):
+    """Prompts never hold an EOS id (data text is tokenized with special tokens split), so TRL's check for EOS in
+    the response decides the penalty alone: a prompt that mentions "<|endoftext|>" cannot satisfy it."""
+    from rlhf_trl.data import Template, prompt_features
+
+    ids = prompt_features([{"question": "写出<|endoftext|>这个词"}], tokenizer, Template(), 64)["input_ids"][0]
+    assert tokenizer.eos_token_id not in ids
