@@ -299,7 +299,23 @@ def load_tokenizer(path: str):
 # ----------------------------------------------------------------------------------------------------------------
 # causal LM (policy)
 # ----------------------------------------------------------------------------------------------------------------
-class _BaichuanCausalLMAdapter:
+class _KeepsRemoteCode:
+    """Loading records where the remote code came from; saving copies it (and ``auto_map``) next to the weights,
+    so every stage output is again a loadable Baichuan directory."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        _record_code_dir(loaded, pretrained_model_name_or_path)
+        return loaded
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        _save_code_and_config(self, save_directory, self._remote_classes())
+        return result
+
+
+class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
     """Mixed in before the remote ``BaichuanForCausalLM`` (and `GenerationMixin` after it) by `causal_lm_class`."""
 
     accepts_loss_kwargs = False  # the remote loss is a mean over tokens: let Trainer scale for accumulation
@@ -369,16 +385,8 @@ class _BaichuanCausalLMAdapter:
     def _reorder_cache(self, past_key_values, beam_idx):
         return tuple(tuple(s.index_select(0, beam_idx.to(s.device)) for s in layer) for layer in past_key_values)
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        _record_code_dir(loaded, pretrained_model_name_or_path)
-        return loaded
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        result = super().save_pretrained(save_directory, *args, **kwargs)
-        _save_code_and_config(self, save_directory, (self._rlhf_trl_remote,))
-        return result
+    def _remote_classes(self) -> tuple:
+        return (self._rlhf_trl_remote,)
 
 
 @functools.lru_cache(maxsize=None)
@@ -407,7 +415,7 @@ def load_causal_lm(path: str, dtype=None):
 # ----------------------------------------------------------------------------------------------------------------
 # sequence classifier (reward / value model)
 # ----------------------------------------------------------------------------------------------------------------
-class BaichuanForSequenceClassification(PreTrainedModel):
+class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
     """Baichuan backbone (``model``, the remote ``BaichuanModel``) + ``score`` = Linear(hidden, 1, bias=False).
 
     ``forward`` returns ``logits`` ``[batch, 1]``: the score at each row's last non-pad token
@@ -504,16 +512,8 @@ class BaichuanForSequenceClassification(PreTrainedModel):
         positions = torch.arange(seq_len, device=device)
         return (positions * real).argmax(dim=-1)
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        _record_code_dir(loaded, pretrained_model_name_or_path)
-        return loaded
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        result = super().save_pretrained(save_directory, *args, **kwargs)
-        _save_code_and_config(self, save_directory, (self._backbone_class or type(self.model),))
-        return result
+    def _remote_classes(self) -> tuple:
+        return (self._backbone_class or type(self.model),)
 
 
 def _backbone_class_of(causal_cls: type, config) -> type:
