@@ -449,15 +449,7 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
         return _new_instance, (_classifier_class, (cls.config_class, cls._backbone_class)), _state(self)
 
     def _init_weights(self, module):
-        std = getattr(self.config, "initializer_range", 0.02)
-        if isinstance(module, nn.Linear):
-            module.weight.data.normal_(mean=0.0, std=std)
-            if module.bias is not None:
-                module.bias.data.zero_()
-        elif isinstance(module, nn.Embedding):
-            module.weight.data.normal_(mean=0.0, std=std)
-            if module.padding_idx is not None:
-                module.weight.data[module.padding_idx].zero_()
+        self.model._init_weights(module)  # the remote code's own initialization (normal(0, initializer_range))
 
     def get_input_embeddings(self):
         return self.model.get_input_embeddings()

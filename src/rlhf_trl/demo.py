@@ -134,7 +134,7 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
             temperature=float(ppo_cfg.get("temperature", 0.7)), seed=1234,
         )
         scores[name] = sum(demo_task.score_text(r) for r in responses) / len(responses)
-        examples[name] = [{"prompt": q, "response": r} for q, r in zip(questions[::1], responses[::4])][:5]
+        examples[name] = [{"prompt": q, "response": r} for q, r in zip(questions, responses[::4])][:5]
 
     # merge / evaluate / report: eval.json + report.md (SFT vs PPO on the PPO recipe's held-out prompts)
     from . import evaluate
