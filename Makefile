@@ -15,9 +15,10 @@ RESUME := $(if $(resume_from_checkpoint),--resume_from_checkpoint $(resume_from_
 ACCEL ?=
 NPROC ?= 1
 ACCEL_CONFIGS := $(basename $(notdir $(wildcard recipes/accelerate_configs/*.yaml)))
-RUN := $(if $(ACCEL),$(BIN)/accelerate launch --config_file recipes/accelerate_configs/$(ACCEL).yaml --num_processes $(NPROC) -m rlhf_trl.cli,$(BIN)/rlhf-trl)
+# ACCEL=multi_cpu: NPROC processes on CPU (gloo); ACCELERATE_USE_CPU=true makes them join one CPU process group
+RUN := $(if $(ACCEL),$(if $(filter multi_cpu,$(ACCEL)),ACCELERATE_USE_CPU=true )$(BIN)/accelerate launch --config_file recipes/accelerate_configs/$(ACCEL).yaml --num_processes $(NPROC) -m rlhf_trl.cli,$(BIN)/rlhf-trl)
 
-.PHONY: help install demo test sft rm ppo zh-oasst demo-assets clean check-accel merge eval
+.PHONY: help install demo test sft rm ppo zh-oasst demo-assets clean check-accel merge eval gpu-check bench bench-quick
 
 help:
 	@echo "make demo                 build the tiny demo and run SFT -> RM -> PPO (offline, ~2-5 min on CPU)"
@@ -27,6 +28,9 @@ help:
 	@echo "make merge ADAPTER=dir OUTPUT=dir [BASE=dir]  merge a LoRA adapter into its base (plain transformers model)"
 	@echo "make eval RECIPE=recipes/<run>/ppo.yaml [ARGS='--num_prompts 16']  SFT vs PPO: eval.json + report.md"
 	@echo "make zh-oasst             the three stages on ../shared real Chinese data with a tiny Qwen2"
+	@echo "make gpu-check [ARGS=--tiny]  timed bf16 steps of SFT/RM/PPO on a Qwen2.5-0.5B-shaped model -> outputs/gpu_check/gpu_check.json"
+	@echo "make bench                wrapper overhead, PPO breakdown, memory, scaling -> outputs/bench/ (~15 min, idle machine)"
+	@echo "make bench-quick          the same in smoke mode (< 3 min; the figures are not meaningful)"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -71,6 +75,18 @@ zh-oasst: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl sft --config recipes/zh-oasst/sft.yaml $(ARGS)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl rm --config recipes/zh-oasst/rm.yaml $(ARGS)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl ppo --config recipes/zh-oasst/ppo.yaml $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl eval --config recipes/zh-oasst/ppo.yaml --samples_per_prompt 2
+
+# GPU check: a few timed steps per stage, 0.5B shape on CUDA, tiny shape on CPU (benchmarks/gpu_check.sh)
+gpu-check: $(STAMP)
+	PYTHON=$(BIN)/python benchmarks/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf outputs
+
+# Benchmark (issue 7): bench.json, bench.md, scaling.png under outputs/bench; run on an otherwise idle machine
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench.py --output_dir outputs/bench $(ARGS)
+
+bench-quick: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench.py --quick --output_dir outputs/bench $(ARGS)

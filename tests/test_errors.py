@@ -227,4 +227,19 @@ def test_bad_accelerate_config_name():
     proc = subprocess.run(["make", "-s", "-C", root, "check-accel", "ACCEL=ddpp"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2
-    assert "ACCEL=ddpp: no recipes/accelerate_configs/ddpp.yaml (choose one of: ddp fsdp single_process" in proc.stderr
+    assert "ACCEL=ddpp: no recipes/accelerate_configs/ddpp.yaml (choose one of: ddp fsdp multi_cpu single_process" in proc.stderr
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--value_use_peft", "false"], "share_reward_value_base: true needs value_use_peft: true"),
+    (["--value_use_peft", "true", "--value_model_path", "SFT"], "remove value_model_path"),
+], ids=["without-value-lora", "with-value-model-path"])
+def test_shared_reward_value_base_needs_a_lora_value_model_on_the_rm(assets, tmp_path, capsys, sft_run, rm_run,
+                                                                     extra, fragment):
+    extra = [sft_run["merged"] if e == "SFT" else e for e in extra]
+    argv = ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path",
+            sft_run["merged"], "--reward_model_path", rm_run["merged"], "--output_dir", str(tmp_path / "out"),
+            "--share_reward_value_base", "true", *extra]
+    code, err = run_cli("ppo", argv, capsys)
+    assert code == 2 and fragment in err[0], err
+    assert not (tmp_path / "out").exists()  # nothing half-written

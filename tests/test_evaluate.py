@@ -137,11 +137,37 @@ def test_eval_reward_and_kl_recomputed_with_the_models(eval_run, sft_run, rm_run
     assert torch.allclose(fresh["sft"], torch.tensor(row["ppo"]["logprobs_sft"]), atol=1e-4)
 
 
+def test_eval_rm_accuracy_recomputed_on_the_rm_held_out_pairs(eval_run, rm_run, tokenizer):
+    from transformers import AutoModelForSequenceClassification
+
+    _, _, saved = eval_run
+    pairs_file = os.path.join(rm_run["output_dir"], "eval_pairs.jsonl")
+    assert saved["rm_pairs"] == pairs_file
+    pairs = [json.loads(line) for line in open(pairs_file, encoding="utf-8")]
+    rm = AutoModelForSequenceClassification.from_pretrained(rm_run["merged"]).eval()
+
+    def score(ids):  # one unpadded sequence at a time: the logit at its last token
+        with torch.no_grad():
+            return float(rm(input_ids=torch.tensor([ids])).logits[0, 0])
+
+    margins = [score(p["chosen_ids"]) - score(p["rejected_ids"]) for p in pairs]
+    longer = [(len(p["chosen_ids"]) > len(p["rejected_ids"])) + 0.5 * (len(p["chosen_ids"]) == len(p["rejected_ids"]))
+              for p in pairs]
+    assert saved["rm_num_pairs"] == len(pairs) > 0
+    assert saved["rm_accuracy"] == pytest.approx(sum(m > 0 for m in margins) / len(pairs), abs=1e-6)
+    assert saved["rm_margin"] == pytest.approx(sum(margins) / len(pairs), abs=1e-4)
+    assert saved["rm_length_baseline_accuracy"] == pytest.approx(sum(longer) / len(pairs), abs=1e-6)  # float32 means
+    # the same pairs and numbers the RM stage reported when it finished
+    stage = json.load(open(os.path.join(rm_run["output_dir"], "eval_metrics.json"), encoding="utf-8"))
+    assert saved["rm_accuracy"] == pytest.approx(stage["accuracy"]) and stage["num_pairs"] == len(pairs)
+    assert saved["rm_accuracy"] > 0.6  # the trained RM beats chance on pairs it never saw
+
+
 def test_eval_report_and_plots(eval_run, ppo_run):
     result, rows, saved = eval_run
     report = open(result["report"], encoding="utf-8").read()
     assert result["report"] == os.path.join(ppo_run["output_dir"], "report.md")
-    for key in evaluate.FIGURES + ["sft_score", "ppo_score"]:
+    for key in evaluate.FIGURES + evaluate.RM_FIGURES + ["sft_score", "ppo_score"]:
         assert f"| `{key}` |" in report
     assert report.count(f"| {rows[0]['question']} |") >= 1
     assert "ppo" in result["plots"]  # ppo_run keeps checkpoints with trainer_state.json

@@ -1,7 +1,12 @@
-"""Tokenizer pad handling and stage-input checks."""
+"""Tokenizer pad handling, stage-input checks, and the quantization (QLoRA) plumbing of the model loaders."""
+
+import os
 
 import pytest
+import torch
+from conftest import REPO
 
+from rlhf_trl import models
 from rlhf_trl.models import StageInputError, atomic_dir, load_tokenizer, require_model_dir
 
 
@@ -50,3 +55,211 @@ def test_atomic_dir_leaves_nothing_on_failure(tmp_path):
     with atomic_dir(str(target)) as tmp:
         open(f"{tmp}/full", "w").write("x")
     assert (target / "full").exists()
+
+
+# -- quantization (QLoRA): clear errors on a machine without bitsandbytes / GPU, and the config reaching the loader --
+def model_config(**kwargs):
+    from trl import ModelConfig
+
+    return ModelConfig(**kwargs)
+
+
+def test_no_quantization_needs_nothing():
+    assert models.recipe_quantization_config(model_config()) is None
+
+
+@pytest.mark.parametrize("key", ["load_in_4bit", "load_in_8bit"])
+def test_quantized_model_is_trained_through_lora_only(key):
+    with pytest.raises(ValueError, match=f"^{key}: true needs use_peft: true: .*LoRA.*set use_peft: true, or {key}"):
+        models.recipe_quantization_config(model_config(**{key: True}, use_peft=False, dtype="bfloat16"))
+
+
+def test_quantized_value_model_is_trained_through_lora_only():
+    lora = {"use_peft": True, "value_use_peft": False}
+    with pytest.raises(ValueError, match="^load_in_4bit: true needs value_use_peft: true: the value model is trained"):
+        models.recipe_quantization_config(model_config(load_in_4bit=True, use_peft=True, dtype="bfloat16"), lora)
+
+
+def test_4bit_needs_an_explicit_compute_dtype():
+    with pytest.raises(ValueError, match="load_in_4bit: true needs an explicit dtype"):
+        models.recipe_quantization_config(model_config(load_in_4bit=True, use_peft=True, dtype="auto"))
+
+
+KBIT_CASES = [  # (bitsandbytes installed, CUDA available, use_cpu, fragments expected, fragments not expected)
+    (False, False, False, ["bitsandbytes package", "pip install -e '.[qlora]'", "a CUDA GPU (torch.cuda"], []),
+    (False, True, False, ["bitsandbytes package", "pip install -e '.[qlora]'"], ["a CUDA GPU ("]),
+    (True, False, False, ["a CUDA GPU (torch.cuda.is_available() is False)"], ["pip install"]),
+    (True, True, True, ["a CUDA GPU (the recipe sets use_cpu: true)"], ["pip install"]),
+]
+
+
+@pytest.mark.parametrize("bnb, cuda, use_cpu, expected, unexpected", KBIT_CASES)
+def test_kbit_needs_bitsandbytes_and_a_cuda_gpu(monkeypatch, bnb, cuda, use_cpu, expected, unexpected):
+    monkeypatch.setattr(models, "_has_bitsandbytes", lambda: bnb)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with pytest.raises(ValueError) as exc:
+        models.recipe_quantization_config(model_config(load_in_4bit=True, use_peft=True, dtype="bfloat16"),
+                                          use_cpu=use_cpu)
+    message = str(exc.value)
+    assert message.startswith("load_in_4bit: true needs bitsandbytes and a CUDA GPU; missing here: "), message
+    assert "set load_in_4bit: false" in message
+    for fragment in expected:
+        assert fragment in message, (fragment, message)
+    for fragment in unexpected:
+        assert fragment not in message, (fragment, message)
+
+
+def test_this_machine_gets_the_clear_error_not_an_import_error():
+    """On the CPU test machine (no bitsandbytes, no GPU) the loaders refuse a quantization config themselves."""
+    if models._has_bitsandbytes() and torch.cuda.is_available():
+        pytest.skip("bitsandbytes and a CUDA GPU are present")
+    from transformers import BitsAndBytesConfig
+
+    with pytest.raises(ValueError, match="load_in_8bit: true needs bitsandbytes and a CUDA GPU"):
+        models.load_causal_lm("unused", quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+
+
+class _Loaded(Exception):
+    """Raised by the fake from_pretrained once it has recorded its arguments."""
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "ppo"])
+def test_qlora_recipe_reaches_from_pretrained(stage, assets, tmp_path, monkeypatch):
+    """The 4-bit settings of recipes/qwen2.5-0.5b-qlora/<stage>.yaml arrive at from_pretrained as TRL's
+    BitsAndBytesConfig, with a device map that puts the model whole on this process's GPU."""
+    import importlib
+
+    import transformers
+    from transformers import BitsAndBytesConfig
+
+    seen = []
+
+    def fake_from_pretrained(path, *args, **kwargs):
+        seen.append(kwargs)
+        raise _Loaded(path)
+
+    auto = transformers.AutoModelForSequenceClassification if stage == "rm" else transformers.AutoModelForCausalLM
+    monkeypatch.setattr(auto, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(models, "require_kbit_support", lambda *args, **kwargs: None)  # no bitsandbytes / GPU here
+    recipe = os.path.join(REPO, "recipes", "qwen2.5-0.5b-qlora", f"{stage}.yaml")
+    argv = ["--config", recipe, "--bf16", "false", "--use_cpu", "true", "--output_dir", str(tmp_path / "out"),
+            "--dataset_format", "auto", "--report_to", "none"]
+    if stage == "ppo":
+        argv += ["--dataset_name", assets["prompts"], "--sft_model_path", assets["base_model"],
+                 "--reward_model_path", assets["base_model"], "--eval_split_size", "8", "--per_device_eval_batch_size", "4"]
+    else:
+        argv += ["--dataset_name", assets[stage], "--model_name_or_path", assets["base_model"]]
+    with pytest.raises(_Loaded):
+        importlib.import_module(f"rlhf_trl.{stage}").main(argv)
+    config = seen[0]["quantization_config"]
+    assert isinstance(config, BitsAndBytesConfig)
+    assert config.load_in_4bit and not config.load_in_8bit
+    assert config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16
+    assert seen[0]["device_map"] == {"": 0}
+    assert not (tmp_path / "out").exists()
+
+
+QLORA_CLI_CASES = [  # (stage, extra args, the start of the one error line after "rlhf-trl <stage>: error: ")
+    ("sft", ["--use_peft", "false"], "load_in_4bit: true needs use_peft: true"),
+    ("rm", ["--use_peft", "false"], "load_in_4bit: true needs use_peft: true"),
+    ("ppo", ["--value_use_peft", "false"], "load_in_4bit: true needs value_use_peft: true"),
+    ("sft", [], "load_in_4bit: true needs bitsandbytes and a CUDA GPU; missing here: "),  # --use_cpu true below
+    ("ppo", ["--save_merged_checkpoints", "true"], "load_in_4bit / load_in_8bit: set save_merged_checkpoints: false"),
+]
+
+
+@pytest.mark.parametrize("stage, extra, start", QLORA_CLI_CASES, ids=["sft_no_lora", "rm_no_lora", "ppo_value_no_lora",
+                                                                      "sft_no_gpu", "ppo_merged_checkpoints"])
+def test_qlora_recipe_errors_are_one_line(stage, extra, start, assets, tmp_path, capsys):
+    from rlhf_trl.cli import run_stage
+
+    recipe = os.path.join(REPO, "recipes", "qwen2.5-0.5b-qlora", f"{stage}.yaml")
+    argv = ["--config", recipe, "--bf16", "false", "--use_cpu", "true", "--output_dir", str(tmp_path / "out"),
+            "--dataset_format", "auto", "--report_to", "none", *extra]
+    if stage == "ppo":
+        argv += ["--dataset_name", assets["prompts"], "--sft_model_path", assets["base_model"],
+                 "--reward_model_path", assets["base_model"], "--eval_split_size", "8", "--per_device_eval_batch_size", "4"]
+    else:
+        argv += ["--dataset_name", assets[stage], "--model_name_or_path", assets["base_model"]]
+    with pytest.raises(SystemExit) as exc:
+        run_stage(stage, argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlhf-trl")]
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith(f"rlhf-trl {stage}: error: {start}"), lines
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", ["causal_lm", "sequence_classifier"])
+def test_adapter_on_a_quantized_base_is_merged_into_an_unquantized_copy(kind, assets, tokenizer, tmp_path, monkeypatch):
+    """QLoRA outputs: merge_and_save reloads the base unquantized, merges the adapter there and saves that (4-bit
+    weights would round the update away); the trained model is returned untouched. The quantized base is simulated."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    load = getattr(models, f"load_{kind}")
+    base = load(assets["base_model"], torch.float32)
+    models.resize_for_tokenizer(base, tokenizer)
+    task = "CAUSAL_LM" if kind == "causal_lm" else "SEQ_CLS"
+    model = get_peft_model(base, LoraConfig(task_type=task, r=4, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))  # a non-zero update, as after training
+    monkeypatch.setattr(models, "is_quantized", lambda m: True)
+    out = tmp_path / "merged"
+    returned = models.merge_and_save(model, tokenizer, str(out))
+    assert returned is model and isinstance(returned, PeftModel)
+    assert not (out / "adapter_config.json").exists()
+    merged = load(str(out), torch.float32).eval()
+    ids = torch.tensor([tokenizer("今天天气很好").input_ids + [tokenizer.eos_token_id]])
+    with torch.no_grad():
+        expected = model.eval()(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+    assert torch.allclose(expected, got, atol=1e-5), (expected - got).abs().max()
+
+
+class _FakeShardedTrainer:
+    """What `save_final_model` uses of a trainer whose weights are sharded (DeepSpeed ZeRO-3), on one process."""
+
+    def __init__(self, model):
+        from types import SimpleNamespace
+
+        self.model = model
+        self.accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)),
+                                           wait_for_everyone=lambda: None)
+        self.saved_to = []
+
+    def is_world_process_zero(self):
+        return True
+
+    def save_model(self, path):  # the real one gathers the 16-bit weights from every process first
+        self.saved_to.append(path)
+        self.model.save_pretrained(path)
+
+
+def test_sharded_full_model_is_saved_through_the_trainer_gather(sft_run, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_trl.checkpoints import save_final_model, weights_are_sharded
+
+    model = AutoModelForCausalLM.from_pretrained(sft_run["merged"])
+    trainer = _FakeShardedTrainer(model)
+    assert weights_are_sharded(trainer)
+    out = tmp_path / "merged"
+    back = save_final_model(trainer, tokenizer, str(out), None, sft_run["merged"], "causal_lm")
+    assert trainer.saved_to and trainer.saved_to[0] != str(out)  # staged, then renamed into place
+    assert sorted(os.listdir(tmp_path)) == ["merged"] and (out / "tokenizer_config.json").exists()
+    for a, b in zip(model.parameters(), back.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_sharded_lora_model_is_merged_from_the_saved_adapter(sft_run, rm_run, tmp_path, tokenizer):
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_trl.checkpoints import save_final_model
+
+    trainer = _FakeShardedTrainer(model=None)  # sharded LoRA: only the adapter on disk is used
+    out = tmp_path / "merged"
+    back = save_final_model(trainer, tokenizer, str(out), os.path.join(rm_run["output_dir"], "adapter"),
+                            sft_run["merged"], "sequence_classifier")
+    expected = AutoModelForSequenceClassification.from_pretrained(rm_run["merged"])
+    for (name, a), b in zip(expected.named_parameters(), back.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name

@@ -39,7 +39,7 @@ def test_resume_continues_exactly(assets, sft_run, rm_run, tmp_path):
     straight = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "a", *common))
     with pytest.raises(KeyboardInterrupt):
         ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "b", *common), callbacks=[Crash(2)])
-    assert sorted(os.listdir(tmp_path / "b")) == ["checkpoint-2"]  # no staging leftovers
+    assert sorted(os.listdir(tmp_path / "b")) == ["checkpoint-2", "runs"]  # no staging leftovers
     resumed = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "b", *common, "--resume_from_checkpoint", "true"))
 
     for name in ("merged", "value_model"):
@@ -187,3 +187,87 @@ def test_missing_eos_penalty_sees_only_the_completion(tokenizer, assets):
 
     ids = prompt_features([{"question": "写出<|endoftext|>这个词"}], tokenizer, Template(), 64)["input_ids"][0]
     assert tokenizer.eos_token_id not in ids
+
+
+def test_shared_reward_value_base_holds_one_copy_and_keeps_the_reward_frozen(assets, sft_run, rm_run, tmp_path,
+                                                                            monkeypatch, tokenizer):
+    """share_reward_value_base: the reward model is the value model's base with the adapter off: no weights of its
+    own, the same scores as the reward model loaded fresh at every update, while the value head and adapter train."""
+    from transformers import AutoModelForSequenceClassification
+
+    from trl.experimental.utils import get_reward
+
+    from rlhf_trl.scoring import pad_right, score_sequences
+
+    fresh_rm = AutoModelForSequenceClassification.from_pretrained(rm_run["merged"]).eval()
+    seqs = [tokenizer("问：你觉得滑雪怎么样？\n\n答：滑雪很棒，我很喜欢。")["input_ids"] + [tokenizer.eos_token_id],
+            tokenizer("问：书店好不好？\n\n答：书店太差了。")["input_ids"] + [tokenizer.eos_token_id]]
+    expected = score_sequences(fresh_rm, seqs, tokenizer.pad_token_id)
+    seen = {}
+    original_train = ppo.RLHFPPOTrainer.train
+
+    def spy_train(self, *args, **kwargs):
+        seen["trainer"] = self
+        return original_train(self, *args, **kwargs)
+
+    class Check(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            trainer = seen["trainer"]
+            rm = trainer.reward_model
+            assert isinstance(rm, ppo.SharedBaseRewardModel)
+            got = score_sequences(rm, seqs, tokenizer.pad_token_id)
+            seen.setdefault("reward_gaps", []).append(float((got - expected).abs().max()))
+            value = trainer.accelerator.unwrap_model(trainer.model).value_model
+            with torch.no_grad():  # the value model as TRL reads it
+                ids = pad_right(seqs, tokenizer.pad_token_id)
+                seen.setdefault("values", []).append(get_reward(value, ids, tokenizer.pad_token_id, 1)[1])
+
+    monkeypatch.setattr(ppo.RLHFPPOTrainer, "train", spy_train)
+    res = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "24", "--value_use_peft", "true",
+                            "--share_reward_value_base", "true", "--save_strategy", "no"), callbacks=[Check()])
+    trainer = seen["trainer"]
+    assert res["metrics"]["global_step"] == 3 and len(seen["reward_gaps"]) == 3
+    assert max(seen["reward_gaps"]) < 1e-5  # the reward model stayed the reward model while the value model trained
+    assert not torch.allclose(seen["values"][0], seen["values"][-1])  # ... and the value model did train
+
+    # one copy of the reward/value weights: every reward-model tensor is a tensor of the value model (or its head)
+    wrapper = trainer.accelerator.unwrap_model(trainer.model)
+    value_ptrs = {p.data_ptr() for p in wrapper.value_model.parameters()}
+    backbone = trainer.reward_model if trainer.reward_model is not None else None
+    assert backbone is None  # after the final in-place merge the shared reward model is released
+    base_bytes = sum(p.numel() * p.element_size() for p in fresh_rm.parameters())
+    owned = sum(p.numel() * p.element_size() for p in wrapper.value_model.parameters())
+    assert owned < 1.1 * base_bytes  # the value model = the RM's weights + a small adapter and head
+    assert value_ptrs
+
+    from safetensors.torch import load_file as load
+
+    value = load(os.path.join(res["value_model"], "model.safetensors"))
+    rm = load(os.path.join(rm_run["merged"], "model.safetensors"))
+    assert any(not torch.equal(value[k], rm[k]) for k in rm)  # the saved value model is the trained one
+    assert torch.equal(load(os.path.join(rm_run["merged"], "model.safetensors"))["score.weight"], rm["score.weight"])
+
+
+def test_rollouts_use_the_kv_cache_under_gradient_checkpointing(assets, sft_run, rm_run, tmp_path):
+    """TRL generates rollouts in train mode; with gradient checkpointing on, generation must still use the KV cache
+    (transformers >= 5 keeps it under no_grad): each new token is one single-token forward pass, while the training
+    passes still run with gradients."""
+    seen = []
+
+    class Hook(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            policy = model.policy.get_base_model()
+            seen.append(policy.is_gradient_checkpointing)
+            policy.model.embed_tokens.register_forward_hook(
+                lambda module, inputs, output: seen.append((tuple(inputs[0].shape), torch.is_grad_enabled()))
+            )
+
+    ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "8", "--gradient_checkpointing", "true",
+                      "--response_length", "12", "--save_strategy", "no"), callbacks=[Hook()])
+    assert seen[0] is True
+    calls = seen[1:]
+    single_token = [shape for shape, grad in calls if shape[1] == 1 and not grad]
+    growing = sorted({shape[1] for shape, grad in calls if shape[1] > 1 and not grad})
+    assert len(single_token) >= 3  # incremental decoding: one position per new token after the prompt
+    assert len(growing) <= 3, growing  # prompt (prefill) and full sequences (scoring), not one length per new token
+    assert any(grad for _, grad in calls)  # the training forward passes still ran with gradients

@@ -155,7 +155,7 @@ def test_alpaca_oasst_sft_keeps_history():
     assert len(records) == len(rows) == 689
     multi = [i for i, r in enumerate(rows) if r["history"]]
     assert len(multi) == 390
-    for i, (row, rec) in enumerate(zip(rows, records)):
+    for row, rec in zip(rows, records):
         assert rec["answer"] == row["output"]
         assert rec["history"] == [tuple(t) for t in row["history"]]
         expected_q = row["instruction"] + (f"\n{row['input']}" if row["input"].strip() else "")
@@ -324,3 +324,35 @@ def test_ppo_on_real_data_trains_policy_and_value_model(sft_run, rm_run, ppo_run
     with open(os.path.join(ppo_run["output_dir"], "samples.jsonl"), encoding="utf-8") as f:
         samples = [json.loads(line) for line in f]
     assert samples and all("答：" in s["query"] for s in samples)
+
+
+def test_merge_and_eval_on_the_real_data_recipe(sft_run, rm_run, ppo_run, tmp_path):
+    """`rlhf-trl merge` and `rlhf-trl eval` on the zh-oasst runs: merged models reload; the report is complete."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhf_trl import evaluate, merge
+
+    policy_dir, rm_dir = tmp_path / "policy", tmp_path / "rm"
+    merge.main(["--adapter", os.path.join(ppo_run["output_dir"], "adapter"), "--output", str(policy_dir)])
+    merge.main(["--adapter", os.path.join(rm_run["output_dir"], "adapter"), "--output", str(rm_dir)])
+    policy = AutoModelForCausalLM.from_pretrained(str(policy_dir))
+    assert not differs(weights(ppo_run["merged"]), weights(str(policy_dir)))  # = the merged policy PPO saved
+    assert AutoModelForSequenceClassification.from_pretrained(str(rm_dir)).config.num_labels == 1
+    assert policy.config.vocab_size >= 151643  # the real Qwen2 tokenizer's vocabulary
+
+    result = evaluate.main([
+        "--config", str(RECIPES / "ppo.yaml"), "--dataset_name", OAAST_RM,
+        "--sft_model_path", sft_run["merged"], "--reward_model_path", rm_run["merged"],
+        "--output_dir", ppo_run["output_dir"], "--max_samples", "64", "--eval_split_size", "4",
+        "--response_length", "16", "--max_prompt_length", "64", "--samples_per_prompt", "2",
+    ])
+    saved = json.load(open(os.path.join(ppo_run["output_dir"], "eval.json"), encoding="utf-8"))
+    for key in evaluate.FIGURES + evaluate.RM_FIGURES:
+        assert saved[key] == saved[key] and key in result, key  # present and not NaN
+    assert saved["num_samples"] == 8 and saved["rm_num_pairs"] > 0
+    report = open(result["report"], encoding="utf-8").read()
+    assert "## Samples" in report and "rm_accuracy" in report
+    rows = [json.loads(line) for line in open(result["samples"], encoding="utf-8")]
+    assert any(any("\u4e00" <= ch <= "\u9fff" for ch in r["question"]) for r in rows)  # Chinese prompts
+    for png in result["plots"].values():
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 
 import pytest
 import torch
@@ -17,10 +18,14 @@ RECIPES = sorted(
 )
 
 
+GPU_SETS = ("qwen2.5-0.5b", "qwen2.5-0.5b-qlora", "qwen2.5-7b", "qwen2.5-7b-qlora", "baichuan2-7b")
+
+
 def test_there_are_recipes_for_every_stage():
-    for run in ("demo", "zh-oasst", "qwen2.5-0.5b"):
+    for run in ("demo", "zh-oasst", *GPU_SETS):
         for stage in STAGES:
             assert os.path.isfile(os.path.join(ROOT, "recipes", run, f"{stage}.yaml")), (run, stage)
+    assert os.path.isfile(os.path.join(ROOT, "recipes", "qwen2.5-7b-full", "sft.yaml"))  # full-parameter, ZeRO-3
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
@@ -36,3 +41,87 @@ def test_recipe_parses(path):
     assert parsed[0].dataset_name, "every recipe names its data"
     assert text.lstrip().startswith("#")
     assert f"make {stage}" in text or f"rlhf-trl {stage}" in text, "the recipe should say how to run it"
+
+
+def recipe_yaml(path):
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def header(path):
+    """The comment block a recipe starts with (its lines without the leading '#')."""
+    lines = []
+    for line in open(path, encoding="utf-8"):
+        if not line.startswith("#"):
+            break
+        lines.append(line[1:].strip())
+    return " ".join(lines)
+
+
+GPU_RECIPES = [p for p in RECIPES if recipe_yaml(p).get("use_cpu") is False]
+QUANTIZED_RECIPES = [p for p in RECIPES if recipe_yaml(p).get("load_in_4bit") or recipe_yaml(p).get("load_in_8bit")]
+
+
+def test_the_gpu_and_quantized_recipes_are_found():
+    names = {os.path.relpath(p, ROOT) for p in GPU_RECIPES}
+    for run in GPU_SETS:
+        assert all(os.path.join("recipes", run, f"{stage}.yaml") in names for stage in STAGES), run
+    assert os.path.join("recipes", "qwen2.5-7b-full", "sft.yaml") in names
+    quantized = {os.path.relpath(os.path.dirname(p), ROOT) for p in QUANTIZED_RECIPES}
+    assert quantized == {os.path.join("recipes", "qwen2.5-0.5b-qlora"), os.path.join("recipes", "qwen2.5-7b-qlora")}
+
+
+@pytest.mark.parametrize("path", QUANTIZED_RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_quantized_recipes_train_through_lora(path, monkeypatch):
+    """4-bit weights cannot be trained: the policy / SFT / RM model through use_peft, PPO's value model through
+    value_use_peft; and the recipe's quantization settings pass rlhf_trl's checks (bitsandbytes / GPU aside)."""
+    from rlhf_trl import models
+
+    recipe = recipe_yaml(path)
+    assert recipe.get("use_peft") is True
+    if os.path.basename(path) == "ppo.yaml":
+        assert recipe.get("value_use_peft") is True
+        assert recipe.get("save_merged_checkpoints") is False  # a merge into 4-bit weights would round the update away
+    assert recipe.get("dtype") == "bfloat16" and recipe.get("bnb_4bit_quant_type") == "nf4"
+    assert "pip install -e '.[qlora]'" in header(path)
+    stage = os.path.basename(path)[:-5]
+    parsed = parse_recipe(STAGES[stage].recipe_types(), ["--config", path, "--bf16", "false", "--use_cpu", "true"])
+    model_args = next(p for p in parsed if type(p).__name__ == "ModelConfig")
+    lora = {"use_peft": model_args.use_peft}
+    if stage == "ppo":
+        lora["value_use_peft"] = next(p for p in parsed if type(p).__name__ == "PPOScriptArguments").value_use_peft
+    monkeypatch.setattr(models, "require_kbit_support", lambda *args, **kwargs: None)  # no bitsandbytes / GPU here
+    config = models.recipe_quantization_config(model_args, lora)
+    assert config.load_in_4bit and config.bnb_4bit_compute_dtype == torch.bfloat16
+
+
+BATCH = re.compile(r"per_device_train_batch_size x processes x gradient_accumulation_steps = (\d+) x (\d+) x (\d+) = "
+                   r"(\d+)")
+
+
+@pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_gpu_recipes_state_effective_batch_and_memory(path):
+    """Each GPU recipe's header gives its effective batch (matching its keys) and its expected GPU memory."""
+    text, recipe = header(path), recipe_yaml(path)
+    match = BATCH.search(text)
+    assert match, "the header states the effective batch as per-device x processes x accumulation = N"
+    per_device, processes, accumulation, total = map(int, match.groups())
+    assert per_device == recipe["per_device_train_batch_size"]
+    assert accumulation == recipe.get("gradient_accumulation_steps", 1)
+    assert per_device * processes * accumulation == total
+    if "NPROC=" in text:
+        assert f"NPROC={processes}" in text
+    memory = re.search(r"Memory[^:(]*\([^)]*(?:estimate|expected)[^)]*not measured[^)]*\):(.*?)GB", text)
+    assert memory, "the header gives the expected GPU memory in GB, marked as an estimate (not measured)"
+    assert re.search(r"peak ~?\d|~\d+(-\d+)? GB per GPU", text), "the header ends the derivation with a figure"
+
+
+def test_zero3_recipe_is_full_parameter_under_zero3():
+    path = os.path.join(ROOT, "recipes", "qwen2.5-7b-full", "sft.yaml")
+    text, recipe = header(path), recipe_yaml(path)
+    assert "make sft RECIPE=recipes/qwen2.5-7b-full/sft.yaml ACCEL=zero3 NPROC=8" in text
+    assert os.path.isfile(os.path.join(ROOT, "recipes", "accelerate_configs", "zero3.yaml"))
+    assert recipe["use_peft"] is False and recipe["gradient_checkpointing"] is True and recipe["bf16"] is True
+    assert "per GPU" in text

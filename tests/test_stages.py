@@ -150,3 +150,41 @@ def test_cli_overrides_beat_the_recipe():
         sft.recipe_types(), ["--config", f"{RECIPES}/sft.yaml", "--learning_rate", "0.5"]
     )
     assert train.learning_rate == 0.5 and data.dataset_format == "alpaca" and path.endswith("sft.yaml")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# logging: TensorBoard event files by default
+# ----------------------------------------------------------------------------------------------------------------
+def _scalars(output_dir):
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = glob.glob(os.path.join(output_dir, "runs", "*", "events.out.tfevents.*"))
+    assert files, f"no TensorBoard event file under {output_dir}/runs"
+    tags = set()
+    for f in files:
+        acc = EventAccumulator(f)
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    return tags
+
+
+def test_every_stage_writes_tensorboard_event_files(sft_run, rm_run, ppo_run):
+    assert "train/loss" in _scalars(sft_run["output_dir"])
+    assert "train/loss" in _scalars(rm_run["output_dir"])
+    tags = _scalars(ppo_run["output_dir"])
+    assert {"train/objective/scores", "train/objective/kl"} <= tags, sorted(tags)
+
+
+def test_report_to_defaults_to_tensorboard_and_stays_overridable(tmp_path):
+    from rlhf_trl import sft
+    from rlhf_trl.config import parse_recipe
+
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text("dataset_name: x.jsonl\noutput_dir: out\nuse_cpu: true\n")
+    assert parse_recipe(sft.recipe_types(), ["--config", str(recipe)])[1].report_to == ["tensorboard"]
+    assert parse_recipe(sft.recipe_types(), ["--config", str(recipe), "--report_to", "none"])[1].report_to in (
+        [], ["none"], "none")
+    recipe.write_text("dataset_name: x.jsonl\noutput_dir: out\nuse_cpu: true\nreport_to: none\n")
+    assert parse_recipe(sft.recipe_types(), ["--config", str(recipe)])[1].report_to in ([], ["none"], "none")

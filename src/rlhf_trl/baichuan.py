@@ -402,14 +402,14 @@ def causal_lm_class(path: str) -> type:
     return _causal_lm_class(_remote_class(_auto_ref(path, "AutoModelForCausalLM", CAUSAL_LM_REF), path))
 
 
-def load_causal_lm(path: str, dtype=None):
+def load_causal_lm(path: str, dtype=None, **kwargs):
     """The Baichuan causal LM of ``path``, usable as SFT model and PPO policy.
 
     The returned model is an instance of a subclass of the remote ``BaichuanForCausalLM`` (same name, same weights
     and module names) that accepts ``position_ids``, has ``generate`` (with the remote legacy KV cache) and saves its
-    remote code with its weights.
+    remote code with its weights. ``kwargs`` (``quantization_config``, ``device_map``) go to ``from_pretrained``.
     """
-    return causal_lm_class(path).from_pretrained(path, dtype=dtype)
+    return causal_lm_class(path).from_pretrained(path, dtype=dtype, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -556,14 +556,15 @@ def classifier_class(path: str) -> type:
     return _classifier_class(config_cls, backbone_cls)
 
 
-def load_sequence_classifier(path: str, dtype=None):
+def load_sequence_classifier(path: str, dtype=None, **kwargs):
     """A `BaichuanForSequenceClassification` (``num_labels=1``) from ``path``.
 
     ``path`` is a Baichuan causal-LM directory (SFT output, base model: the backbone is loaded, ``lm_head`` ignored,
-    ``score`` newly initialized) or a saved classifier (reward model, value model: ``score`` restored).
+    ``score`` newly initialized) or a saved classifier (reward model, value model: ``score`` restored). ``kwargs``
+    (``quantization_config``, ``device_map``) go to ``from_pretrained``.
     """
     cls = classifier_class(path)
-    model, info = cls.from_pretrained(path, dtype=dtype, num_labels=1, output_loading_info=True)
+    model, info = cls.from_pretrained(path, dtype=dtype, num_labels=1, output_loading_info=True, **kwargs)
     missing = set(info.get("missing_keys") or ())
     if missing - {"score.weight"}:
         raise ValueError(f"Baichuan classifier at '{path}': weights missing: {sorted(missing)}")

@@ -18,10 +18,18 @@ class AtomicCheckpointMixin:
     (``get_last_checkpoint`` and ``resume_from_checkpoint=true`` only see complete ones).
 
     Subclasses add files with `checkpoint_extras`.
+
+    Under several processes (``accelerate launch``) every process calls ``_save_checkpoint`` (the trainer's save
+    runs collective operations and each process writes its own ``rng_state_<rank>.pth``); only the main process
+    clears the staging directory, writes the extras and renames, between barriers.
     """
 
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
-        """Write extra files into a checkpoint before it is renamed into place (default: nothing)."""
+        """Write extra files into a checkpoint before it is renamed into place (default: nothing).
+
+        Called on every process; collective operations are allowed, files must be written by the main process
+        only (``self.args.should_save``).
+        """
 
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_utils import rotate_checkpoints
@@ -29,22 +37,25 @@ class AtomicCheckpointMixin:
         root = self.args.output_dir
         name = f"checkpoint-{self.state.global_step}"
         staging = os.path.join(root, f"{STAGING_PREFIX}{name}")
-        shutil.rmtree(staging, ignore_errors=True)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.accelerator.wait_for_everyone()  # no process writes into staging before it is cleared
         self.args.output_dir = staging
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self.args.output_dir = root
-        if not self.args.should_save:
-            return
         ckpt = os.path.join(staging, name)
         self.checkpoint_extras(ckpt)
-        final = os.path.join(root, name)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(ckpt, final)
-        shutil.rmtree(staging, ignore_errors=True)
-        rotate_checkpoints(root, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False)
+        self.accelerator.wait_for_everyone()  # every process's files are in staging
+        if self.args.should_save:
+            final = os.path.join(root, name)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(ckpt, final)
+            shutil.rmtree(staging, ignore_errors=True)
+            rotate_checkpoints(root, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False)
+        self.accelerator.wait_for_everyone()  # checkpoint-N is in place for every process
 
 
 def with_atomic_checkpoints(trainer_cls):
@@ -75,7 +86,89 @@ def start_run(training_args, run_args=None):
     from .models import resolve_resume
 
     run_args = run_args or RunArguments()
+    state = distributed_state(training_args)
     resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
-    remove_staging(training_args.output_dir)
+    if state.is_main_process:
+        remove_staging(training_args.output_dir)
+    state.wait_for_everyone()  # every process has checked the output_dir before any of them writes into it
     return run_args, resume
+
+
+def distributed_state(training_args):
+    """The `accelerate.PartialState` of this run, set up the way the trainer will set it up (from ``use_cpu``,
+    ``ddp_backend``, ... of ``training_args``): under ``accelerate launch --num_processes N`` this joins the process
+    group (gloo on CPU). One process: a state with ``is_main_process`` True and a no-op ``wait_for_everyone``.
+
+    Raises:
+        RecipeError: the launcher started several processes (``WORLD_SIZE`` > 1) but they did not form one process
+            group, so each would train alone and all would write the same files (e.g. a GPU config on a machine
+            without GPUs and a recipe without ``use_cpu: true``).
+    """
+    from .config import RecipeError
+
+    training_args.device  # noqa: B018  (sets up PartialState / the process group, as the trainer does)
+    state = getattr(training_args, "distributed_state", None)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if state is not None and launched > 1 and state.num_processes != launched:
+        raise RecipeError(
+            f"launched {launched} processes but they did not join one process group (this one sees "
+            f"{state.num_processes}); on a machine without GPUs set `use_cpu: true` in the recipe or launch with "
+            "ACCEL=multi_cpu (ACCELERATE_USE_CPU=true)"
+        )
+    return state if state is not None else _SingleProcess()
+
+
+class _SingleProcess:
+    is_main_process = True
+    num_processes = 1
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+def weights_are_sharded(trainer) -> bool:
+    """True when the trainer's model weights are split across processes (DeepSpeed ZeRO-3 or FSDP), so no single
+    process can merge or save them from its own copy."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return bool((plugin is not None and plugin.zero_stage == 3) or getattr(trainer, "is_fsdp_enabled", False))
+
+
+def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, base_path: str, kind: str):
+    """Write a stage's ``merged/`` model: a plain transformers model with the tokenizer. Call on every process.
+
+    - One copy of the weights per process (single process, DDP): the main process merges the LoRA adapter (if any)
+      into the trained model and saves it (`models.merge_and_save`); returns that model there.
+    - Weights sharded (ZeRO-3 / FSDP), full-parameter training: every process calls ``trainer.save_model`` into a
+      staging directory (it gathers the full weights: DeepSpeed needs ``zero3_save_16bit_model: true``, as in
+      ``recipes/accelerate_configs/zero3.yaml``); the main process adds the tokenizer and renames it into place.
+    - Weights sharded, LoRA: the adapter in ``adapter_dir`` (saved by ``trainer.save_model``) is merged into the base
+      at ``base_path`` loaded again on the CPU of the main process (`merge.merge_adapter`).
+
+    In the sharded cases the main process returns the merged model loaded from ``path`` (``kind``:
+    ``causal_lm`` / ``sequence_classifier``). Other processes return None.
+    """
+    from .models import load_causal_lm, load_sequence_classifier, merge_and_save
+
+    main = trainer.is_world_process_zero()
+    if not weights_are_sharded(trainer):
+        return merge_and_save(trainer.model, tokenizer, path) if main else None
+    if adapter_dir is None:
+        staging = path + ".tmp-gathered"
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+        trainer.accelerator.wait_for_everyone()
+        trainer.save_model(staging)
+        if main:
+            tokenizer.save_pretrained(staging)
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.rename(staging, path)
+    elif main:
+        from .merge import merge_adapter
+
+        merge_adapter(adapter_dir, path, base=base_path)
+    trainer.accelerator.wait_for_everyone()
+    if not main:
+        return None
+    return (load_causal_lm if kind == "causal_lm" else load_sequence_classifier)(path)

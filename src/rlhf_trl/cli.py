@@ -30,10 +30,16 @@ def setup_logging() -> None:
     logging.basicConfig(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING
     )
-    logging.getLogger("rlhf_trl").setLevel(logging.INFO)
+    # under `accelerate launch` the other processes log warnings only (RANK: set by the launcher)
+    logging.getLogger("rlhf_trl").setLevel(logging.INFO if is_main_rank() else logging.WARNING)
     import transformers
 
     transformers.utils.logging.set_verbosity_warning()
+
+
+def is_main_rank() -> bool:
+    """False in the non-main processes of an ``accelerate launch`` / torchrun launch (``RANK`` > 0)."""
+    return int(os.environ.get("RANK", "0") or 0) == 0
 
 
 def one_line(exc: BaseException) -> str:
@@ -73,6 +79,8 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
         sys.exit(3)
     if stage == "demo" and "summary" in result:
         print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
+        return 0
+    if not is_main_rank():
         return 0
     metrics = result.get("metrics", {}) if isinstance(result, dict) else {}
     summary = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.endswith("_runtime")}

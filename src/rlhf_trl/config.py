@@ -55,8 +55,14 @@ def recipe_path(argv: list[str]) -> str | None:
     return None
 
 
+DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; offline
+
+
 def parse_recipe(dataclass_types: tuple, argv: list[str] | None):
     """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into the given dataclasses.
+
+    A recipe that sets no ``report_to`` (neither in the file nor on the command line) logs to TensorBoard
+    (`DEFAULT_REPORT_TO`: event files under ``<output_dir>/runs``) instead of transformers' ``none``.
 
     Returns:
         A tuple of dataclass instances, in the order of ``dataclass_types``, followed by the recipe path (or None).
@@ -72,6 +78,7 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None):
     path = recipe_path(argv)
     if "--config" in argv and path is None:
         raise RecipeError("--config needs a recipe path")
+    data = {}
     if path is not None:
         if not os.path.isfile(path):
             raise RecipeError(f"recipe not found: {path}")
@@ -86,6 +93,9 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None):
         unknown = sorted(set(data) - known)
         if unknown:
             raise RecipeError(f"{path}: unknown key(s) {unknown}; check the spelling against `--help`")
+    has_report_to = any("report_to" in {f.name for f in dataclasses.fields(t)} for t in dataclass_types)
+    if has_report_to and "report_to" not in data and not any(a.split("=")[0] == "--report_to" for a in argv):
+        argv += ["--report_to", DEFAULT_REPORT_TO]
     parser = TrlParser(dataclass_types)
     try:
         parsed = parser.parse_args_and_config(argv)

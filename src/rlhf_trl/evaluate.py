@@ -31,6 +31,10 @@ What is computed (all on the PPO recipe's held-out prompts: ``read_records(data_
    - ``sft_eos_rate`` / ``ppo_eos_rate``: fraction of responses that ended with EOS;
    - with ``--demo`` (the embedded demo task): ``sft_score`` / ``ppo_score``, the mean ground-truth score
      (`rlhf_trl.demo_task.score_text` of the decoded response) in [-1, 1].
+   - ``rm_accuracy`` / ``rm_margin`` / ``rm_length_baseline_accuracy`` / ``rm_num_pairs``: the reward model's
+     pairwise accuracy (chosen scored above rejected), mean margin (reward units) and the "longer response wins"
+     baseline on the pairs the RM stage held out (``<rm stage dir>/eval_pairs.jsonl``, token ids, re-scored here
+     with ``reward_model_path``); absent when that file is missing (an RM run without an eval split).
 
 Writes into the PPO ``output_dir``: ``eval.json`` (the figures and the settings), ``eval_samples.jsonl`` (one row per
 pair: prompt ids, both responses' ids, EOS flags, texts, rewards, and the per-token log-probs behind the KL) and
@@ -59,6 +63,7 @@ SFT_CURVES = ["loss", "eval_loss", "train_loss", "mean_token_accuracy", "eval_me
 RM_CURVES = ["loss", "eval_loss", "train_loss", "eval_accuracy", "accuracy", "margin"]
 FIGURES = ["sft_reward", "ppo_reward", "win_rate", "kl_per_token", "sft_mean_length", "ppo_mean_length",
            "sft_eos_rate", "ppo_eos_rate"]
+RM_FIGURES = ["rm_accuracy", "rm_margin", "rm_length_baseline_accuracy", "rm_num_pairs"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -153,6 +158,30 @@ def figures(rows: list[dict], demo: bool = False) -> dict:
     return out
 
 
+def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
+    """Re-score the RM stage's held-out pairs (``eval_pairs.jsonl``: ``chosen_ids``, ``rejected_ids``,
+    ``prompt_length`` per line) with ``reward_model``.
+
+    Returns ``rm_accuracy``, ``rm_margin``, ``rm_length_baseline_accuracy``, ``rm_num_pairs`` (see
+    `rlhf_trl.scoring.pairwise_metrics`). Raises ``DataError`` naming the file and line on a malformed row.
+    """
+    from .data import DataError
+    from .rm import evaluate_pairs
+
+    feats = {"chosen_ids": [], "rejected_ids": [], "prompt_length": []}
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            try:
+                row = json.loads(line)
+                for key in feats:
+                    feats[key].append(row[key])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise DataError(path, f"not an eval pair ({exc})", i) from None
+    if not feats["chosen_ids"]:
+        return {}
+    return {f"rm_{k}": v for k, v in evaluate_pairs(reward_model, feats, pad_token_id).items()}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # training logs and plots
 # ----------------------------------------------------------------------------------------------------------------
@@ -234,11 +263,16 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
              f"{result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} tokens, seed "
              f"{result['seed']}. Rewards are raw reward-model scores (no baseline, no missing-EOS penalty).", "",
              "## Figures", "", "| figure | value |", "|---|---|"]
-    keys = FIGURES + [k for k in ("sft_score", "ppo_score") if k in result["figures"]]
+    keys = FIGURES + [k for k in ("sft_score", "ppo_score", *RM_FIGURES) if k in result["figures"]]
     for key in keys:
-        lines.append(f"| `{key}` | {result['figures'][key]:.4f} |")
+        value = result["figures"][key]
+        lines.append(f"| `{key}` | {value if isinstance(value, int) else format(value, '.4f')} |")
+    rm_note = (f" `rm_*`: the reward model on the {result['figures']['rm_num_pairs']} pairs its stage held out "
+               f"(`{result['rm_pairs']}`); `rm_length_baseline_accuracy` is what \"the longer response wins\" scores."
+               if result.get("rm_pairs") else " RM pairwise accuracy: no held-out pairs found (the RM run had no eval "
+               "split).")
     lines += ["", "`kl_per_token`: mean over PPO response tokens (EOS included) of log p_ppo - log p_sft at "
-              "temperature 1 (nats per token); lengths in tokens, EOS excluded.", "",
+              "temperature 1 (nats per token); lengths in tokens, EOS excluded." + rm_note, "",
               "## Samples", "", "| prompt | SFT response | PPO response | SFT reward | PPO reward |",
               "|---|---|---|---|---|"]
     for r in rows[:num_examples]:
@@ -337,6 +371,10 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     reward_model.config.pad_token_id = pad
     rewards = {name: score_sequences(reward_model, [p + r for p, (r, _) in zip(prompts, responses[name])], pad).tolist()
                for name in ("sft", "ppo")}
+    rm_pairs_path = os.path.join(_stage_dir(rm_path) or "", "eval_pairs.jsonl")
+    rm_figures = rm_pair_figures(reward_model, rm_pairs_path, pad) if os.path.isfile(rm_pairs_path) else {}
+    if not rm_figures:
+        logger.warning("eval: no RM held-out pairs at %s; rm_accuracy is not reported", rm_pairs_path)
     del reward_model
 
     rows = []
@@ -356,7 +394,8 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
         rows.append(row)
 
     result = {
-        "figures": figures(rows, demo),
+        "figures": {**figures(rows, demo), **rm_figures},
+        "rm_pairs": rm_pairs_path if rm_figures else None,
         "ppo_output_dir": out_dir, "sft_model_path": sft_path, "reward_model_path": rm_path, "ppo_model_path": ppo_path,
         "num_prompts": len(eval_records), "samples_per_prompt": samples_per_prompt,
         "temperature": training_args.temperature, "response_length": training_args.response_length,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -127,48 +128,142 @@ def _check_remote_code(path: str, trust_remote_code: bool) -> None:
         logger.warning("trust_remote_code: the Python code in '%s' will run in this process", path)
 
 
-def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pickle: bool):
-    """Load a causal LM (``kind='causal_lm'``) or a one-label sequence classifier (``'sequence_classifier'``)."""
+def _has_bitsandbytes() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def _quantization_key(quantization_config) -> str:
+    """The recipe key that asked for ``quantization_config``: ``load_in_4bit`` or ``load_in_8bit``."""
+    return "load_in_8bit" if getattr(quantization_config, "load_in_8bit", False) else "load_in_4bit"
+
+
+def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> None:
+    """Check that bitsandbytes and a CUDA GPU are there for a ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) run.
+
+    Raises:
+        ValueError: bitsandbytes is not installed, or no CUDA GPU is available (or ``use_cpu`` is set); the message
+            names ``key``, everything that is missing and the fix.
+    """
+    missing = []
+    if not _has_bitsandbytes():
+        missing.append("the bitsandbytes package (install it: pip install -e '.[qlora]')")
+    if use_cpu:
+        missing.append("a CUDA GPU (the recipe sets use_cpu: true)")
+    elif not torch.cuda.is_available():
+        missing.append("a CUDA GPU (torch.cuda.is_available() is False)")
+    if missing:
+        raise ValueError(
+            f"{key}: true needs bitsandbytes and a CUDA GPU; missing here: {'; '.join(missing)}. Run it on a CUDA "
+            f"machine with the qlora extra, or set {key}: false (the bf16 LoRA recipes need neither)"
+        )
+
+
+def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, use_cpu: bool = False):
+    """The bitsandbytes config a recipe asks for (TRL's ``ModelConfig``: ``load_in_4bit`` / ``load_in_8bit``,
+    ``bnb_4bit_quant_type``, ``use_bnb_nested_quant``, ``bnb_4bit_quant_storage``; the 4-bit compute dtype is
+    ``dtype``), built by `trl.get_quantization_config`; None when the recipe quantizes nothing.
+
+    Quantized weights cannot be trained, only LoRA adapters on them (QLoRA), so every switch in ``lora`` (recipe key
+    -> value; default ``{"use_peft": model_args.use_peft}``; PPO adds ``value_use_peft``) must be on.
+
+    Raises:
+        ValueError: a ``lora`` switch is off; ``load_in_4bit`` with ``dtype: auto``; bitsandbytes or a CUDA GPU is
+            missing (`require_kbit_support`). Each message names the recipe key and the fix.
+    """
+    from trl import get_quantization_config
+
+    if not (model_args.load_in_4bit or model_args.load_in_8bit):
+        return None
+    key = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
+    bits = "4-bit" if model_args.load_in_4bit else "8-bit"
+    for switch, on in (lora if lora is not None else {"use_peft": model_args.use_peft}).items():
+        if not on:
+            what = "the value model is trained too, and " if switch.startswith("value_") else ""
+            raise ValueError(
+                f"{key}: true needs {switch}: true: {what}{bits} quantized weights cannot be trained, only LoRA "
+                f"adapters on them (QLoRA); set {switch}: true, or {key}: false"
+            )
+    if model_args.load_in_4bit and model_args.dtype == "auto":
+        raise ValueError("load_in_4bit: true needs an explicit dtype (bfloat16, float16 or float32): it is the 4-bit "
+                         "compute dtype; 'auto' is not one")
+    require_kbit_support(key, use_cpu)
+    return get_quantization_config(model_args)
+
+
+def kbit_device_map() -> dict:
+    """``{"": local process index}``: each process loads its quantized model whole onto its own GPU (bitsandbytes
+    weights are quantized as they load; DDP runs one model copy per GPU)."""
+    from accelerate import PartialState
+
+    return {"": PartialState().local_process_index}
+
+
+def is_quantized(model) -> bool:
+    """True for a bitsandbytes 4-bit / 8-bit model, or a peft model on one."""
+    base = getattr(model, "get_base_model", lambda: model)()
+    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
+
+
+def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pickle: bool, quantization_config=None):
+    """Load a causal LM (``kind='causal_lm'``) or a one-label sequence classifier (``'sequence_classifier'``).
+
+    With ``quantization_config`` (a ``BitsAndBytesConfig``) the model is quantized as it loads, onto this process's
+    GPU (`kbit_device_map`).
+    """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     _check_remote_code(path, trust_remote_code)
+    quant = {}
+    if quantization_config is not None:
+        require_kbit_support(_quantization_key(quantization_config))
+        quant = {"quantization_config": quantization_config, "device_map": kbit_device_map()}
     if trust_remote_code and is_baichuan(path):
         from . import baichuan
 
-        return getattr(baichuan, f"load_{kind}")(path, dtype=dtype)
+        return getattr(baichuan, f"load_{kind}")(path, dtype=dtype, **quant)
     auto, extra = (AutoModelForCausalLM, {}) if kind == "causal_lm" else (AutoModelForSequenceClassification,
                                                                          {"num_labels": 1})
     return auto.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True, **extra
+        path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True,
+        **extra, **quant,
     )
 
 
-def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False):
+def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False,
+                   quantization_config=None):
     """A causal LM (policy / SFT model); Baichuan remote-code models go through `rlhf_trl.baichuan`.
 
-    Weights load from safetensors only unless ``allow_pickle``.
+    Weights load from safetensors only unless ``allow_pickle``. ``quantization_config`` (a ``BitsAndBytesConfig``,
+    see `recipe_quantization_config`) quantizes the model as it loads, onto this process's GPU.
 
     Raises:
-        ValueError: a remote-code model without ``trust_remote_code``.
+        ValueError: a remote-code model without ``trust_remote_code``; ``quantization_config`` without bitsandbytes
+            or a CUDA GPU.
     """
-    return _load_model("causal_lm", path, dtype, trust_remote_code, allow_pickle)
+    return _load_model("causal_lm", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
 
-def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False):
+def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False,
+                             quantization_config=None):
     """A ``num_labels=1`` sequence classifier (reward / value model) with a last-token ``score`` head.
 
     Baichuan remote-code models get `rlhf_trl.baichuan.BaichuanForSequenceClassification`. Weights load from
-    safetensors only unless ``allow_pickle``.
+    safetensors only unless ``allow_pickle``. ``quantization_config`` quantizes the model as it loads (the ``score``
+    head, the last module, stays unquantized), onto this process's GPU.
 
     Raises:
-        ValueError: a remote-code model without ``trust_remote_code``.
+        ValueError: a remote-code model without ``trust_remote_code``; ``quantization_config`` without bitsandbytes
+            or a CUDA GPU.
     """
-    return _load_model("sequence_classifier", path, dtype, trust_remote_code, allow_pickle)
+    return _load_model("sequence_classifier", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
 
 def resize_for_tokenizer(model, tokenizer) -> None:
     """Grow the embeddings if the tokenizer gained tokens, and record pad / EOS ids on config and generation config."""
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+    embeddings = model.get_input_embeddings()
+    # num_embeddings: under DeepSpeed ZeRO-3 ``weight`` is this rank's (possibly empty) partition
+    rows = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
+    if len(tokenizer) > rows:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.eos_token_id = tokenizer.eos_token_id
@@ -250,14 +345,40 @@ def merge_and_save(model, tokenizer, path: str):
     (a ``modules_to_save`` copy) is part of the merged model. The adapter is merged in place: use the returned
     plain model afterwards, not ``model``.
 
+    A LoRA adapter on a bitsandbytes-quantized base (QLoRA) is not merged into the quantized weights (that would
+    round the update away and save a 4-bit model): the base is loaded again unquantized, on the CPU, in the dtype of
+    the quantized model's unquantized parts (bf16 in the QLoRA recipes), the adapter is merged into it and that model
+    is saved. ``model`` is then returned unchanged (quantized, adapter active: what was trained, on the GPU).
+
     Returns:
-        The merged plain `transformers` model.
+        The merged plain `transformers` model, or ``model`` itself for a quantized base.
     """
     from peft import PeftModel
 
+    if isinstance(model, PeftModel) and is_quantized(model):
+        _merge_quantized(model, tokenizer, path)
+        return model
     merged = model.merge_and_unload() if isinstance(model, PeftModel) else model
     save_pretrained_atomic(merged, tokenizer, path)
     return merged
+
+
+def _merge_quantized(model, tokenizer, path: str) -> None:
+    """Save ``model``'s adapter, merge it into the unquantized base (CPU) and save that plain model to ``path``."""
+    from peft import PeftModel
+
+    config = model.peft_config[model.active_adapter]
+    kind = "sequence_classifier" if config.task_type == "SEQ_CLS" else "causal_lm"
+    base_path = config.base_model_name_or_path
+    dtype = model.get_input_embeddings().weight.dtype  # embeddings are never quantized: the load dtype
+    logger.info("QLoRA: merging the adapter into an unquantized %s copy of '%s' (CPU)", dtype, base_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        # the stage already loaded (and checked) this base; trust_remote_code only where it is a Baichuan directory
+        base = _load_model(kind, base_path, dtype, is_baichuan(base_path), allow_pickle=True)
+        resize_for_tokenizer(base, tokenizer)
+        merged = PeftModel.from_pretrained(base, tmp).merge_and_unload()
+    save_pretrained_atomic(merged, tokenizer, path)
 
 
 def write_json(path: str, data: dict) -> None:
@@ -266,4 +387,14 @@ def write_json(path: str, data: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f, ensure_ascii=False, indent=2)
+    os.replace(tmp, path)
+
+
+def write_jsonl(path: str, rows) -> None:
+    """Write one JSON object per line atomically (temporary file, then rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
     os.replace(tmp, path)

@@ -11,7 +11,11 @@ Models:
   - reward model: the merged RM (``reward_model_path``), frozen, in eval mode, its score shifted by
     ``reward_baseline`` (a number, or ``auto``: the mean RM score of SFT rollouts on a calibration batch);
   - value model: initialized from the reward model (``value_model_path`` overrides), trained with the policy, fully
-    or through its own LoRA adapter (``value_use_peft``) with a frozen base.
+    or through its own LoRA adapter (``value_use_peft``) with a frozen base;
+  - ``share_reward_value_base: true`` (with ``value_use_peft``): the value model's LoRA adapter sits on the reward
+    model's own weights and the reward model is that base with the adapter switched off (`SharedBaseRewardModel`),
+    so reward and value model hold one copy of the weights. With a LoRA policy, PPO then holds two copies of base
+    weights in all (policy/reference, reward/value) where TRL's layout holds three (four without LoRA).
 
 What `RLHFPPOTrainer` adds around TRL's trainer (which it subclasses; the PPO loop itself is TRL's):
   - checkpoints written under a temporary name, then renamed, holding the policy (adapter and merged), the value
@@ -49,7 +53,7 @@ from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402  (the one i
 from trl.experimental.ppo.ppo_trainer import batch_generation, truncate_response  # noqa: E402
 from trl.experimental.utils import get_reward  # noqa: E402
 
-from .checkpoints import AtomicCheckpointMixin, start_run  # noqa: E402
+from .checkpoints import AtomicCheckpointMixin, distributed_state, start_run  # noqa: E402
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe  # noqa: E402
 from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records  # noqa: E402
 from .models import (  # noqa: E402
@@ -57,6 +61,7 @@ from .models import (  # noqa: E402
     load_sequence_classifier,
     load_tokenizer,
     merge_and_save,
+    recipe_quantization_config,
     require_model_dir,
     save_pretrained_atomic,
     torch_dtype,
@@ -106,6 +111,14 @@ class PPOScriptArguments:
     value_lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout of the value model."})
     value_lora_target_modules: list[str] | None = field(
         default=None, metadata={"help": "Value-model modules given LoRA (default: peft's choice for the model)."}
+    )
+    share_reward_value_base: bool = field(
+        default=False,
+        metadata={
+            "help": "Put the value model's LoRA adapter on the reward model's own weights (one copy for both; the "
+            "reward is read with the adapter off). Needs value_use_peft: true and no value_model_path; not with "
+            "DeepSpeed."
+        },
     )
     kl_target: float | None = field(
         default=None,
@@ -167,6 +180,52 @@ class BaselineShiftedScore(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.inner(hidden_states) - self.baseline.to(hidden_states.dtype)
+
+
+class SharedBaseRewardModel(torch.nn.Module):
+    """The reward model read off the value model's weights: the value model's base with its LoRA adapter (and
+    trained value head) switched off, plus the reward model's own frozen score head.
+
+    Built by ``share_reward_value_base: true``: the value model is ``get_peft_model(reward_model, LoRA SEQ_CLS)``,
+    which wraps the reward model's modules in place, so without this the reward model would hold a second full
+    copy of the same weights. It has what ``trl.experimental.utils.get_reward`` reads: ``base_model_prefix`` naming
+    a backbone callable (``backbone(input_ids=[batch, seq_len], attention_mask=..., ...)`` run under
+    ``value_model.disable_adapter()``) and ``score`` (``[batch, seq_len, hidden] -> [batch, seq_len, 1]``).
+
+    The value model is deliberately not a submodule (``.eval()``, ``requires_grad_(False)`` and device moves of
+    the reward model must not reach the trainable adapter); only the original score head is.
+
+    Raises:
+        ValueError: ``value_model`` is not a peft sequence-classification model with a wrapped ``score`` head.
+    """
+
+    base_model_prefix = "backbone"
+
+    def __init__(self, value_model):
+        super().__init__()
+        from peft import PeftModel
+
+        if not isinstance(value_model, PeftModel):
+            raise ValueError("share_reward_value_base needs the value model to be a LoRA (peft) model")
+        inner = value_model.get_base_model()
+        head = getattr(inner, "score", None)
+        if head is None or not hasattr(head, "original_module"):
+            raise ValueError("share_reward_value_base: the value model has no adapter-wrapped `score` head "
+                             "(LoRA task_type must be SEQ_CLS)")
+        object.__setattr__(self, "_value_model", value_model)  # not registered: see the class docstring
+        object.__setattr__(self, "_backbone", getattr(inner, inner.base_model_prefix))
+        self.score = head.original_module  # the reward model's own head, frozen
+        self.config = inner.config
+
+    def backbone(self, **kwargs):
+        """The shared transformer with the value model's adapter off: the reward model's forward."""
+        with self._value_model.disable_adapter():
+            return self._backbone(**kwargs)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Per-token reward logits ``[batch, seq_len, 1]`` (the score at the last real token is the reward)."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        return self.score(hidden)
 
 
 def apply_reward_baseline(reward_model, baseline: float):
@@ -266,6 +325,15 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
     def __init__(self, *args, script_args: PPOScriptArguments | None = None, tokenizer_for_saving=None,
                  recipe_configs: tuple = (), **kwargs):
         super().__init__(*args, **kwargs)
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            # under `accelerate launch` (DDP) TRL 1.12 still reads `self.model.policy` (training loop's reference
+            # forward, null_ref_context, save_model) and `self.model.config` (model card), which the DDP wrapper
+            # lacks (huggingface/trl#2375): expose them on the wrapper, without registering submodules
+            inner = self.accelerator.unwrap_model(self.model)
+            for name in ("policy", "value_model", "config"):
+                object.__setattr__(self.model, name, getattr(inner, name))
+        # read by Trainer._save on non-main processes; TRL's PPOTrainer skips Trainer.__init__, which sets it
+        self.is_distributed_loading_by_transformers = getattr(self, "is_distributed_loading_by_transformers", False)
         self.script_args = script_args or PPOScriptArguments()
         self.reward_baseline = 0.0
         self.recipe_configs = recipe_configs
@@ -346,6 +414,10 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
                                  "score": s + self.reward_baseline, "reward": s})
                 if sampling:
                     break
+        if self.accelerator.num_processes > 1:  # each process sampled its shard of the eval prompts
+            from accelerate.utils import gather_object
+
+            rows = gather_object(rows)
         if not self.accelerator.is_main_process or not rows:
             return
         lines = [f"samples at update {self.state.global_step} (score = RM score, reward = score - baseline):"]
@@ -363,6 +435,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
         self._save_extras(checkpoint_dir, self.dataloader.state(), merged=self.script_args.save_merged_checkpoints)
 
     def _save_extras(self, ckpt: str, data_state: dict | None, merged: bool) -> None:
+        if not self.args.should_save:  # under `accelerate launch`, the main process writes the extras
+            return
         unwrapped = self.accelerator.unwrap_model(self.model)
         unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
         if merged:
@@ -523,8 +597,13 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         StageInputError: the SFT or reward model is missing (the hint names the stage to run first).
         DataError: bad rows.
         ValueError: fewer eval prompts than ``per_device_eval_batch_size``; biasing generation settings; a bad
-            ``reward_baseline``.
+            ``reward_baseline``; ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft`` or ``value_use_peft`` false,
+            or without bitsandbytes or a CUDA GPU, or with ``save_merged_checkpoints``; ``share_reward_value_base``
+            without ``value_use_peft``, with a ``value_model_path`` or under DeepSpeed.
         TrainingDivergedError: a non-finite loss, reward or value.
+
+    With ``share_reward_value_base`` the value model is merged in place at the end, so the returned trainer's
+    ``reward_model`` is None.
     """
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import set_seed
@@ -534,10 +613,21 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
 
     # inputs
     run_args, resume = start_run(training_args, run_args)
+    dist = distributed_state(training_args)  # under `accelerate launch`: this process's place in the group
     pickle_ok = run_args.allow_pickle_weights
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", sft_hint, pickle_ok)
     rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint, pickle_ok)
     value_path = require_model_dir(ppo_args.value_model_path or rm_path, "value model", rm_hint, pickle_ok)
+    if ppo_args.share_reward_value_base:
+        if not ppo_args.value_use_peft:
+            raise ValueError("share_reward_value_base: true needs value_use_peft: true (the value model is a LoRA "
+                             "adapter on the reward model's weights)")
+        if os.path.normpath(value_path) != os.path.normpath(rm_path):
+            raise ValueError("share_reward_value_base: true starts the value model from the reward model; remove "
+                             f"value_model_path ({ppo_args.value_model_path})")
+        if training_args.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+            raise ValueError("share_reward_value_base: true is not supported under DeepSpeed (it shards the reward "
+                             "and value models separately); set it to false")
     baseline_arg = str(ppo_args.reward_baseline).strip().lower()
     if baseline_arg != "auto":
         try:
@@ -551,10 +641,10 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     template = Template.from_args(data_args)
     records = read_records(data_args, "prompts")
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
-    if len(eval_records) < training_args.per_device_eval_batch_size:
+    if len(eval_records) < training_args.per_device_eval_batch_size * dist.num_processes:  # one batch per process
         raise ValueError(
             f"{describe_sources(data_args)}: {len(eval_records)} eval prompts, fewer than per_device_eval_batch_size="
-            f"{training_args.per_device_eval_batch_size}; raise eval_split_size"
+            f"{training_args.per_device_eval_batch_size} x {dist.num_processes} processes; raise eval_split_size"
         )
 
     # tokenizer and models (prompts left-padded; pad distinct from EOS)
@@ -563,9 +653,17 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     train_ds = Dataset.from_dict(prompt_features(train_records, tokenizer, template, data_args.max_prompt_length))
     eval_ds = Dataset.from_dict(prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length))
     dtype = torch.bfloat16 if training_args.bf16 else torch_dtype(model_args.dtype)  # TRL ignores bf16
-    policy = load_causal_lm(sft_path, dtype, remote, pickle_ok)
-    reward_model = load_sequence_classifier(rm_path, dtype, remote, pickle_ok)
-    value_model = load_sequence_classifier(value_path, dtype, remote, pickle_ok)
+    # load_in_4bit quantizes all three models; policy and value model are then trained through LoRA only
+    quantized = model_args.load_in_4bit or model_args.load_in_8bit
+    if quantized and ppo_args.save_merged_checkpoints:
+        raise ValueError("load_in_4bit / load_in_8bit: set save_merged_checkpoints: false (merging an adapter into "
+                         "quantized weights rounds the update away; merged/ is still written, unquantized, at the end)")
+    quant = recipe_quantization_config(model_args, {"use_peft": model_args.use_peft,
+                                                    "value_use_peft": ppo_args.value_use_peft}, training_args.use_cpu)
+    policy = load_causal_lm(sft_path, dtype, remote, pickle_ok, quantization_config=quant)
+    reward_model = load_sequence_classifier(rm_path, dtype, remote, pickle_ok, quantization_config=quant)
+    value_model = reward_model if ppo_args.share_reward_value_base else load_sequence_classifier(
+        value_path, dtype, remote, pickle_ok, quantization_config=quant)
     for name, m in (("policy", policy), ("reward model", reward_model), ("value model", value_model)):
         if m.config.vocab_size < len(tokenizer):
             raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) is smaller than the tokenizer's ({len(tokenizer)})")
@@ -577,6 +675,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
             task_type="SEQ_CLS", r=ppo_args.value_lora_r, lora_alpha=ppo_args.value_lora_alpha,
             lora_dropout=ppo_args.value_lora_dropout, target_modules=ppo_args.value_lora_target_modules,
         ))
+        if ppo_args.share_reward_value_base:  # one copy of the weights: the reward is the base with the adapter off
+            reward_model = SharedBaseRewardModel(value_model)
     if training_args.gradient_checkpointing:  # TRL ignores it
         kwargs = training_args.gradient_checkpointing_kwargs or {"use_reentrant": False}
         for m in (policy, value_model):
@@ -585,15 +685,21 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     if resume:
         saved = os.path.join(resume, "reward_baseline.json")
         baseline = json.load(open(saved))["reward_baseline"] if os.path.exists(saved) else 0.0
-    elif baseline_arg == "auto":
-        baseline = calibrate_reward_baseline(policy, reward_model, tokenizer, train_ds, training_args,
-                                             ppo_args.reward_baseline_batches)
+    elif baseline_arg == "auto":  # the main process calibrates; every process gets its number
+        baseline = None
+        if dist.is_main_process:
+            baseline = calibrate_reward_baseline(policy, reward_model, tokenizer, train_ds, training_args,
+                                                 ppo_args.reward_baseline_batches)
+        if dist.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            baseline = broadcast_object_list([baseline], from_process=0)[0]
     ppo_args.reward_baseline = str(baseline)
     apply_reward_baseline(reward_model, baseline)
 
     # trainer
     out = training_args.output_dir
-    if not resume and os.path.exists(os.path.join(out, "samples.jsonl")):
+    if not resume and dist.is_main_process and os.path.exists(os.path.join(out, "samples.jsonl")):
         os.remove(os.path.join(out, "samples.jsonl"))
     trainer = RLHFPPOTrainer(
         args=training_args,
@@ -614,28 +720,34 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     # train
     trainer.train(resume_from_checkpoint=resume)
 
-    # save: adapter, merged policy, value model (merged if it has an adapter), run config
-    save_recipe(out, data_args, ppo_args, training_args, model_args, run_args)
-    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    if isinstance(unwrapped.policy, PeftModel):
-        unwrapped.policy.save_pretrained(os.path.join(out, "adapter"))
-    merged = os.path.join(out, "merged")
-    merge_and_save(unwrapped.policy, tokenizer, merged)
-    value_dir = os.path.join(out, "value_model")
-    if isinstance(unwrapped.value_model, PeftModel):
-        merge_and_save(unwrapped.value_model, tokenizer, value_dir)
-    else:
-        save_pretrained_atomic(unwrapped.value_model, tokenizer, value_dir)
-
-    # evaluate: the last logged training statistics
+    # save: adapter, merged policy, value model (merged if it has an adapter), run config; under `accelerate launch`
+    # the main process writes them
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     metrics = {"global_step": trainer.state.global_step, "episode": trainer.state.episode,
                "reward_baseline": baseline, "kl_coef_final": trainer.args.kl_coef}
     if logs:
         metrics.update({k: v for k, v in logs[-1].items() if isinstance(v, (int, float))})
         metrics["first_scores"] = logs[0]["objective/scores"]
+    merged, value_dir = os.path.join(out, "merged"), os.path.join(out, "value_model")
+    if not trainer.accelerator.is_main_process:
+        trainer.accelerator.wait_for_everyone()
+        return {"output_dir": out, "merged": merged, "value_model": value_dir, "metrics": metrics, "trainer": trainer}
+    save_recipe(out, data_args, ppo_args, training_args, model_args, run_args)
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    if isinstance(unwrapped.policy, PeftModel):
+        unwrapped.policy.save_pretrained(os.path.join(out, "adapter"))
+    merge_and_save(unwrapped.policy, tokenizer, merged)
+    if isinstance(unwrapped.value_model, PeftModel):
+        merge_and_save(unwrapped.value_model, tokenizer, value_dir)  # merges in place: training is over
+        if ppo_args.share_reward_value_base:
+            trainer.reward_model = None  # its weights now hold the merged value model
+    else:
+        save_pretrained_atomic(unwrapped.value_model, tokenizer, value_dir)
+
+    # metrics: the last logged training statistics
     write_json(os.path.join(out, "metrics.json"), metrics)
     logger.info("PPO done: merged policy at %s, value model at %s", merged, value_dir)
+    trainer.accelerator.wait_for_everyone()
     return {"output_dir": out, "merged": merged, "value_model": value_dir, "metrics": metrics, "trainer": trainer}
 
 

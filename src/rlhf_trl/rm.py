@@ -8,7 +8,9 @@ construction PPO uses when it scores rollouts.
 
 Outputs under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA, with the score head), ``merged/`` (a plain
 sequence-classification model with its trained score head and tokenizer: the input of PPO),
-``eval_metrics.json`` (``accuracy``, ``margin``, ``length_baseline_accuracy``, ``num_pairs`` on the eval split).
+``eval_metrics.json`` (``accuracy``, ``margin``, ``length_baseline_accuracy``, ``num_pairs`` on the eval split),
+``eval_pairs.jsonl`` (those held-out pairs as token ids: ``chosen_ids``, ``rejected_ids``, ``prompt_length``; read by
+``rlhf-trl eval``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,19 @@ import os
 
 from datasets import Dataset
 
-from .checkpoints import start_run, with_atomic_checkpoints
+from .checkpoints import save_final_model, start_run, with_atomic_checkpoints
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, Template, describe_sources, pair_features, read_records, split_records
-from .models import load_sequence_classifier, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
+from .models import (
+    load_sequence_classifier,
+    load_tokenizer,
+    recipe_quantization_config,
+    require_model_dir,
+    resize_for_tokenizer,
+    torch_dtype,
+    write_json,
+    write_jsonl,
+)
 from .scoring import pairwise_metrics, score_sequences
 
 logger = logging.getLogger(__name__)
@@ -34,19 +45,24 @@ def recipe_types() -> tuple:
     return (DataArguments, RewardConfig, ModelConfig, RunArguments)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     """Parse a recipe and train the reward model. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
     data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv)
-    return run(data_args, training_args, model_args, produced_by=sibling_recipe(recipe, "sft"), run_args=run_args)
+    return run(data_args, training_args, model_args, produced_by=sibling_recipe(recipe, "sft"), run_args=run_args,
+               callbacks=callbacks)
 
 
 def run(data_args: DataArguments, training_args, model_args, produced_by: str | None = None,
-        run_args: RunArguments | None = None) -> dict:
+        run_args: RunArguments | None = None, callbacks: list | None = None) -> dict:
     """Train a reward model on ``data_args.dataset_name`` starting from ``model_args.model_name_or_path``.
+
+    ``callbacks``: extra `transformers.TrainerCallback` objects for the trainer (e.g. step timing).
 
     Raises:
         StageInputError: the SFT model is missing (``produced_by`` names the command to run first).
         DataError: bad rows, or no pair left after the length policy.
+        ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, or without bitsandbytes or a CUDA
+            GPU (`rlhf_trl.models.recipe_quantization_config`).
     """
     from trl import RewardTrainer, get_peft_config
 
@@ -54,6 +70,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     run_args, resume = start_run(training_args, run_args)
     pickle_ok = run_args.allow_pickle_weights
     model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by, pickle_ok)
+    quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)  # QLoRA: load_in_4bit
 
     # data
     template = Template.from_args(data_args)
@@ -78,8 +95,10 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     eval_ds = Dataset.from_dict(eval_feats) if eval_feats else None
     if eval_ds is None:
         training_args.eval_strategy = "no"
+    # quantized: TRL's RewardTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
     model = load_sequence_classifier(
-        model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok
+        model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
+        quantization_config=quantization,
     )
     resize_for_tokenizer(model, tokenizer)
     peft_config = get_peft_config(model_args)
@@ -94,22 +113,34 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
         eval_dataset=eval_ds.remove_columns("prompt_length") if eval_ds is not None else None,
         processing_class=tokenizer,
         peft_config=peft_config,
+        callbacks=callbacks,
     )
     train_result = trainer.train(resume_from_checkpoint=resume)
 
-    # save
+    # save (under `accelerate launch`: every process calls save_model, only the main process writes and evaluates)
     out = training_args.output_dir
-    save_recipe(out, data_args, training_args, model_args, run_args)
-    if model_args.use_peft:
-        trainer.save_model(os.path.join(out, "adapter"))
+    adapter = os.path.join(out, "adapter") if model_args.use_peft else None
+    if adapter:
+        trainer.save_model(adapter)
     merged_path = os.path.join(out, "merged")
-    reward_model = merge_and_save(trainer.model, tokenizer, merged_path)
+    metrics = dict(train_result.metrics, global_step=trainer.state.global_step, num_train_pairs=len(train_ds),
+                   num_eval_pairs=len(eval_ds) if eval_ds is not None else 0)
+    # every process takes part (ZeRO-3 / FSDP shards are gathered); the main process gets the merged model back
+    reward_model = save_final_model(trainer, tokenizer, merged_path, adapter, model_path, "sequence_classifier")
+    if not trainer.is_world_process_zero():
+        trainer.accelerator.wait_for_everyone()
+        return {"output_dir": out, "merged": merged_path, "metrics": metrics}
+    save_recipe(out, data_args, training_args, model_args, run_args)
 
     # evaluate: pairwise accuracy, margin and the length-only baseline on the held-out pairs
-    metrics = dict(train_result.metrics, global_step=trainer.state.global_step)
     if eval_feats:
         eval_metrics = evaluate_pairs(reward_model, eval_feats, tokenizer.pad_token_id)
         write_json(os.path.join(out, "eval_metrics.json"), eval_metrics)
+        # the held-out pairs as evaluated (token ids): `rlhf-trl eval` re-scores them for its report
+        write_jsonl(os.path.join(out, "eval_pairs.jsonl"), (
+            {"chosen_ids": c, "rejected_ids": r, "prompt_length": n}
+            for c, r, n in zip(eval_feats["chosen_ids"], eval_feats["rejected_ids"], eval_feats["prompt_length"])
+        ))
         metrics.update({f"eval_{k}": v for k, v in eval_metrics.items()})
         logger.info(
             "RM eval: accuracy %.3f (length baseline %.3f), margin %.3f on %d pairs",
@@ -117,6 +148,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
             eval_metrics["num_pairs"],
         )
     write_json(os.path.join(out, "metrics.json"), metrics)
+    trainer.accelerator.wait_for_everyone()
     return {"output_dir": out, "merged": merged_path, "metrics": metrics}
 
 

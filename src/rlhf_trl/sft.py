@@ -15,10 +15,18 @@ import torch
 
 from datasets import Dataset
 
-from .checkpoints import start_run, with_atomic_checkpoints
+from .checkpoints import save_final_model, start_run, with_atomic_checkpoints
 from .config import RunArguments, parse_recipe, save_recipe
 from .data import DataArguments, Template, describe_sources, read_records, sft_features, split_records
-from .models import load_causal_lm, load_tokenizer, merge_and_save, require_model_dir, resize_for_tokenizer, torch_dtype, write_json
+from .models import (
+    load_causal_lm,
+    load_tokenizer,
+    recipe_quantization_config,
+    require_model_dir,
+    resize_for_tokenizer,
+    torch_dtype,
+    write_json,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +38,23 @@ def recipe_types() -> tuple:
     return (DataArguments, SFTConfig, ModelConfig, RunArguments)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     """Parse a recipe and run SFT. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
     data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv)
-    return run(data_args, training_args, model_args, run_args)
+    return run(data_args, training_args, model_args, run_args, callbacks=callbacks)
 
 
-def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None) -> dict:
+def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None,
+        callbacks: list | None = None) -> dict:
     """Fine-tune ``model_args.model_name_or_path`` on ``data_args.dataset_name`` (prompt tokens masked from the loss).
+
+    ``callbacks``: extra `transformers.TrainerCallback` objects for the trainer (e.g. step timing).
 
     Raises:
         StageInputError: the base model or tokenizer is missing.
         DataError: bad rows (file, row and field named).
+        ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, or without bitsandbytes or a CUDA
+            GPU (`rlhf_trl.models.recipe_quantization_config`).
     """
     from trl import SFTTrainer, get_peft_config
 
@@ -49,6 +62,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     run_args, resume = start_run(training_args, run_args)
     pickle_ok = run_args.allow_pickle_weights
     model_path = require_model_dir(model_args.model_name_or_path or "", "base model", None, pickle_ok)
+    quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)  # QLoRA: load_in_4bit
 
     # data
     template = Template.from_args(data_args)
@@ -71,7 +85,10 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         training_args.eval_strategy = "no"
     if training_args.completion_only_loss is None:
         training_args.completion_only_loss = True
-    model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok)
+    # with a quantized model TRL's SFTTrainer does the QLoRA preparation itself (adapter in bf16, input grads for
+    # gradient checkpointing) and deliberately no longer calls peft's prepare_model_for_kbit_training
+    model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
+                           quantization_config=quantization)
     resize_for_tokenizer(model, tokenizer)
     head = model.get_output_embeddings()
     if training_args.loss_type in (None, "chunked_nll") and not isinstance(head, torch.nn.Linear):
@@ -87,6 +104,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         eval_dataset=eval_ds,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
+        callbacks=callbacks,
     )
     train_result = trainer.train(resume_from_checkpoint=resume)
 
@@ -96,15 +114,18 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         metrics.update(trainer.evaluate())
     metrics.update(num_train_rows=len(train_ds), num_eval_rows=len(eval_ds) if eval_ds is not None else 0)
 
-    # save
+    # save (under `accelerate launch`: every process calls save_model, only the main process writes)
     out = training_args.output_dir
-    save_recipe(out, data_args, training_args, model_args, run_args)
-    if model_args.use_peft:
-        trainer.save_model(os.path.join(out, "adapter"))
+    adapter = os.path.join(out, "adapter") if model_args.use_peft else None
+    if adapter:
+        trainer.save_model(adapter)
     merged = os.path.join(out, "merged")
-    merge_and_save(trainer.model, tokenizer, merged)
-    write_json(os.path.join(out, "metrics.json"), metrics)
-    logger.info("SFT done: merged model at %s", merged)
+    save_final_model(trainer, tokenizer, merged, adapter, model_path, "causal_lm")  # gathers ZeRO-3 / FSDP shards
+    if trainer.is_world_process_zero():
+        save_recipe(out, data_args, training_args, model_args, run_args)
+        write_json(os.path.join(out, "metrics.json"), metrics)
+        logger.info("SFT done: merged model at %s", merged)
+    trainer.accelerator.wait_for_everyone()
     return {"output_dir": out, "merged": merged, "metrics": metrics}
 
 

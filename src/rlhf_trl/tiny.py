@@ -58,16 +58,18 @@ def build_tiny_qwen2(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    **config_overrides,
 ):
     """Build a randomly initialized `Qwen2ForCausalLM` sized to ``tokenizer`` and save it with the tokenizer.
 
-    Returns the model.
+    ``config_overrides`` replace `Qwen2Config` fields, e.g. ``vocab_size`` (at least ``len(tokenizer)``; a larger
+    one gives a real model's embedding shape) or ``num_key_value_heads``. Returns the model.
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 4 * hidden_size,
@@ -80,6 +82,10 @@ def build_tiny_qwen2(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    fields.update(config_overrides)
+    if fields["vocab_size"] < len(tokenizer):
+        raise ValueError(f"vocab_size {fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)}")
+    config = Qwen2Config(**fields)
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
