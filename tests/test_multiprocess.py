@@ -253,6 +253,34 @@ def test_ppo_two_processes_match_one(ppo_runs):
     assert len(baselines) == 1, baselines
 
 
+def test_ppo_two_processes_resume_exactly(assets, sft_runs, rm_runs, tmp_path):
+    """Under 2 processes, a run resumed from its checkpoint-2 ends with the weights of the uninterrupted run: every
+    process restores its own data position and RNG state (data_state.pt, data_state_rank1.pt)."""
+    from safetensors.torch import load_file
+
+    args = ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
+            "--sft_model_path", os.path.join(sft_runs[1][0], "merged"),
+            "--reward_model_path", os.path.join(rm_runs[1][0], "merged"),
+            "--max_samples", "64", "--total_episodes", "64", "--num_ppo_epochs", "1",
+            "--local_rollout_forward_batch_size", "8", "--log_samples_every", "0", *common(2)]
+    straight = str(tmp_path / "straight")
+    launch("ppo", [*args, "--output_dir", straight], NPROC)
+    assert checkpoints(straight) == [2, 4]
+    assert {"data_state.pt", "data_state_rank1.pt"} <= set(os.listdir(os.path.join(straight, "checkpoint-2")))
+    resumed = str(tmp_path / "resumed")
+    os.makedirs(resumed)
+    import shutil
+
+    shutil.copytree(os.path.join(straight, "checkpoint-2"), os.path.join(resumed, "checkpoint-2"))
+    launch("ppo", [*args, "--output_dir", resumed, "--resume_from_checkpoint", "true"], NPROC)
+    assert metrics(resumed)["global_step"] == 4
+    for name in ("adapter/adapter_model.safetensors", "value_model/model.safetensors"):
+        a, b = load_file(os.path.join(straight, name)), load_file(os.path.join(resumed, name))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.allclose(a[k], b[k], atol=1e-6), (name, k, float((a[k] - b[k]).abs().max()))
+
+
 # -- a launch whose processes would not form one group -------------------------------------------------------------
 
 def test_processes_without_a_process_group_refuse_to_start(assets, tmp_path):

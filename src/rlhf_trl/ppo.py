@@ -435,7 +435,11 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
         self._save_extras(checkpoint_dir, self.dataloader.state(), merged=self.script_args.save_merged_checkpoints)
 
     def _save_extras(self, ckpt: str, data_state: dict | None, merged: bool) -> None:
-        if not self.args.should_save:  # under `accelerate launch`, the main process writes the extras
+        rank = self.accelerator.process_index
+        if data_state is not None and rank > 0:  # each process's own data position and RNG state
+            os.makedirs(ckpt, exist_ok=True)
+            torch.save(data_state, os.path.join(ckpt, _data_state_name(rank)))
+        if not self.args.should_save:  # under `accelerate launch`, the main process writes the other extras
             return
         unwrapped = self.accelerator.unwrap_model(self.model)
         unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
@@ -497,8 +501,17 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
             raise ValueError(f"{ckpt} is at update {done}; the recipe has {total} updates: nothing left to run")
         self.args.num_total_batches = total - done
         self.add_callback(_ContinueCounters(done, episode, total, saved.log_history))
-        self.dataloader.resume_from(torch.load(os.path.join(ckpt, "data_state.pt"), weights_only=False))
+        data_state = os.path.join(ckpt, _data_state_name(self.accelerator.process_index))
+        if not os.path.exists(data_state):
+            raise FileNotFoundError(f"cannot resume from {ckpt}: missing {os.path.basename(data_state)} (the "
+                                    "checkpoint was written by fewer processes than this run has)")
+        self.dataloader.resume_from(torch.load(data_state, weights_only=False))
         logger.info("resuming from %s at update %d of %d (episode %d)", ckpt, done, total, episode)
+
+
+def _data_state_name(rank: int) -> str:
+    """The file of a process's data position and RNG state in a checkpoint (process 0: ``data_state.pt``)."""
+    return "data_state.pt" if rank == 0 else f"data_state_rank{rank}.pt"
 
 
 def _load_weights(model, folder, PeftModel, set_peft_model_state_dict, load_file) -> None:
