@@ -354,7 +354,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
     # -- logging: KL control, divergence check -------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "objective/kl" in logs:
-            bad = sorted(k for k, v in logs.items() if isinstance(v, float) and not math.isfinite(v))
+            # a variance over one statistic (one micro-batch, one mini-batch, one PPO epoch) is NaN by definition
+            bad = sorted(k for k, v in logs.items()
+                         if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_var"))
             if bad:
                 last = self._last_checkpoint()
                 raise TrainingDivergedError(
