@@ -14,7 +14,7 @@ The target (a module with ``-m``, or a script path) runs as ``__main__`` with th
     begin). The hook costs the same on both sides of an overhead comparison.
 
 Written to ``--out``: ``exit_code``, ``seconds`` (from this helper's start to the target's end, imports included),
-``train_seconds``, ``step_seconds``, ``peak_rss_bytes`` (``ru_maxrss`` of this process: the peak over its whole
+``train_seconds``, ``step_seconds``, ``peak_rss_bytes`` (``VmHWM`` of this process: the peak over its whole
 life), ``baseline_rss_bytes`` (or null without ``--preimport``), ``rss_after_import_bytes`` (RSS once
 transformers' trainer callbacks are imported), ``train_begin_seconds``. With ``--sample`` a thread also reads
 /proc/self/status every 10 ms: ``peak_rss_anon_bytes`` (anonymous memory: tensors, optimizer state),
@@ -45,9 +45,16 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    """Peak resident set size of this process so far: ``VmHWM`` of /proc/self/status (Linux).
+
+    Not ``ru_maxrss``: Linux copies that figure from the parent at fork and keeps it across exec, so a child
+    started by a large parent (bench.py holds models) would report the parent's peak.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def status_bytes() -> dict:

@@ -19,9 +19,11 @@ Sections:
              from one ``on_step_end`` to the next. After each update a plain ``policy.generate`` on the same prompts
              (same policy object, generation config and chunk size = local_rollout_forward_batch_size) gives
              ``rollout_vs_generate``.
-  memory     peak RSS (``ru_maxrss``) of each stage on the ~91M model, each in its own subprocess; for PPO three
-             layouts (trl_default, lora_value, shared) and ``ppo_model_copies`` = (peak RSS - RSS right after the
-             imports) / bytes of one base model's weights.
+  memory     peak RSS (``VmHWM``) of each stage on the ~91M model, each in its own subprocess; for PPO three
+             layouts (trl_default, lora_value, shared; gradient checkpointing on) with ``ppo_model_copies`` =
+             (peak RSS - RSS right after the imports) / bytes of one base model's weights, and
+             ``ppo_base_weight_copies`` = distinct base-weight storages (no adapters) of all models at train begin /
+             the same bytes: the memory target (<= 2 with ``share_reward_value_base``).
   scaling    PPO seconds per update and peak RSS for response_length 32/64/128 x per_device_train_batch_size
              4/8/16 (gradient_accumulation_steps 1, so the rollout batch is that size) on the demo model.
 
