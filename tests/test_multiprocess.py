@@ -72,13 +72,15 @@ def expected_steps(rows: int, nproc: int, epochs: int = 1) -> int:
 
 
 def file_set(root: str) -> set[str]:
-    """Relative paths under ``root`` with step numbers and ranks normalized (checkpoint-N, rng_state*.pth)."""
+    """Relative paths under ``root`` with step numbers and ranks normalized (checkpoint-N, rng_state*.pth,
+    data_state*.pt: each process saves its own RNG and data position)."""
     paths = set()
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             rel = os.path.relpath(os.path.join(dirpath, name), root)
             rel = re.sub(r"checkpoint-\d+", "checkpoint-N", rel)
             rel = re.sub(r"rng_state(_\d+)?\.pth$", "rng_state*.pth", rel)
+            rel = re.sub(r"data_state(_rank\d+)?\.pt$", "data_state*.pt", rel)
             paths.add(rel)
     return paths
 
