@@ -89,4 +89,4 @@ bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench.py --output_dir outputs/bench $(ARGS)
 
 bench-quick: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench.py --quick --output_dir outputs/bench $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench.py --quick --output_dir outputs/bench-quick $(ARGS)

@@ -243,3 +243,45 @@ def test_shared_reward_value_base_needs_a_lora_value_model_on_the_rm(assets, tmp
     code, err = run_cli("ppo", argv, capsys)
     assert code == 2 and fragment in err[0], err
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_unfinished_run_checkpoints_refuse_a_fresh_start(assets, tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "checkpoint-3").mkdir(parents=True)
+    code, err = run_cli("sft", sft_argv(assets, out, assets["sft"], "--overwrite_output_dir", "false"), capsys)
+    assert code == 2 and "checkpoints of an earlier, unfinished run (checkpoint-3)" in err[0]
+    assert "resume_from_checkpoint=true" in err[0] and "overwrite_output_dir" in err[0]
+    assert sorted(os.listdir(out)) == ["checkpoint-3"]
+
+
+def test_fresh_run_over_an_old_one_removes_its_checkpoints_and_logs(assets, tmp_path):
+    """overwrite_output_dir: the earlier run's checkpoints, TensorBoard files and reports go, so that
+    resume_from_checkpoint=true and the report only ever see the new run."""
+    from rlhf_trl import sft
+
+    out = tmp_path / "out"
+    common = ["--max_samples", "40", "--eval_split_size", "4", "--save_strategy", "steps", "--report_to",
+              "tensorboard", "--overwrite_output_dir", "true"]
+    sft.main(sft_argv(assets, out, assets["sft"], *common, "--max_steps", "4", "--save_steps", "2"))
+    assert {"checkpoint-2", "checkpoint-4", "runs"} <= set(os.listdir(out))
+    (out / "report.md").write_text("old report\n")
+    first_runs = set(os.listdir(out / "runs"))
+    sft.main(sft_argv(assets, out, assets["sft"], *common, "--max_steps", "1", "--save_steps", "1"))
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-1"]
+    assert not (out / "report.md").exists()
+    assert not first_runs & set(os.listdir(out / "runs"))  # only this run's event files
+
+
+def test_command_line_typo_is_blamed_on_the_command_line(assets, tmp_path, capsys):
+    code, err = run_cli("sft", sft_argv(assets, tmp_path / "out", assets["sft"], "--learnig_rate", "3"), capsys)
+    assert code == 2 and err[0] == ("rlhf-trl sft: error: command line: unknown argument(s) ['--learnig_rate', '3']; "
+                                    "check the spelling against --help")
+    assert not (tmp_path / "out").exists()
+
+
+def test_stage_help_names_the_command_and_the_recipe_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_stage("ppo", ["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    assert out.startswith("usage: rlhf-trl ppo --config RECIPE.yaml") and "--share_reward_value_base" in out

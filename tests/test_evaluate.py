@@ -163,14 +163,18 @@ def test_eval_rm_accuracy_recomputed_on_the_rm_held_out_pairs(eval_run, rm_run, 
     assert saved["rm_accuracy"] > 0.6  # the trained RM beats chance on pairs it never saw
 
 
-def test_eval_report_and_plots(eval_run, ppo_run):
+def test_eval_report_and_plots(eval_run, ppo_run, sft_run, rm_run):
     result, rows, saved = eval_run
     report = open(result["report"], encoding="utf-8").read()
     assert result["report"] == os.path.join(ppo_run["output_dir"], "report.md")
     for key in evaluate.FIGURES + evaluate.RM_FIGURES + ["sft_score", "ppo_score"]:
         assert f"| `{key}` |" in report
     assert report.count(f"| {rows[0]['question']} |") >= 1
-    assert "ppo" in result["plots"]  # ppo_run keeps checkpoints with trainer_state.json
+    assert set(result["plots"]) == {"sft", "rm", "ppo"}
+    for run in (sft_run, rm_run):  # whole curves from each stage's log_history.json
+        history = json.load(open(os.path.join(run["output_dir"], "log_history.json")))["log_history"]
+        assert sum("loss" in h for h in history) > 1
+        assert f"From `{os.path.join(run['output_dir'], 'log_history.json')}`" in report
     for stage, png in result["plots"].items():
         assert png.endswith(f"{stage}_curves.png")
         blob = open(png, "rb").read()

@@ -263,3 +263,16 @@ def test_sharded_lora_model_is_merged_from_the_saved_adapter(sft_run, rm_run, tm
     expected = AutoModelForSequenceClassification.from_pretrained(rm_run["merged"])
     for (name, a), b in zip(expected.named_parameters(), back.parameters()):
         assert torch.allclose(a, b, atol=1e-6), name
+
+
+def test_saved_model_directories_get_the_usual_mode(tmp_path):
+    """atomic_dir writes under a private temporary name; the final directory has the umask's mode, not 0700."""
+    from rlhf_trl.models import atomic_dir
+
+    umask = os.umask(0o022)
+    try:
+        with atomic_dir(str(tmp_path / "merged")) as tmp:
+            open(os.path.join(tmp, "config.json"), "w").write("{}")
+    finally:
+        os.umask(umask)
+    assert (os.stat(tmp_path / "merged").st_mode & 0o777) == 0o755

@@ -281,3 +281,22 @@ def test_rollouts_use_the_kv_cache_under_gradient_checkpointing(assets, sft_run,
     assert len(single_token) >= 3  # incremental decoding: one position per new token after the prompt
     assert len(growing) <= 3, growing  # prompt (prefill) and full sequences (scoring), not one length per new token
     assert any(grad for _, grad in calls)  # the training forward passes still ran with gradients
+
+
+def test_resume_with_another_total_is_refused(assets, sft_run, rm_run, tmp_path):
+    """The checkpoint's learning-rate schedule and data order belong to its run's length: a changed total_episodes
+    would resume with a wrong schedule (a learning rate of 0), so it is refused, naming both lengths."""
+    with pytest.raises(KeyboardInterrupt):
+        ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "24", "--save_steps", "1"),
+                 callbacks=[Crash(1)])
+    with pytest.raises(ValueError, match=r"checkpoint-1 belongs to a run of 3 updates; this recipe makes 6"):
+        ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "48", "--resume_from_checkpoint",
+                          "true"))
+
+
+def test_logging_steps_is_honoured_and_the_last_update_logged(assets, sft_run, rm_run, tmp_path):
+    res = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "40", "--logging_steps", "2",
+                            "--save_strategy", "no"))
+    logged = [h["step"] for h in res["trainer"].state.log_history if "objective/kl" in h]
+    assert logged == [2, 4, 5]
+    assert res["metrics"]["global_step"] == 5 and "objective/scores" in res["metrics"]

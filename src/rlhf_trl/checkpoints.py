@@ -74,25 +74,69 @@ def start_run(training_args, run_args=None):
     """Checks every stage makes before it writes anything into ``training_args.output_dir``.
 
     Resolves ``resume_from_checkpoint`` (``true`` -> the newest complete checkpoint), refuses to overwrite a finished
-    run unless ``overwrite_output_dir``, and removes ``.tmp-checkpoint-*`` leftovers of a killed run.
+    run unless ``overwrite_output_dir``, refuses to start afresh next to an unfinished run's checkpoints unless
+    ``overwrite_output_dir`` (which then removes them with the earlier run's logs and reports: `remove_earlier_run`),
+    and removes ``.tmp-checkpoint-*`` leftovers of a killed run.
 
     Returns:
         ``(run_args, resume)``: the run arguments (defaults if None) and the checkpoint to resume from, or None.
 
     Raises:
-        StageInputError: resume requested but no checkpoint; RecipeError: a finished run is in the way.
+        StageInputError: resume requested but no checkpoint; RecipeError: a finished run, or an unfinished run's
+        checkpoints, in the way.
     """
-    from .config import RunArguments, check_output_dir
+    from .config import RecipeError, RunArguments, check_output_dir
     from .models import resolve_resume
 
     run_args = run_args or RunArguments()
     state = distributed_state(training_args)
-    resume = resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
-    check_output_dir(training_args.output_dir, run_args.overwrite_output_dir, bool(resume))
+    out = training_args.output_dir
+    resume = resolve_resume(training_args.resume_from_checkpoint, out)
+    check_output_dir(out, run_args.overwrite_output_dir, bool(resume))
+    earlier = [] if resume else complete_checkpoints(out)
+    if earlier and not run_args.overwrite_output_dir:
+        raise RecipeError(
+            f"output_dir '{out}' holds checkpoints of an earlier, unfinished run ({os.path.basename(earlier[-1])}); "
+            "continue it with resume_from_checkpoint=true, or set `overwrite_output_dir: true` to start over"
+        )
     if state.is_main_process:
-        remove_staging(training_args.output_dir)
+        remove_staging(out)
+        if run_args.overwrite_output_dir and not resume:
+            remove_earlier_run(out)
     state.wait_for_everyone()  # every process has checked the output_dir before any of them writes into it
     return run_args, resume
+
+
+# what a run leaves besides its models; a fresh run over an old one removes them so none of them is mistaken for its
+# own (merged/, adapter/, value_model/ and run_config.yaml are replaced, atomically, when the new run saves)
+RUN_ARTIFACTS = ("runs", "eval.json", "eval_samples.jsonl", "report.md", "report", "samples.jsonl", "metrics.json",
+                 "eval_metrics.json", "eval_pairs.jsonl", "log_history.json")
+
+
+def complete_checkpoints(output_dir: str) -> list[str]:
+    """The ``checkpoint-N`` directories in ``output_dir``, oldest first."""
+    found = []
+    for path in glob.glob(os.path.join(output_dir, "checkpoint-*")):
+        suffix = os.path.basename(path)[len("checkpoint-"):]
+        if suffix.isdigit() and os.path.isdir(path):
+            found.append((int(suffix), path))
+    return [p for _, p in sorted(found)]
+
+
+def remove_earlier_run(output_dir: str) -> None:
+    """``overwrite_output_dir`` without resume: delete the earlier run's checkpoints, logs and reports, so that
+    ``resume_from_checkpoint=true``, the TensorBoard curves and ``rlhf-trl eval`` only ever see this run's."""
+    stale = complete_checkpoints(output_dir) + [
+        p for p in (os.path.join(output_dir, name) for name in RUN_ARTIFACTS) if os.path.exists(p)
+    ]
+    if stale:
+        logger.info("overwrite_output_dir: removing %d checkpoints / logs of the earlier run in %s", len(stale),
+                    output_dir)
+    for path in stale:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
 
 
 def distributed_state(training_args):

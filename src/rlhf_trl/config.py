@@ -58,8 +58,10 @@ def recipe_path(argv: list[str]) -> str | None:
 DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; offline
 
 
-def parse_recipe(dataclass_types: tuple, argv: list[str] | None):
+def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | None = None):
     """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into the given dataclasses.
+
+    ``stage`` (``sft`` / ``rm`` / ``ppo``) names the command in ``--help``.
 
     A recipe that sets no ``report_to`` (neither in the file nor on the command line) logs to TensorBoard
     (`DEFAULT_REPORT_TO`: event files under ``<output_dir>/runs``) instead of transformers' ``none``.
@@ -96,7 +98,10 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None):
     has_report_to = any("report_to" in {f.name for f in dataclasses.fields(t)} for t in dataclass_types)
     if has_report_to and "report_to" not in data and not any(a.split("=")[0] == "--report_to" for a in argv):
         argv += ["--report_to", DEFAULT_REPORT_TO]
-    parser = TrlParser(dataclass_types)
+    parser = TrlParser(dataclass_types, prog=f"rlhf-trl {stage}" if stage else None,
+                       usage=f"rlhf-trl {stage or '<stage>'} --config RECIPE.yaml [--key value ...]",
+                       description="Run a stage from a YAML recipe (--config); any field below can also be set on the "
+                       "command line, where it overrides the recipe.")
     try:
         parsed = parser.parse_args_and_config(argv)
     except SystemExit as exc:  # argparse reports bad CLI values / unknown flags on stderr and exits 2
@@ -104,7 +109,11 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None):
             raise
         raise RecipeError(f"{path or 'command line'}: invalid arguments (see the message above)") from exc
     except (ValueError, TypeError) as exc:
-        raise RecipeError(f"{path or 'command line'}: {exc}") from None
+        message = str(exc)
+        if "not used by the HfArgumentParser" in message:  # a flag typed on the command line that no field has
+            unused = message.split(":", 1)[-1].strip()
+            raise RecipeError(f"command line: unknown argument(s) {unused}; check the spelling against --help") from None
+        raise RecipeError(f"{path or 'command line'}: {message}") from None
     return (*parsed, path)
 
 

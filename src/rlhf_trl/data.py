@@ -225,8 +225,8 @@ def _text(row: dict, key: str, source: str, i: int, allow_empty: bool = False) -
     if key not in row:
         raise DataError(source, f"missing column (columns: {sorted(row)}); map it in the recipe", i, key)
     value = row[key]
-    if value is None:
-        raise DataError(source, "is null", i, key)
+    if value is None:  # json/jsonl rows are read as one table: a key absent from this row reads as null
+        raise DataError(source, "is null or missing in this row", i, key)
     if not isinstance(value, str):
         raise DataError(source, f"must be a string, got {type(value).__name__}", i, key)
     if not allow_empty and not value.strip():
@@ -295,7 +295,7 @@ def _answer_text(value: Any, source: str, i: int, key: str) -> str:
     if isinstance(value, dict):  # LLaMA-Factory sharegpt pairs: {"from": "gpt", "value": "..."}
         value = value.get("value")
     if value is None:
-        raise DataError(source, "is null", i, key)
+        raise DataError(source, "is null or missing in this row", i, key)
     if not isinstance(value, str):
         raise DataError(source, f"must be a string, got {type(value).__name__}", i, key)
     if not value.strip():

@@ -40,8 +40,9 @@ Writes into the PPO ``output_dir``: ``eval.json`` (the figures and the settings)
 pair: prompt ids, both responses' ids, EOS flags, texts, rewards, and the per-token log-probs behind the KL) and
 ``report.md`` (figures, 5 side-by-side samples, training-curve PNGs under ``report/``).
 
-Training curves come from each stage's logs: the ``log_history`` of the newest ``checkpoint-*/trainer_state.json``
-in the stage's output directory, else its ``metrics.json`` (one final record). The SFT and RM stage directories are
+Training curves come from each stage's logs: its ``log_history.json`` (the trainer's whole log history, written
+when the stage finishes), else the ``log_history`` of the newest ``checkpoint-*/trainer_state.json`` in the stage's
+output directory, else its ``metrics.json`` (one final record). The SFT and RM stage directories are
 the parents of ``sft_model_path`` / ``reward_model_path`` when those end in ``merged``.
 """
 
@@ -188,11 +189,18 @@ def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
 def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
     """A stage's training log records and where they came from.
 
-    The ``log_history`` of the newest ``checkpoint-N/trainer_state.json`` under ``stage_dir``, else
-    ``[metrics.json]``, else ``[]``. Returns ``(records, source path or None)``.
+    The stage's whole ``log_history`` (``log_history.json``, written when a stage finishes), else that of the newest
+    ``checkpoint-N/trainer_state.json`` under ``stage_dir`` (an unfinished run), else ``[metrics.json]``, else
+    ``[]``. Returns ``(records, source path or None)``.
     """
     if not stage_dir or not os.path.isdir(stage_dir):
         return [], None
+    path = os.path.join(stage_dir, "log_history.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            history = json.load(f).get("log_history") or []
+        if history:
+            return history, path
     ckpts = []
     for path in glob.glob(os.path.join(stage_dir, "checkpoint-*", "trainer_state.json")):
         m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.dirname(path)))
@@ -310,7 +318,8 @@ def _stage_dir(model_path: str) -> str | None:
 
 
 def evaluate(data_args, training_args, num_prompts: int | None = None, samples_per_prompt: int = 4,
-             demo: bool = False, ppo_logs: list[dict] | None = None, trust_remote_code: bool = False) -> dict:
+             demo: bool = False, ppo_logs: list[dict] | None = None, trust_remote_code: bool = False,
+             hints: dict[str, str] | None = None) -> dict:
     """Sample, score and compare the SFT and PPO policies of a PPO recipe; write eval.json, eval_samples.jsonl,
     report.md into ``training_args.output_dir``.
 
@@ -322,6 +331,7 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
         samples_per_prompt: responses per prompt and policy.
         demo: also report the demo task's ground-truth ``sft_score`` / ``ppo_score``.
         ppo_logs: the PPO trainer's ``log_history`` (default: read from the newest checkpoint).
+        hints: the command that produces each input (``sft`` / ``rm`` / ``ppo``), named when it is missing.
 
     Returns:
         The content of ``eval.json`` plus ``report`` (path) and ``plots`` (stage -> PNG path).
@@ -337,9 +347,10 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     out_dir = training_args.output_dir
-    sft_path = require_model_dir(training_args.sft_model_path, "SFT model")
-    rm_path = require_model_dir(training_args.reward_model_path, "reward model")
-    ppo_path = require_model_dir(os.path.join(out_dir, "merged"), "PPO policy", "make ppo")
+    hints = hints or {}
+    sft_path = require_model_dir(training_args.sft_model_path, "SFT model", hints.get("sft"))
+    rm_path = require_model_dir(training_args.reward_model_path, "reward model", hints.get("rm"))
+    ppo_path = require_model_dir(os.path.join(out_dir, "merged"), "PPO policy", hints.get("ppo", "make ppo"))
 
     records = read_records(data_args, "prompts")
     _, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
@@ -428,7 +439,7 @@ def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> d
     """
     import sys
 
-    from .config import parse_recipe
+    from .config import parse_recipe, sibling_recipe
     from .ppo import recipe_types
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -444,7 +455,8 @@ def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> d
         rest = ["--config", own.config, *rest]
     data_args, ppo_args, training_args, model_args, run_args, _ = parse_recipe(recipe_types(), rest)
     result = evaluate(data_args, training_args, own.num_prompts, own.samples_per_prompt, own.demo,
-                      ppo_logs=ppo_logs, trust_remote_code=ppo_args.trust_remote_code)
+                      ppo_logs=ppo_logs, trust_remote_code=ppo_args.trust_remote_code,
+                      hints={stage: sibling_recipe(own.config, stage) for stage in ("sft", "rm", "ppo")})
     return {"output_dir": training_args.output_dir, "metrics": dict(result["figures"]), **result}
 
 

@@ -105,6 +105,9 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
     tokenizer = load_tokenizer(tokenizer_src, trust_remote_code=trust_remote_code)
     loader = load_causal_lm if task_type == "CAUSAL_LM" else load_sequence_classifier
     model = loader(base_path, dtype, trust_remote_code, allow_pickle)
+    if task_type != "CAUSAL_LM":
+        logger.info("the base's new score head (reported MISSING above when the base is a causal LM) is replaced by "
+                    "the adapter's trained one")
     resize_for_tokenizer(model, tokenizer)
     peft_model = PeftModel.from_pretrained(model, adapter_dir)
     merged = peft_model.merge_and_unload().eval()

@@ -312,6 +312,9 @@ def atomic_dir(final_path: str):
     parent = os.path.dirname(os.path.abspath(final_path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.tmp-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private (0700); the final directory gets the usual mode
     try:
         yield tmp
     except BaseException:

@@ -21,7 +21,7 @@ What `RLHFPPOTrainer` adds around TRL's trainer (which it subclasses; the PPO lo
   - checkpoints written under a temporary name, then renamed, holding the policy (adapter and merged), the value
     model, optimizer / scheduler / RNG / trainer state, the data position and the run's recipe;
   - exact resume from such a checkpoint (TRL's ``train()`` cannot resume);
-  - ``bf16`` and ``gradient_checkpointing`` honoured (TRL ignores both);
+  - ``bf16``, ``gradient_checkpointing`` and ``logging_steps`` honoured (TRL ignores them);
   - an adaptive KL coefficient (``kl_target`` / ``kl_horizon``; Ziegler et al. 2019, "Fine-Tuning Language Models
     from Human Preferences", section 2.2), logged as ``objective/kl_coef``;
   - a stop on the first non-finite loss, reward or value, naming the update (the last good checkpoint is kept);
@@ -131,7 +131,9 @@ class PPOScriptArguments:
         default=10, metadata={"help": "Updates between sample tables (logs and samples.jsonl); 0 turns them off."}
     )
     save_merged_checkpoints: bool = field(
-        default=True, metadata={"help": "Also write the merged policy into each checkpoint (costs one model copy)."}
+        default=True,
+        metadata={"help": "Write the merged policy into each checkpoint too (default true; costs one model copy in "
+                  "memory while it is written, and its size on disk; false for large or quantized models)."},
     )
     reset_generation_config: bool = field(
         default=False,
@@ -363,7 +365,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
                     f"non-finite {', '.join(bad)} at update {self.state.global_step} (episode {self.state.episode}); "
                     f"nothing was saved for this update; last good checkpoint: {last or 'none yet'}"
                 )
-            if logs["objective/kl"] < 0:
+            if logs["objective/kl"] < -1e-3:  # below rounding noise
                 logger.warning(
                     "update %d: mean KL to the reference is negative (%.4f): the rollouts are not samples of the "
                     "policy (check temperature / generation settings) or the estimate is noisy (use kl_estimator k3)",
@@ -372,6 +374,10 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
             logs["objective/kl_coef"] = self.args.kl_coef
             if self.kl_controller is not None:
                 self.args.kl_coef = self.kl_controller.update(logs["objective/kl"], self.args.batch_size)
+            every = max(1, int(self.state.logging_steps or 1))  # TRL's PPO logs every update: honour logging_steps
+            step = self.state.global_step
+            if step % every and step < self.state.max_steps:  # the last update is always logged
+                return
         super().log(logs, start_time)
 
     def _last_checkpoint(self) -> str | None:
@@ -499,6 +505,10 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
         episode = getattr(saved, "episode", saved.global_step * self.args.batch_size)
         total = self.args.num_total_batches
         done = saved.global_step
+        planned = getattr(saved, "max_steps", 0) or total
+        if planned != total:  # the learning-rate schedule and the data order were laid out for the saved run
+            raise ValueError(f"{ckpt} belongs to a run of {planned} updates; this recipe makes {total} (total_episodes "
+                             "/ effective batch): resume with the same total_episodes and batch sizes, or start afresh")
         if done >= total:
             raise ValueError(f"{ckpt} is at update {done}; the recipe has {total} updates: nothing left to run")
         self.args.num_total_batches = total - done
@@ -594,7 +604,7 @@ def recipe_types() -> tuple:
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     """Parse a recipe and run PPO; see `run` for the result."""
-    data_args, ppo_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv)
+    data_args, ppo_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv, "ppo")
     return run(
         data_args, ppo_args, training_args, model_args,
         sft_hint=sibling_recipe(recipe, "sft"), rm_hint=sibling_recipe(recipe, "rm"), callbacks=callbacks,
@@ -761,6 +771,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
 
     # metrics: the last logged training statistics
     write_json(os.path.join(out, "metrics.json"), metrics)
+    write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
     logger.info("PPO done: merged policy at %s, value model at %s", merged, value_dir)
     trainer.accelerator.wait_for_everyone()
     return {"output_dir": out, "merged": merged, "value_model": value_dir, "metrics": metrics, "trainer": trainer}

@@ -47,7 +47,7 @@ def recipe_types() -> tuple:
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     """Parse a recipe and train the reward model. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
-    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv)
+    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv, "rm")
     return run(data_args, training_args, model_args, produced_by=sibling_recipe(recipe, "sft"), run_args=run_args,
                callbacks=callbacks)
 
@@ -100,6 +100,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
         model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
         quantization_config=quantization,
     )
+    logger.info("reward model: the SFT model with a new score head (reported MISSING above), trained in this stage")
     resize_for_tokenizer(model, tokenizer)
     peft_config = get_peft_config(model_args)
     if peft_config is not None:
@@ -148,6 +149,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
             eval_metrics["num_pairs"],
         )
     write_json(os.path.join(out, "metrics.json"), metrics)
+    write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
     trainer.accelerator.wait_for_everyone()
     return {"output_dir": out, "merged": merged_path, "metrics": metrics}
 

@@ -40,7 +40,7 @@ def recipe_types() -> tuple:
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     """Parse a recipe and run SFT. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
-    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv)
+    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv, "sft")
     return run(data_args, training_args, model_args, run_args, callbacks=callbacks)
 
 
@@ -124,6 +124,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     if trainer.is_world_process_zero():
         save_recipe(out, data_args, training_args, model_args, run_args)
         write_json(os.path.join(out, "metrics.json"), metrics)
+        write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
         logger.info("SFT done: merged model at %s", merged)
     trainer.accelerator.wait_for_everyone()
     return {"output_dir": out, "merged": merged, "metrics": metrics}
