@@ -74,7 +74,7 @@ def test_ppo_survives_kill_9(assets, sft_run, rm_run, tmp_path):
     argv = ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path",
             sft_run["merged"], "--reward_model_path", rm_run["merged"], "--output_dir", out,
             "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1", "--total_episodes", "96",
-            "--save_steps", "1", "--log_samples_every", "0"]
+            "--save_steps", "1", "--log_samples_every", "0", "--logging_steps", "1"]
     ckpts = kill_after_first_checkpoint("ppo", argv, out, 2, 2)
     last = max(int(d.split("-")[1]) for d in ckpts)
     result = ppo.main(argv + ["--resume_from_checkpoint", "true"])

@@ -218,7 +218,7 @@ def test_the_real_command_prints_no_traceback(assets, tmp_path):
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if "rlhf-trl sft" in line]
-    assert lines == [f"rlhf-trl sft: error: {data}, row 1, field 'output': is null"]
+    assert lines == [f"rlhf-trl sft: error: {data}, row 1, field 'output': is null or missing in this row"]
     assert "Traceback" not in proc.stderr
 
 
@@ -265,11 +265,11 @@ def test_fresh_run_over_an_old_one_removes_its_checkpoints_and_logs(assets, tmp_
     sft.main(sft_argv(assets, out, assets["sft"], *common, "--max_steps", "4", "--save_steps", "2"))
     assert {"checkpoint-2", "checkpoint-4", "runs"} <= set(os.listdir(out))
     (out / "report.md").write_text("old report\n")
-    first_runs = set(os.listdir(out / "runs"))
+    (out / "runs" / "old-marker").write_text("")
     sft.main(sft_argv(assets, out, assets["sft"], *common, "--max_steps", "1", "--save_steps", "1"))
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-1"]
     assert not (out / "report.md").exists()
-    assert not first_runs & set(os.listdir(out / "runs"))  # only this run's event files
+    assert not (out / "runs" / "old-marker").exists()  # only this run's event files
 
 
 def test_command_line_typo_is_blamed_on_the_command_line(assets, tmp_path, capsys):

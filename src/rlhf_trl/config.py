@@ -102,8 +102,17 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
                        usage=f"rlhf-trl {stage or '<stage>'} --config RECIPE.yaml [--key value ...]",
                        description="Run a stage from a YAML recipe (--config); any field below can also be set on the "
                        "command line, where it overrides the recipe.")
+
+    def error(message: str):  # argparse would print usage and exit: one line naming where the bad value is
+        flags = message.split(":", 1)[0].removeprefix("argument ").split("/")
+        on_command_line = any(a.split("=")[0] in flags for a in argv)
+        raise RecipeError(f"{'command line' if on_command_line or not path else path}: {message}")
+
+    parser.error = error
     try:
         parsed = parser.parse_args_and_config(argv)
+    except RecipeError:
+        raise
     except SystemExit as exc:  # argparse reports bad CLI values / unknown flags on stderr and exits 2
         if exc.code in (0, None):  # --help
             raise
