@@ -70,7 +70,7 @@ QUICK_MEMORY_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, intermedia
 MODES = {
     # step counts chosen so that one overhead run takes ~15-25 s on 2 CPU cores (about 5 s of it is start-up:
     # interpreter, imports, data, model loading); the whole full mode takes ~8-10 minutes there
-    "full": dict(repeats=3, sft_steps=240, rm_steps=130, ppo_updates=12, breakdown_updates=5, scaling_updates=4,
+    "full": dict(repeats=3, sft_steps=240, rm_steps=130, ppo_updates=12, breakdown_updates=9, scaling_updates=4,
                  scaling=[(r, b) for r in (32, 64, 128) for b in (4, 8, 16)], memory_model=MEMORY_MODEL,
                  memory_steps=2),
     "quick": dict(repeats=1, sft_steps=10, rm_steps=10, ppo_updates=2, breakdown_updates=2, scaling_updates=2,
@@ -278,13 +278,16 @@ def ppo_breakdown(paths: dict, mode: dict, run_dir: Path) -> dict:
 
     @torch.no_grad()
     def plain_generate() -> tuple[float, int]:
-        """``policy.generate`` on the update's prompts, chunked like the rollout; (seconds, new tokens)."""
+        """``policy.generate`` on the update's prompts, chunked like the rollout, asking for what the rollout asks
+        (TRL's ``generate`` helper: ``return_dict_in_generate`` and ``output_scores``, whose logits become the
+        rollout log-probs); (seconds, new tokens)."""
         policy, queries, pad = captured["policy"], captured["queries"], captured["pad"]
         t = time.perf_counter()
         tokens = 0
         for i in range(0, queries.shape[0], captured["chunk"]):
             q = queries[i: i + captured["chunk"]]
-            out = policy.generate(input_ids=q, attention_mask=q != pad, generation_config=captured["config"])
+            out = policy.generate(input_ids=q, attention_mask=q != pad, generation_config=captured["config"],
+                                  return_dict_in_generate=True, output_scores=True).sequences
             tokens += out.shape[0] * (out.shape[1] - q.shape[1])
         return time.perf_counter() - t, tokens
 
