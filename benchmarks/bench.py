@@ -12,7 +12,7 @@ Sections:
              recipes/demo/<stage>.yaml ...``) and through benchmarks/plain_trl.py (the same steps in a plain TRL
              script), same recipe values and overrides (report_to none, save_strategy no, no eval, same max_steps /
              total_episodes), each run its own subprocess, in ABBA order (rlhf_trl, plain, plain, rlhf_trl, ...),
-             median of --repeats (3; 1 with --quick). ``overhead_ratio`` = median wall (rlhf_trl) / median wall
+             median of --repeats (5; 1 with --quick). ``overhead_ratio`` = median wall (rlhf_trl) / median wall
              (plain); ``train_runtime_ratio`` the same for the time from train begin to train end.
   breakdown  one in-process PPO run (`rlhf_trl.ppo.main`) on the demo model: `batch_generation`, `get_reward` and
              no-grad `forward` of ``trl.experimental.ppo.ppo_trainer`` are wrapped with timers; each update is timed
@@ -70,7 +70,7 @@ QUICK_MEMORY_MODEL = dict(hidden_size=256, num_layers=4, num_heads=4, intermedia
 MODES = {
     # step counts chosen so that one overhead run takes ~15-25 s on 2 CPU cores (about 5 s of it is start-up:
     # interpreter, imports, data, model loading); the whole full mode takes ~8-10 minutes there
-    "full": dict(repeats=3, sft_steps=240, rm_steps=130, ppo_updates=12, breakdown_updates=9, scaling_updates=4,
+    "full": dict(repeats=5, sft_steps=240, rm_steps=130, ppo_updates=12, breakdown_updates=9, scaling_updates=4,
                  scaling=[(r, b) for r in (32, 64, 128) for b in (4, 8, 16)], memory_model=MEMORY_MODEL,
                  memory_steps=2),
     "quick": dict(repeats=1, sft_steps=10, rm_steps=10, ppo_updates=2, breakdown_updates=2, scaling_updates=2,
@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI smoke mode (< 3 min): fewer runs and steps, small models")
     p.add_argument("--output_dir", default="outputs/bench", help="where assets, logs and results go")
-    p.add_argument("--repeats", type=int, help="overhead runs per side and stage (default: 3; --quick: 1)")
+    p.add_argument("--repeats", type=int, help="overhead runs per side and stage (default: 5; --quick: 1)")
     args = p.parse_args(argv)
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
