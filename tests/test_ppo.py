@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from rlhf_trl import ppo
-from rlhf_trl.ppo import AdaptiveKLController, TrainingDivergedError, check_generation_config
+from rlhf_trl.ppo import AdaptiveKLController, TrainingDivergedError, rollout_generation_config
 
 
 def ppo_argv(assets, sft_run, rm_run, out, *extra):
@@ -128,17 +128,24 @@ def test_kl_coefficient_is_logged_and_adapted(assets, sft_run, rm_run, tmp_path)
     assert coefs[2] < coefs[1] < coefs[0]  # KL far below target: the coefficient shrinks
 
 
-def test_biasing_generation_settings_are_refused(sft_run):
+def test_stock_generation_settings_are_overridden_for_rollouts_and_returned(sft_run, caplog):
+    """A stock generation_config (top_k / top_p / repetition_penalty) runs: PPO samples with temperature only,
+    logs one line naming what it overrides, and hands back the stock config for the saved models."""
+    import logging
+
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(sft_run["merged"])
     model.generation_config.repetition_penalty = 1.1
     model.generation_config.top_k = 20
-    with pytest.raises(ValueError, match=r"merged/generation_config.json sets .*repetition_penalty.*reset_generation"):
-        check_generation_config(model, sft_run["merged"], reset=False)
-    check_generation_config(model, sft_run["merged"], reset=True)
-    assert model.generation_config.repetition_penalty == 1.0 and model.generation_config.top_k == 0
-    check_generation_config(model, sft_run["merged"], reset=False)  # clean now
+    with caplog.at_level(logging.INFO, logger="rlhf_trl.ppo"):
+        stock = rollout_generation_config(model, sft_run["merged"], [0, 2], pad_token_id=3, temperature=0.7)
+    lines = [r.getMessage() for r in caplog.records if "overriding" in r.getMessage()]
+    assert len(lines) == 1 and "'repetition_penalty': 1.1" in lines[0] and "'top_k': 20" in lines[0]
+    assert stock.repetition_penalty == 1.1 and stock.top_k == 20
+    used, _ = model._prepare_generation_config(None)  # what generate() will sample with
+    assert (used.repetition_penalty, used.top_k, used.top_p, used.temperature) == (1.0, 0, 1.0, 0.7)
+    assert used.eos_token_id == [0, 2] and used.pad_token_id == 3
 
 
 class PoisonValueHead(TrainerCallback):

@@ -13,12 +13,13 @@ STAGES = {
     "rm": "reward model on chosen/rejected pairs (trl.RewardTrainer)",
     "ppo": "PPO against the reward model (trl.experimental.ppo.PPOTrainer)",
     "demo": "build the embedded demo and run SFT -> RM -> PPO on it",
+    "demo-real": "SFT -> RM -> PPO -> eval on a real Qwen2.5 Instruct directory (--model DIR), sized for a CPU",
     "init-model": "build a random-init tiny Qwen2 with a tokenizer's vocabulary (offline smoke runs)",
     # merge / evaluate / report
     "merge": "merge a LoRA adapter into its base: --adapter DIR --output DIR [--base DIR]",
     "eval": "compare the PPO policy with its SFT policy (rewards, win rate, KL), write eval.json + report.md",
 }
-MODULES = {"init-model": "tiny", "eval": "evaluate"}
+MODULES = {"init-model": "tiny", "eval": "evaluate", "demo-real": "demo_real"}
 
 USAGE = "usage: rlhf-trl {" + ",".join(STAGES) + "} --config RECIPE.yaml [--key value ...]\n\n" + "\n".join(
     f"  {name:5s} {text}" for name, text in STAGES.items()
@@ -80,6 +81,9 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     if stage == "demo" and "summary" in result:
         print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
         return 0
+    if stage == "demo-real":
+        print_real_summary(result["real_summary"], os.path.join(result["output_dir"], "summary.json"))
+        return 0
     if not is_main_rank():
         return 0
     metrics = result.get("metrics", {}) if isinstance(result, dict) else {}
@@ -109,6 +113,19 @@ def print_demo_summary(summary: dict, path: str) -> None:
     print(f"  targets met: {summary['targets_met']}\n  written to {path}")
     if summary.get("report"):
         print(f"  report (SFT vs PPO, training curves): {summary['report']}")
+
+
+def print_real_summary(summary: dict, path: str) -> None:
+    print(f"\nrlhf-trl demo-real summary ({summary['model']}; CPU smoke runs: figures, not targets)")
+    for stage, sec in summary["stage_seconds"].items():
+        print(f"  {stage + ' seconds':36s} {sec:8.1f}")
+    for key in ("rm_accuracy", "rm_length_baseline_accuracy", "sft_eval_loss", "sft_reward", "ppo_reward", "win_rate",
+                "kl_per_token", "sft_eos_rate", "ppo_eos_rate", "sft_mean_length", "ppo_mean_length"):
+        if isinstance(summary.get(key), (int, float)):
+            print(f"  {key:36s} {summary[key]:8.3f}")
+    for ex in summary["examples"][:2]:
+        print(f"  question: {ex['question'][:60]}\n    sft: {ex['sft'][:80]}\n    ppo: {ex['ppo'][:80]}")
+    print(f"  written to {path}\n  report (SFT vs PPO, training curves): {summary['report']}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,7 +78,7 @@ def sample_responses(model_dir: str, questions: list[str], samples_per_prompt: i
     """
     from transformers import AutoModelForCausalLM
 
-    from .models import load_tokenizer
+    from .models import eos_token_ids, load_tokenizer, sampling_generation_config
 
     tok = load_tokenizer(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
@@ -86,12 +86,9 @@ def sample_responses(model_dir: str, questions: list[str], samples_per_prompt: i
     prompts = [encode_prompt(tok, template, q) for q in questions for _ in range(samples_per_prompt)]
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    config = sampling_generation_config(temperature, max_new_tokens, eos_token_ids(tok, model_dir), tok.pad_token_id)
     torch.manual_seed(seed)
-    out = model.generate(
-        input_ids=ids, attention_mask=ids != tok.pad_token_id, do_sample=True, temperature=temperature,
-        top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    out = model.generate(input_ids=ids, attention_mask=ids != tok.pad_token_id, generation_config=config)
     return tok.batch_decode(out[:, width:], skip_special_tokens=True)
 
 

@@ -70,24 +70,33 @@ RM_FIGURES = ["rm_accuracy", "rm_margin", "rm_length_baseline_accuracy", "rm_num
 # ----------------------------------------------------------------------------------------------------------------
 # sampling, scoring, log-probs
 # ----------------------------------------------------------------------------------------------------------------
-def cut_at_eos(tokens: list[int], eos_token_id: int, max_len: int) -> tuple[list[int], bool]:
-    """Response ids up to and including the first EOS (else the first ``max_len`` tokens), and whether EOS ended it."""
+def cut_at_eos(tokens: list[int], eos_token_ids, max_len: int) -> tuple[list[int], bool]:
+    """Response ids up to and including the first EOS (any of ``eos_token_ids``, an int or a list; else the first
+    ``max_len`` tokens), and whether an EOS ended it."""
     tokens = list(tokens)[:max_len]
-    if eos_token_id in tokens:
-        return tokens[: tokens.index(eos_token_id) + 1], True
+    eos = set(eos_token_ids) if isinstance(eos_token_ids, (list, tuple, set)) else {eos_token_ids}
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], True
     return tokens, False
 
 
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int, max_new_tokens: int,
+def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, max_new_tokens: int,
            temperature: float, seed: int, batch_size: int = 64) -> list[tuple[list[int], bool]]:
     """Sample one response per prompt (``[num_prompts]`` lists of ids) from a causal LM.
 
-    Prompts are left-padded with ``pad_token_id`` (which must differ from EOS); sampling is softmax(logits /
-    ``temperature``) with top-k / top-p off, stopping at EOS, at most ``max_new_tokens`` tokens. The RNG is seeded
-    with ``seed`` once, before the first batch. Returns ``(response ids, ended with EOS)`` per prompt; the ids
-    include the EOS when present.
+    Prompts are left-padded with ``pad_token_id`` (which must differ from every EOS id); sampling is
+    softmax(logits / ``temperature``) and nothing else (`rlhf_trl.models.sampling_generation_config`: the model's
+    own top-k / top-p / repetition penalty are not applied, as in PPO rollouts), stopping at any of
+    ``eos_token_ids`` (an int or a list), at most ``max_new_tokens`` tokens. The RNG is seeded with ``seed`` once,
+    before the first batch. Returns ``(response ids, ended with EOS)`` per prompt; the ids include the EOS when
+    present.
     """
+    from .models import sampling_generation_config
+
+    eos = list(eos_token_ids) if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids]
+    config = sampling_generation_config(temperature, max_new_tokens, eos, pad_token_id)
     model.eval()
     device = next(model.parameters()).device
     torch.manual_seed(seed)
@@ -96,11 +105,8 @@ def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int
         chunk = prompts[i : i + batch_size]
         width = max(len(p) for p in chunk)
         ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in chunk], device=device)
-        gen = model.generate(
-            input_ids=ids, attention_mask=(ids != pad_token_id).long(), do_sample=True, temperature=temperature,
-            top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        )
-        out.extend(cut_at_eos(row.tolist(), eos_token_id, max_new_tokens) for row in gen[:, width:].cpu())
+        gen = model.generate(input_ids=ids, attention_mask=(ids != pad_token_id).long(), generation_config=config)
+        out.extend(cut_at_eos(row.tolist(), eos, max_new_tokens) for row in gen[:, width:].cpu())
     return out
 
 
@@ -341,7 +347,14 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
         ``samples_per_prompt`` < 1.
     """
     from .data import Template, prompt_features, read_records, split_records
-    from .models import load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir, write_json
+    from .models import (
+        eos_token_ids,
+        load_causal_lm,
+        load_sequence_classifier,
+        load_tokenizer,
+        require_model_dir,
+        write_json,
+    )
     from .scoring import score_sequences
 
     if samples_per_prompt < 1:
@@ -362,7 +375,7 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     tokenizer = load_tokenizer(sft_path, padding_side="left", trust_remote_code=trust_remote_code)
     prompt_ids = prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length)["input_ids"]
     prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad, eos = tokenizer.pad_token_id, eos_token_ids(tokenizer, sft_path)  # every EOS id ends a response
     settings = dict(max_new_tokens=training_args.response_length, temperature=training_args.temperature,
                     seed=training_args.seed)
 

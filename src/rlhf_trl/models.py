@@ -14,8 +14,39 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Tried in order when a tokenizer has no pad token, or its pad token is EOS (Qwen base: both "<|endoftext|>").
+# Tried in order when a tokenizer has no pad token, or its pad token is one of the EOS ids (Qwen base: both
+# "<|endoftext|>"; Qwen Instruct: pad "<|endoftext|>", which its generation_config lists as a second EOS).
 PAD_CANDIDATES = ("<|endoftext|>", "<|pad|>", "<pad>", "<|vision_pad|>", "<unk>")
+
+
+# Generation settings that change the sampling distribution away from softmax(logits / temperature): with them the
+# rollout log-probs are not the policy's, and the KL estimate and the policy gradient are biased.
+BIASING_GENERATION_KEYS = {
+    "min_new_tokens": (None, 0), "min_length": (None, 0), "no_repeat_ngram_size": (None, 0),
+    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "top_k": (None, 0),
+    "top_p": (None, 1.0), "typical_p": (None, 1.0), "min_p": (None, 0.0), "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0), "bad_words_ids": (None,), "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,), "sequence_bias": (None,), "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,), "exponential_decay_length_penalty": (None,), "num_beams": (None, 1),
+}
+
+
+def sampling_generation_config(temperature: float, max_new_tokens: int | None, eos_token_ids: list[int],
+                               pad_token_id: int, **extra):
+    """A ``GenerationConfig`` that samples from ``softmax(logits / temperature)`` and nothing else.
+
+    Every setting of `BIASING_GENERATION_KEYS` is set to its neutral value explicitly: ``generate`` fills the
+    settings a passed config leaves unset from ``model.generation_config``, so a stock checkpoint's top_k / top_p /
+    repetition_penalty would otherwise leak in. Stops at any of ``eos_token_ids``; ``max_new_tokens`` in tokens.
+    Used by PPO rollouts, `rlhf_trl.evaluate` and the demo, so that all of them sample the same distribution.
+    """
+    from transformers import GenerationConfig
+
+    neutral = {k: ok[-1] for k, ok in BIASING_GENERATION_KEYS.items() if ok[-1] is not None}
+    neutral.update(do_sample=True, temperature=temperature, eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id)
+    if max_new_tokens is not None:
+        neutral["max_new_tokens"] = max_new_tokens
+    return GenerationConfig(**neutral, **extra)
 
 
 class StageInputError(FileNotFoundError):
@@ -54,18 +85,54 @@ def require_model_dir(path: str, what: str, produced_by: str | None = None, allo
     return path
 
 
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def eos_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
+    """Every token id that ends a response: the tokenizer's EOS first, then the EOS ids of the model directory's
+    ``generation_config.json`` (a list in Qwen2.5-Instruct: ``[<|im_end|>, <|endoftext|>]``) and ``config.json``.
+
+    Rollouts stop at any of them, the missing-EOS penalty and EOS rates count any of them, and the reward model's
+    score is read at whichever one ends the response. Ids equal to the tokenizer's pad token are left out (the pad
+    token is chosen distinct from all of them by `load_tokenizer`). Returns a list without repeats.
+    """
+    pad = tokenizer.pad_token_id
+    ids = _all_eos_ids(tokenizer, model_dir)
+    return [i for i in ids if i == ids[0] or i != pad]
+
+
+def _all_eos_ids(tokenizer, model_dir: str | None) -> list[int]:
+    ids = [int(tokenizer.eos_token_id)]
+    if model_dir and os.path.isdir(model_dir):
+        for name in ("generation_config.json", "config.json"):
+            path = os.path.join(model_dir, name)
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as f:
+                    ids += _as_id_list(json.load(f).get("eos_token_id"))
+    out = []
+    for i in ids:
+        if i not in out and 0 <= i < len(tokenizer):
+            out.append(i)
+    return out
+
+
 def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = "right", trust_remote_code=False):
-    """Load a tokenizer and make its pad token distinct from EOS.
+    """Load a tokenizer and make its pad token distinct from every EOS id.
 
     TRL's PPOTrainer masks pad tokens out of every forward pass and reads rewards at the last non-pad token, so a
-    pad token equal to EOS would hide the EOS that ends each response. When ``pad_token`` is not given and the
-    tokenizer's pad is missing or equals EOS, the first of `PAD_CANDIDATES` found in the vocabulary (other than EOS)
-    is used; if none exists, ``<|pad|>`` is added (the model's embeddings must then be resized:
+    pad token equal to an EOS id would hide the EOS that ends a response. The EOS ids are the tokenizer's EOS and
+    those of ``path``'s ``generation_config.json`` (`eos_token_ids`): stock Qwen2.5-Instruct pads with
+    ``<|endoftext|>``, which its generation_config lists as a second EOS. When ``pad_token`` is not given and the
+    tokenizer's pad is missing or one of the EOS ids, the first of `PAD_CANDIDATES` found in the vocabulary (other
+    than an EOS id) is used; if none exists, ``<|pad|>`` is added (the model's embeddings must then be resized:
     `resize_for_tokenizer`).
 
     Raises:
         StageInputError: the tokenizer cannot be found.
-        ValueError: the tokenizer has no EOS token, or ``pad_token`` equals EOS.
+        ValueError: the tokenizer has no EOS token, or ``pad_token`` is one of the EOS ids.
     """
     from transformers import AutoTokenizer
 
@@ -82,19 +149,21 @@ def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = 
         raise StageInputError(f"cannot load a tokenizer from '{path}': {exc}") from None
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at '{path}' has no EOS token; set eos_token in its tokenizer_config.json")
+    pad_id = tok.pad_token_id
+    eos = _all_eos_ids(tok, path if os.path.isdir(path) else None)
+    vocab = tok.get_vocab()
     if pad_token is not None:
-        if pad_token == tok.eos_token:
-            raise ValueError(f"pad_token {pad_token!r} equals the EOS token; PPO needs them distinct")
-        if pad_token not in tok.get_vocab():
+        if vocab.get(pad_token) in eos:
+            raise ValueError(f"pad_token {pad_token!r} is an EOS token (EOS ids {eos}); PPO needs them distinct")
+        if pad_token not in vocab:
             tok.add_special_tokens({"pad_token": pad_token})
         tok.pad_token = pad_token
-    elif tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
-        vocab = tok.get_vocab()
-        choice = next((c for c in PAD_CANDIDATES if c in vocab and vocab[c] != tok.eos_token_id), None)
+    elif pad_id is None or pad_id in eos:
+        choice = next((c for c in PAD_CANDIDATES if c in vocab and vocab[c] not in eos), None)
         if choice is None:
             choice = "<|pad|>"
             tok.add_special_tokens({"pad_token": choice})
-        logger.info("pad token set to %r (EOS is %r)", choice, tok.eos_token)
+        logger.info("pad token set to %r (EOS ids %s)", choice, eos)
         tok.pad_token = choice
     tok.padding_side = padding_side
     return tok
@@ -259,7 +328,12 @@ def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = Fa
 
 
 def resize_for_tokenizer(model, tokenizer) -> None:
-    """Grow the embeddings if the tokenizer gained tokens, and record pad / EOS ids on config and generation config."""
+    """Grow the embeddings if the tokenizer gained tokens, and record pad / EOS ids on config and generation config.
+
+    The generation config keeps the model's own settings (sampling, and an EOS list such as Qwen2.5-Instruct's
+    ``[<|im_end|>, <|endoftext|>]``) so that a saved model deploys as the stock one does; the tokenizer's EOS is
+    put first in its EOS list and its pad id becomes the tokenizer's (distinct from every EOS id).
+    """
     embeddings = model.get_input_embeddings()
     # num_embeddings: under DeepSpeed ZeRO-3 ``weight`` is this rank's (possibly empty) partition
     rows = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
@@ -269,8 +343,10 @@ def resize_for_tokenizer(model, tokenizer) -> None:
     model.config.eos_token_id = tokenizer.eos_token_id
     gen = getattr(model, "generation_config", None)
     if gen is not None:
+        eos = [tokenizer.eos_token_id] + [i for i in _as_id_list(gen.eos_token_id)
+                                          if i not in (tokenizer.eos_token_id, tokenizer.pad_token_id)]
         gen.pad_token_id = tokenizer.pad_token_id
-        gen.eos_token_id = tokenizer.eos_token_id
+        gen.eos_token_id = eos[0] if len(eos) == 1 else eos
 
 
 def resolve_resume(value, output_dir: str) -> str | None:

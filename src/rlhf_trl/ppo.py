@@ -50,13 +50,16 @@ from transformers import TrainerCallback
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # pinned to trl 1.12.0 on purpose: see pyproject.toml
 from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402  (the one import of TRL's PPO)
-from trl.experimental.ppo.ppo_trainer import batch_generation, truncate_response  # noqa: E402
+from trl.experimental.ppo import ppo_trainer as trl_ppo_trainer  # noqa: E402
+from trl.experimental.ppo.ppo_trainer import batch_generation  # noqa: E402
 from trl.experimental.utils import get_reward  # noqa: E402
 
 from .checkpoints import AtomicCheckpointMixin, distributed_state, start_run  # noqa: E402
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe  # noqa: E402
 from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records  # noqa: E402
 from .models import (  # noqa: E402
+    BIASING_GENERATION_KEYS,
+    eos_token_ids,
     load_causal_lm,
     load_sequence_classifier,
     load_tokenizer,
@@ -67,20 +70,10 @@ from .models import (  # noqa: E402
     torch_dtype,
     write_json,
 )
+from .models import sampling_generation_config  # noqa: E402
+from .scoring import eos_mask, truncate_at_eos  # noqa: E402
 
 logger = logging.getLogger(__name__)
-
-# Generation settings that change the sampling distribution away from softmax(logits / temperature): with them the
-# rollout log-probs are not the policy's, and the KL estimate and the policy gradient are biased.
-BIASING_GENERATION_KEYS = {
-    "min_new_tokens": (None, 0), "min_length": (None, 0), "no_repeat_ngram_size": (None, 0),
-    "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "top_k": (None, 0),
-    "top_p": (None, 1.0), "typical_p": (None, 1.0), "min_p": (None, 0.0), "epsilon_cutoff": (None, 0.0),
-    "eta_cutoff": (None, 0.0), "bad_words_ids": (None,), "suppress_tokens": (None,),
-    "begin_suppress_tokens": (None,), "sequence_bias": (None,), "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,), "exponential_decay_length_penalty": (None,), "num_beams": (None, 1),
-}
-
 
 class TrainingDivergedError(RuntimeError):
     """A loss, reward or value became NaN or infinite; the message names the update and the last good checkpoint."""
@@ -134,13 +127,6 @@ class PPOScriptArguments:
         default=True,
         metadata={"help": "Write the merged policy into each checkpoint too (default true; costs one model copy in "
                   "memory while it is written, and its size on disk; false for large or quantized models)."},
-    )
-    reset_generation_config: bool = field(
-        default=False,
-        metadata={
-            "help": "Drop sampling settings of the policy's generation_config that bias the KL estimate "
-            "(repetition_penalty, top_k, min_new_tokens, ...) instead of refusing to start."
-        },
     )
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run model code shipped in the model directories (e.g. Baichuan)."}
@@ -325,8 +311,16 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
     """
 
     def __init__(self, *args, script_args: PPOScriptArguments | None = None, tokenizer_for_saving=None,
-                 recipe_configs: tuple = (), **kwargs):
+                 recipe_configs: tuple = (), eos_token_ids: list[int] | None = None, stock_generation_config=None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        self.stock_generation_config = stock_generation_config  # saved with merged policies (PPO samples otherwise)
+        # every EOS id ends a response (TRL 1.12 knows one): generation, truncation, missing-EOS penalty, EOS rate
+        self.eos_token_ids = list(eos_token_ids or [self.processing_class.eos_token_id])
+        if self.stop_token_id == self.processing_class.eos_token_id:  # stop_token: eos
+            self.stop_token_id = self.eos_token_ids
+            self.policy_model.generation_config.eos_token_id = self.eos_token_ids
+        self._eos_ended: list[bool] = []  # rollouts since the last log: ended with an EOS id?
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             # under `accelerate launch` (DDP) TRL 1.12 still reads `self.model.policy` (training loop's reference
             # forward, null_ref_context, save_model) and `self.model.config` (model card), which the DDP wrapper
@@ -372,6 +366,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
                     self.state.global_step, logs["objective/kl"],
                 )
             logs["objective/kl_coef"] = self.args.kl_coef
+            if self._eos_ended:  # responses that end with any EOS id (TRL's val/num_eos_tokens counts one id)
+                logs["val/eos_rate"] = sum(self._eos_ended) / len(self._eos_ended)
+                self._eos_ended = []
             if self.kl_controller is not None:
                 self.args.kl_coef = self.kl_controller.update(logs["objective/kl"], self.args.batch_size)
             every = max(1, int(self.state.logging_steps or 1))  # TRL's PPO logs every update: honour logging_steps
@@ -409,7 +406,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
                     query_response, _ = batch_generation(policy, query, query.shape[0], tok.pad_token_id, gen_config)
                     response = query_response[:, context_length:]
                     if self.stop_token_id is not None:
-                        response = truncate_response(self.stop_token_id, tok.pad_token_id, response)
+                        response = truncate_at_eos(response, self.stop_token_id, tok.pad_token_id)
                     _, reward, _ = get_reward(
                         self.reward_model, torch.cat((query, response), 1), tok.pad_token_id, context_length
                     )
@@ -457,7 +454,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
             policy = unwrapped.policy
             if isinstance(policy, PeftModel):
                 policy = copy.deepcopy(policy).merge_and_unload()
-            policy.save_pretrained(os.path.join(ckpt, "merged"), safe_serialization=True)
+            with deployable_generation_config(policy, self.stock_generation_config):
+                policy.save_pretrained(os.path.join(ckpt, "merged"), safe_serialization=True)
             self.tokenizer_for_saving.save_pretrained(os.path.join(ckpt, "merged"))
         if data_state is not None:
             torch.save(data_state, os.path.join(ckpt, "data_state.pt"))
@@ -478,7 +476,41 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
         """
         if resume_from_checkpoint:
             self._restore(resume_from_checkpoint)
-        return super().train()
+        with self._eos_list_in_trl():
+            return super().train()
+
+    @contextmanager
+    def _eos_list_in_trl(self):
+        """Make TRL 1.12's training loop honour the EOS list, for the duration of ``train()``.
+
+        TRL's loop calls the module functions ``truncate_response(stop_token_id, ...)`` and ``get_reward(...)``, and
+        applies ``missing_eos_penalty`` to rows without the tokenizer's one EOS id. Here ``truncate_response`` cuts
+        at any EOS id (`rlhf_trl.scoring.truncate_at_eos`), and the reward model's scores are corrected so that the
+        penalty falls on rows without any EOS id (a row ending at a second EOS, e.g. Qwen's ``<|endoftext|>``, is
+        not penalised); the EOS rate over all ids is logged as ``val/eos_rate``. The originals are put back after.
+        """
+        penalty = self.args.missing_eos_penalty
+        eos_ids, primary = self.eos_token_ids, self.processing_class.eos_token_id
+        original_truncate, original_reward = trl_ppo_trainer.truncate_response, trl_ppo_trainer.get_reward
+
+        def truncate_response(stop_token_id, pad_token_id, responses):
+            return truncate_at_eos(responses, stop_token_id, pad_token_id)
+
+        def scores_for_any_eos(model, query_responses, pad_token_id, context_length):
+            logits, score, lengths = original_reward(model, query_responses, pad_token_id, context_length)
+            if model is self.reward_model:
+                response = query_responses[:, context_length:]
+                ended = eos_mask(response, eos_ids).any(1)
+                self._eos_ended += ended.tolist()
+                if penalty:  # TRL subtracts it where the tokenizer's EOS is missing: give it back where another ended
+                    score = score + penalty * (ended & ~(response == primary).any(1)).to(score.dtype)
+            return logits, score, lengths
+
+        trl_ppo_trainer.truncate_response, trl_ppo_trainer.get_reward = truncate_response, scores_for_any_eos
+        try:
+            yield
+        finally:
+            trl_ppo_trainer.truncate_response, trl_ppo_trainer.get_reward = original_truncate, original_reward
 
     def _restore(self, ckpt: str) -> None:
         from peft import PeftModel, set_peft_model_state_dict
@@ -544,32 +576,51 @@ def _load_weights(model, folder, PeftModel, set_peft_model_state_dict, load_file
         load_sharded_checkpoint(model, folder, strict=False)
 
 
-def check_generation_config(model, source: str, reset: bool) -> None:
-    """Refuse (or, with ``reset``, drop) generation settings of ``model`` that bias the rollout log-probs.
+def rollout_generation_config(model, source: str, eos_ids: list[int], pad_token_id: int, temperature: float):
+    """Give ``model`` the generation config PPO samples with, and return the one it had (to be saved with it).
 
-    Raises:
-        ValueError: such settings are present and ``reset`` is False; the message names them and ``source``.
+    Rollouts must be samples of ``softmax(logits / temperature)``, or the log-probs, the KL estimate and the policy
+    gradient are biased; a stock checkpoint's ``generation_config.json`` (Qwen2.5-Instruct: top_k 20, top_p 0.8,
+    repetition_penalty 1.1, temperature 0.7) would otherwise leak into ``generate``. The new config samples with
+    ``temperature`` only and stops at any of ``eos_ids``; one log line names the settings of ``source`` it overrides.
+    The returned original is what the merged policy is saved with, so it deploys as the stock model does.
     """
-    gen = model.generation_config
-    found = {k: getattr(gen, k, None) for k, ok in BIASING_GENERATION_KEYS.items() if getattr(gen, k, None) not in ok}
-    if not found:
+    stock = copy.deepcopy(model.generation_config)
+    found = {k: getattr(stock, k, None) for k, ok in BIASING_GENERATION_KEYS.items()
+             if getattr(stock, k, None) not in ok}
+    if getattr(stock, "temperature", None) not in (None, 1.0, temperature):
+        found["temperature"] = stock.temperature
+    model.generation_config = sampling_generation_config(temperature, None, eos_ids, pad_token_id,
+                                                         bos_token_id=getattr(stock, "bos_token_id", None))
+    if found:
+        logger.info("rollouts sample with temperature=%s only, stopping at EOS ids %s; overriding %s of "
+                    "%s/generation_config.json (kept in the saved models)", temperature, list(eos_ids), found, source)
+    return stock
+
+
+@contextmanager
+def deployable_generation_config(policy, stock):
+    """Save ``policy`` (a causal LM or a peft model on one) with the generation config it came with (``stock``, from
+    `rollout_generation_config`) instead of PPO's sampling config; put PPO's back after."""
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    if stock is None:
+        yield
         return
-    if not reset:
-        raise ValueError(
-            f"{source}/generation_config.json sets {found}, which bias PPO's KL estimate and policy gradient "
-            "(rollouts would not be samples of the policy); remove them or set `reset_generation_config: true`"
-        )
-    for key in found:
-        setattr(gen, key, BIASING_GENERATION_KEYS[key][-1])
-    logger.warning("dropped generation settings %s of %s (reset_generation_config)", found, source)
+    current, base.generation_config = base.generation_config, stock
+    try:
+        yield
+    finally:
+        base.generation_config = current
 
 
 @torch.no_grad()
-def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset: Dataset, args, batches: int) -> float:
+def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset: Dataset, args, batches: int,
+                              eos_ids: list[int] | None = None) -> float:
     """Mean RM score (reward units) of SFT-policy rollouts on ``batches`` batches of prompts, as PPO would sample them.
 
-    Uses TRL's rollout functions (``batch_generation``, ``truncate_response``, ``get_reward``) with the recipe's
-    temperature and ``response_length``; runs under `preserved_rng`.
+    Uses TRL's rollout functions (``batch_generation``, ``get_reward``) with the recipe's temperature and
+    ``response_length``, responses cut after their first EOS (any of ``eos_ids``, default the tokenizer's);
+    runs under `preserved_rng`.
     """
     from transformers import DataCollatorWithPadding, GenerationConfig
 
@@ -586,7 +637,8 @@ def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset: Dataset,
                 break
             query = collator(rows)["input_ids"].to(policy.device)
             qr, _ = batch_generation(policy, query, len(rows), tokenizer.pad_token_id, gen)
-            response = truncate_response(tokenizer.eos_token_id, tokenizer.pad_token_id, qr[:, query.shape[1]:])
+            response = truncate_at_eos(qr[:, query.shape[1]:], eos_ids or [tokenizer.eos_token_id],
+                                       tokenizer.pad_token_id)
             _, score, _ = get_reward(reward_model, torch.cat((query, response), 1), tokenizer.pad_token_id,
                                      query.shape[1])
             scores.append(score.float().cpu())
@@ -693,8 +745,9 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         if m.config.vocab_size < len(tokenizer):
             raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) is smaller than the tokenizer's ({len(tokenizer)})")
         m.config.pad_token_id = tokenizer.pad_token_id
-    check_generation_config(policy, sft_path, ppo_args.reset_generation_config)
-    policy.generation_config.pad_token_id = tokenizer.pad_token_id
+    eos_ids = eos_token_ids(tokenizer, sft_path)  # e.g. Qwen2.5-Instruct: [<|im_end|>, <|endoftext|>]
+    stock_generation_config = rollout_generation_config(policy, sft_path, eos_ids, tokenizer.pad_token_id,
+                                                        training_args.temperature)
     if ppo_args.value_use_peft:
         value_model = get_peft_model(value_model, LoraConfig(
             task_type="SEQ_CLS", r=ppo_args.value_lora_r, lora_alpha=ppo_args.value_lora_alpha,
@@ -714,7 +767,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         baseline = None
         if dist.is_main_process:
             baseline = calibrate_reward_baseline(policy, reward_model, tokenizer, train_ds, training_args,
-                                                 ppo_args.reward_baseline_batches)
+                                                 ppo_args.reward_baseline_batches, eos_ids)
         if dist.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
@@ -739,6 +792,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         callbacks=callbacks,
         script_args=ppo_args,
         recipe_configs=(data_args, ppo_args, training_args, model_args, run_args),
+        eos_token_ids=eos_ids,
+        stock_generation_config=stock_generation_config,
     )
     trainer.reward_baseline = baseline
 
@@ -761,7 +816,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     if isinstance(unwrapped.policy, PeftModel):
         unwrapped.policy.save_pretrained(os.path.join(out, "adapter"))
-    merge_and_save(unwrapped.policy, tokenizer, merged)
+    with deployable_generation_config(unwrapped.policy, stock_generation_config):
+        merge_and_save(unwrapped.policy, tokenizer, merged)
     if isinstance(unwrapped.value_model, PeftModel):
         merge_and_save(unwrapped.value_model, tokenizer, value_dir)  # merges in place: training is over
         if ppo_args.share_reward_value_base:

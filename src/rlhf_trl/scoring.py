@@ -72,3 +72,23 @@ def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, r
         "length_baseline_accuracy": float(longer.mean()),
         "num_pairs": int(chosen.numel()),
     }
+
+
+def eos_mask(tokens: torch.Tensor, eos_token_ids) -> torch.Tensor:
+    """``True`` where a token is any of ``eos_token_ids`` (an int or a list): ``[batch, seq_len] -> [batch, seq_len]``."""
+    ids = torch.as_tensor(eos_token_ids if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids],
+                          device=tokens.device, dtype=tokens.dtype)
+    return torch.isin(tokens, ids)
+
+
+def truncate_at_eos(responses: torch.Tensor, eos_token_ids, pad_token_id: int) -> torch.Tensor:
+    """Replace every token after the first EOS (any of ``eos_token_ids``) of each row by ``pad_token_id``.
+
+    ``[batch, response_len] -> [batch, response_len]``; the EOS itself is kept, so the reward model's score is read
+    at the response's own EOS (the last non-pad token). Rows without EOS are unchanged. The list-valued form of
+    TRL's ``truncate_response`` (``trl.experimental.ppo.ppo_trainer``), which stops at one id only.
+    """
+    hit = eos_mask(responses, eos_token_ids)
+    first = torch.where(hit.any(1), hit.int().argmax(1), responses.shape[1])  # [batch]
+    after = torch.arange(responses.shape[1], device=responses.device)[None, :] > first[:, None]
+    return responses.masked_fill(after, pad_token_id)

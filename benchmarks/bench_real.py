@@ -1,0 +1,372 @@
+"""PPO on real weights: where one update's time and memory go (issue 12; the baseline of the PPO-loop issue).
+
+Run: ``make bench-real`` (or ``python benchmarks/bench_real.py [--model DIR] [--size small|large] [--updates N]``).
+Writes ``bench_real.json`` and ``bench_real.md`` into ``--output_dir`` (default ``outputs/bench-real``).
+
+Model: a stock Qwen2.5 Instruct directory (default: ``../shared/models/fetch_qwen2.5-0.5b.sh``, Qwen2.5-Coder-0.5B-
+Instruct, 630M parameters, vocabulary 151,936), used as the policy (LoRA, reference = adapter off) and as the reward
+and value model (the same weights as a one-label sequence classifier with a fresh score head: what a benchmark
+needs). Prompts: the real zh prompts of ``../shared/data/zh/cvalues_responsibility_prompts.jsonl`` (when present;
+else generated ones), rendered with the 问/答 template, at most 256 tokens. fp32 on the CPU.
+
+Variants, each one PPO run in its own process (so that peak RSS is its own), same prompts, seed and settings:
+  plain_trl        TRL 1.12's ``PPOTrainer`` driven by a plain script (benchmarks/plain_trl.py): full value model
+  rlhf_trl         ``rlhf-trl ppo`` in TRL's layout (full value model, as TRL does)
+  rlhf_trl_lean    ``rlhf-trl ppo`` with ``value_use_peft`` + ``share_reward_value_base`` (one copy of weights for
+                   reward and value model)
+
+Per update (the first is a warm-up and is not counted when more than one update runs), split by phase:
+  generation    TRL's ``batch_generation`` (the rollout's ``generate``)
+  scoring       the no-grad forwards of the rollout: reference log-probs, values, rewards
+  optimisation  everything else in the update: PPO epochs (forward + backward + AdamW), whitening, GAE, logging
+For each phase: seconds; the phase's matmul work (FLOPs, estimated from the parameter counts and token counts: 2 N
+per token for a forward, 4 N for a LoRA forward + backward (no weight gradients of frozen weights), 6 N for a full
+forward + backward; N split into the transformer body and the 151,936 x hidden LM head, whose logits only the
+policy computes); the achieved FLOP rate; and its ratio to the machine's measured fp32 matmul rate (a 2048^3 matmul
+probe in the parent, same threads): the distance to the limit. Peak RSS of each phase (``VmHWM`` reset at each
+phase start through ``/proc/self/clear_refs``), in bytes and in copies of one fp32 base model. Largest tensors: the
+bytes of the biggest logits tensor each phase produced (``[rows, tokens, 151936]`` fp32: generation keeps the
+scores of every step of every row, scoring the reference pass, optimisation the micro-batch's forward).
+
+--size small (default): 4 episodes x 32 new tokens (per_device_train_batch_size 4), 1 PPO epoch: ~70 s per update
+here. --size large: 8 episodes x 64 new tokens, run with micro-batches of 2 (per_device_train_batch_size 2 x
+gradient_accumulation_steps 4) and rollout forward chunks of 2 so that it fits in 24 GB (TRL at micro-batch 8 took
+19.9 GB and 643 s per update). Run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+FETCH = SHARED / "models" / "fetch_qwen2.5-0.5b.sh"
+PROMPTS = SHARED / "data" / "zh" / "cvalues_responsibility_prompts.jsonl"
+try:
+    import rlhf_trl  # noqa: F401
+except ImportError:  # not installed: use the source tree
+    sys.path.insert(0, str(REPO / "src"))
+
+SIZES = {
+    "small": dict(per_device_train_batch_size=4, gradient_accumulation_steps=1, local_rollout_forward_batch_size=4,
+                  response_length=32),
+    "large": dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, local_rollout_forward_batch_size=2,
+                  response_length=64),
+}
+VARIANTS = ("plain_trl", "rlhf_trl", "rlhf_trl_lean")
+GB = 1e9
+
+
+# -- the child: one PPO run with phase timers ---------------------------------------------------------------------
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+class PhaseMeter:
+    """Attributes wall time, peak RSS and the largest logits tensor to generation / scoring / optimisation."""
+
+    def __init__(self):
+        self.phase = None
+        self.t = time.perf_counter()
+        self.cur = self._empty()
+        self.updates: list[dict] = []
+        self.shape: dict = {}
+
+    @staticmethod
+    def _empty() -> dict:
+        return {f"{p}_{k}": 0 for p in ("generation", "scoring", "optimisation")
+                for k in ("seconds", "peak_rss_bytes", "largest_logits_bytes")}
+
+    def enter(self, phase: str) -> None:
+        if phase == self.phase:
+            return
+        self.close()
+        self.phase, self.t = phase, time.perf_counter()
+        _reset_peak()
+
+    def close(self) -> None:
+        if self.phase is None:
+            return
+        self.cur[f"{self.phase}_seconds"] += time.perf_counter() - self.t
+        key = f"{self.phase}_peak_rss_bytes"
+        self.cur[key] = max(self.cur[key], _status("VmHWM"))
+        self.phase = None
+
+    def tensor(self, logits) -> None:
+        if logits is not None and self.phase is not None:
+            key = f"{self.phase}_largest_logits_bytes"
+            self.cur[key] = max(self.cur[key], logits.numel() * logits.element_size())
+
+    def end_update(self) -> None:
+        self.close()
+        self.updates.append(self.cur)
+        self.cur = self._empty()
+        self.enter("optimisation")  # until the next rollout starts, time counts as the update's own work
+
+
+def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: dict, updates: int) -> None:
+    import torch
+    import trl.experimental.ppo.ppo_trainer as ppo_trainer
+    from transformers import TrainerCallback
+
+    meter = PhaseMeter()
+    original = {n: getattr(ppo_trainer, n) for n in ("batch_generation", "get_reward", "forward")}
+
+    def batch_generation(model_, queries, chunk, pad, config):
+        meter.enter("generation")
+        out_ = original["batch_generation"](model_, queries, chunk, pad, config)
+        meter.tensor(out_[1])
+        meter.shape.update(rows=int(queries.shape[0]), prompt_tokens=int(queries.shape[1]),
+                           sequence_tokens=int(out_[0].shape[1]))
+        meter.enter("scoring")
+        return out_
+
+    def get_reward(*args, **kwargs):
+        if torch.is_grad_enabled():
+            meter.enter("optimisation")
+        return original["get_reward"](*args, **kwargs)
+
+    def forward(*args, **kwargs):
+        out_ = original["forward"](*args, **kwargs)
+        meter.tensor(getattr(out_, "logits", None))
+        if torch.is_grad_enabled():
+            meter.enter("optimisation")
+        return out_
+
+    class UpdateEnd(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            meter.enter("optimisation")
+            meter.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            meter.end_update()
+
+    ppo_trainer.batch_generation, ppo_trainer.get_reward, ppo_trainer.forward = batch_generation, get_reward, forward
+    batch = size["per_device_train_batch_size"] * size["gradient_accumulation_steps"]
+    settings = {**{k: str(v) for k, v in size.items()}, "total_episodes": str(batch * updates),
+                "num_ppo_epochs": "1", "num_mini_batches": "1", "learning_rate": "1e-5", "temperature": "0.7",
+                "kl_coef": "0.05", "missing_eos_penalty": "1.0", "seed": "42", "report_to": "none",
+                "save_strategy": "no", "logging_steps": "1", "output_dir": str(work / variant), "use_cpu": "true",
+                "sft_model_path": model, "reward_model_path": model, "dataset_name": prompts,
+                "max_prompt_length": "256", "use_peft": "true", "lora_r": "16", "lora_alpha": "32",
+                "lora_target_modules": "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj",
+                "dtype": "float32", "eval_split_size": "4", "per_device_eval_batch_size": "2",
+                "overwrite_output_dir": "true"}
+    t0 = time.perf_counter()
+    rss_start = _status("VmRSS")
+    if variant == "plain_trl":
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        import plain_trl
+
+        cfg = {k: v for k, v in settings.items() if k not in ("dtype", "overwrite_output_dir", "eval_split_size")}
+        argv = ["ppo"] + [x for k, v in cfg.items() for x in (f"--{k}", v)]
+        stage, parsed = plain_trl.parse(argv)
+        parsed["lora_target_modules"] = settings["lora_target_modules"].split()
+        parsed["stop_token"], parsed["eval_split_size"], parsed["dtype"] = "eos", 4, "float32"
+        parsed["callbacks"] = [UpdateEnd()]
+        plain_trl.ppo(parsed)
+    else:
+        from rlhf_trl import ppo
+
+        extra = ["--value_use_peft", "true", "--share_reward_value_base", "true"] if variant == "rlhf_trl_lean" else []
+        argv = ["--config", str(REPO / "recipes" / "qwen2.5-0.5b-cpu" / "ppo.yaml"), "--dataset_format", "prompt",
+                "--value_use_peft", "false", "--share_reward_value_base", "false", "--reward_baseline", "0.0",
+                "--log_samples_every", "0", "--num_sample_generations", "0", *extra]
+        for k, v in settings.items():
+            argv += [f"--{k}", *v.split()] if k == "lora_target_modules" else [f"--{k}", v]
+        ppo.main(argv, callbacks=[UpdateEnd()])
+    meter.close()
+    json.dump({"variant": variant, "updates": meter.updates, "shape": meter.shape, "seconds": time.perf_counter() - t0,
+               "peak_rss_bytes": max([_status("VmHWM")] + [u[k] for u in meter.updates for k in u
+                                                             if k.endswith("peak_rss_bytes")]),
+               "rss_start_bytes": rss_start, "threads": torch.get_num_threads()}, open(out, "w"), indent=2)
+
+
+# -- the parent: probe, runs, figures -------------------------------------------------------------------------------
+def matmul_probe(n: int = 2048, repeats: int = 5) -> float:
+    """The machine's fp32 matmul rate (FLOP/s): best of ``repeats`` n x n x n products."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def param_counts(model_dir: str) -> dict:
+    """Parameters of the transformer body and of the LM head (vocabulary x hidden), from config.json."""
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = h // cfg["num_attention_heads"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter  # q, o, k, v, gate / up / down
+    return {"body": layers * per_layer, "head": vocab * h, "embedding": vocab * h,
+            "total": layers * per_layer + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)}
+
+
+def phase_flops(n: dict, shape: dict, size: dict, lean: bool) -> dict:
+    """Estimated matmul FLOPs of one update's phases (see the module docstring)."""
+    rows, prompt, seq = shape["rows"], shape["prompt_tokens"], shape["sequence_tokens"]
+    new = seq - prompt
+    body, head = n["body"], n["head"]
+    generation = 2 * body * rows * seq + 2 * head * rows * new  # prefill + decode (logits only for new tokens)
+    scoring = 2 * (body + head) * rows * seq + 2 * 2 * body * rows * seq  # reference; value + reward (no LM head)
+    optimisation = 4 * (body + head) * rows * seq + (4 if lean else 6) * body * rows * seq
+    return {"generation": generation, "scoring": scoring, "optimisation": optimisation}
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> dict:
+    timed = run["updates"][1:] if len(run["updates"]) > 1 else run["updates"]
+    flops = phase_flops(n, run["shape"], size, run["variant"] == "rlhf_trl_lean")
+    out = {"updates_timed": len(timed), "shape": run["shape"], "threads": run["threads"],
+           "peak_rss_bytes": run["peak_rss_bytes"], "peak_rss_model_copies": run["peak_rss_bytes"] / base_bytes}
+    total = 0.0
+    for phase in ("generation", "scoring", "optimisation"):
+        sec = median(u[f"{phase}_seconds"] for u in timed)
+        total += sec
+        out[phase] = {
+            "seconds": sec, "gflop": flops[phase] / 1e9, "gflop_per_second": flops[phase] / sec / 1e9,
+            "fraction_of_matmul_rate": flops[phase] / sec / probe,
+            "peak_rss_bytes": max(u[f"{phase}_peak_rss_bytes"] for u in timed),
+            "peak_rss_model_copies": max(u[f"{phase}_peak_rss_bytes"] for u in timed) / base_bytes,
+            "largest_logits_bytes": max(u[f"{phase}_largest_logits_bytes"] for u in timed),
+        }
+    out["seconds_per_update"] = total
+    out["matmul_seconds_at_probe_rate"] = sum(flops.values()) / probe
+    out["seconds_vs_matmul_work"] = total / out["matmul_seconds_at_probe_rate"]
+    return out
+
+
+def write_markdown(bench: dict, path: Path) -> None:
+    lines = [f"# PPO on real weights ({bench['model_name']}, {bench['size']}: {bench['settings']})", "",
+             f"fp32 matmul probe: {bench['matmul_gflop_per_second']:.1f} GFLOP/s; one base model in fp32: "
+             f"{bench['base_model_bytes'] / GB:.2f} GB", "",
+             "| variant | s/update | generation s | scoring s | optimisation s | x matmul work | peak RSS GB "
+             "(copies) | gen / score / opt peak copies | largest logits MB (gen / score / opt) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in bench["variants"].items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][:80]} |")
+            continue
+        g, s, o = r["generation"], r["scoring"], r["optimisation"]
+        lines.append(
+            f"| {name} | {r['seconds_per_update']:.1f} | {g['seconds']:.1f} ({g['fraction_of_matmul_rate']:.0%}) | "
+            f"{s['seconds']:.1f} ({s['fraction_of_matmul_rate']:.0%}) | {o['seconds']:.1f} "
+            f"({o['fraction_of_matmul_rate']:.0%}) | {r['seconds_vs_matmul_work']:.2f} | "
+            f"{r['peak_rss_bytes'] / GB:.1f} ({r['peak_rss_model_copies']:.1f}) | "
+            f"{g['peak_rss_model_copies']:.1f} / {s['peak_rss_model_copies']:.1f} / {o['peak_rss_model_copies']:.1f} | "
+            f"{g['largest_logits_bytes'] / 1e6:.0f} / {s['largest_logits_bytes'] / 1e6:.0f} / "
+            f"{o['largest_logits_bytes'] / 1e6:.0f} |")
+    lines += ["", "Phase percentages: achieved FLOP rate / matmul probe rate. `x matmul work`: seconds per update / "
+              "(estimated matmul FLOPs of the update / probe rate). Peak RSS copies: peak RSS / bytes of one fp32 "
+              "base model (the figure includes the Python and library baseline). See benchmarks/bench_real.py."]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    if not FETCH.is_file():
+        sys.exit(f"bench_real: no --model and no {FETCH}")
+    proc = subprocess.run(["bash", str(FETCH)], capture_output=True, text=True, env=dict(os.environ, PYTHON=sys.executable))
+    if proc.returncode != 0:
+        sys.exit(f"bench_real: {FETCH} exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def write_prompts(path: Path, n: int = 64) -> str:
+    rows = []
+    if PROMPTS.is_file():
+        rows = [{"instruction": json.loads(line)["prompt"]} for line in open(PROMPTS, encoding="utf-8")][:n]
+    if not rows:
+        rows = [{"instruction": f"请简单介绍一下第{i}个中国城市的历史和文化。"} for i in range(n)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="a Qwen2 / Qwen2.5 directory (default: fetch the 0.5B Instruct)")
+    p.add_argument("--output_dir", default="outputs/bench-real")
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--updates", type=int, default=2, help="PPO updates per variant (the first is a warm-up)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--prompts", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    out_dir = Path(args.output_dir)
+    size = SIZES[args.size]
+    if args.child:
+        child(args.child, args.model, args.prompts, out_dir / "runs", Path(args.out), size, args.updates)
+        return 0
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = resolve_model(args.model)
+    prompts = write_prompts(out_dir / "prompts.jsonl")
+    probe = matmul_probe()
+    n = param_counts(model)
+    base_bytes = 4 * n["total"]  # fp32 weights of one base model (embeddings and LM head included)
+    bench = {"model": model, "model_name": os.path.basename(model.rstrip("/")), "size": args.size, "settings": size,
+             "updates": args.updates, "matmul_gflop_per_second": probe / 1e9, "parameters": n,
+             "base_model_bytes": base_bytes, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+             "variants": {}}
+    for variant in args.variants.split(","):
+        run_json = out_dir / f"{variant}.json"
+        cmd = [sys.executable, __file__, "--child", variant, "--model", model, "--prompts", prompts,
+               "--out", str(run_json), "--output_dir", str(out_dir), "--size", args.size, "--updates", str(args.updates)]
+        print(f"bench_real: {variant} ...", flush=True)
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            bench["variants"][variant] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+            (out_dir / f"{variant}.log").write_text(proc.stderr)
+            continue
+        bench["variants"][variant] = summarise(json.load(open(run_json)), n, size, probe, base_bytes)
+        bench["variants"][variant]["wall_seconds"] = time.perf_counter() - t
+    trl_run = bench["variants"].get("plain_trl", {})
+    if "seconds_per_update" in trl_run:
+        for name, r in bench["variants"].items():
+            if "seconds_per_update" in r:
+                r["seconds_vs_plain_trl"] = r["seconds_per_update"] / trl_run["seconds_per_update"]
+                r["peak_rss_vs_plain_trl"] = r["peak_rss_bytes"] / trl_run["peak_rss_bytes"]
+    (out_dir / "bench_real.json").write_text(json.dumps(bench, indent=2))
+    write_markdown(bench, out_dir / "bench_real.md")
+    print((out_dir / "bench_real.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Real weights end to end: a stock Qwen2.5 Instruct directory through SFT -> RM -> PPO -> merge -> eval.
+
+The model is Qwen2.5-Coder-0.5B-Instruct as `../shared/models/fetch_qwen2.5-0.5b.sh` builds it (real 151,936-token
+tokenizer, chat template, the upstream generation_config with top_k / top_p / repetition_penalty and the EOS list
+[<|im_end|>, <|endoftext|>], whose second id is also the tokenizer's pad token). Each stage is a smoke run sized for
+2 CPU cores (fp32: SFT ~6 s per step of 2 x 128 tokens); the assertions are about behaviour: held-out loss goes down,
+token ids agree between stages, the EOS list is honoured, merged models reproduce the adapters.
+Skipped when ../shared is absent or the registry is unreachable (the fetch script's exit 3).
+"""
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from conftest import REPO, SHARED
+
+pytestmark = pytest.mark.slow
+
+RECIPES = REPO / "recipes" / "qwen2.5-0.5b-cpu"
+IM_END, ENDOFTEXT = 151645, 151643  # the EOS list of the stock generation_config
+
+
+def heldout_rows(dataset, kind, n, eval_split_size, **data_fields):
+    """The first ``n`` rows of a stage's eval split (the rows it never trains on); ``data_fields``: the recipe's
+    other data keys."""
+    from rlhf_trl.data import DataArguments, read_records, split_records
+
+    records = read_records(DataArguments(dataset_name=str(dataset), **data_fields), kind)
+    return split_records(records, eval_split_size, 42)[1][:n]
+
+
+def completion_loss(model, feats) -> float:
+    """Mean NLL (nats per token) of the completion tokens (answer + EOS) of ``sft_features`` rows."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, mask in zip(feats["input_ids"], feats["completion_mask"]):
+            x = torch.tensor([ids])
+            logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
+            target = torch.tensor(ids[1:])
+            nll = -logp[torch.arange(len(target)), target]
+            keep = torch.tensor(mask[1:], dtype=torch.bool)
+            total, count = total + float(nll[keep].sum()), count + int(keep.sum())
+    return total / count
+
+
+@pytest.fixture(scope="module")
+def real_sft(real_model, tmp_path_factory):
+    from rlhf_trl import sft
+
+    out = tmp_path_factory.mktemp("real_sft")
+    return sft.main(["--config", str(RECIPES / "sft.yaml"), "--model_name_or_path", real_model,
+                     "--output_dir", str(out), "--max_steps", "6", "--max_length", "128",
+                     "--gradient_accumulation_steps", "1", "--learning_rate", "5e-4", "--eval_split_size", "4",
+                     "--report_to", "none"])
+
+
+@pytest.fixture(scope="module")
+def real_rm(real_sft, tmp_path_factory):
+    from rlhf_trl import rm
+
+    out = tmp_path_factory.mktemp("real_rm")
+    return rm.main(["--config", str(RECIPES / "rm.yaml"), "--model_name_or_path", real_sft["merged"],
+                    "--output_dir", str(out), "--max_steps", "3", "--max_length", "192",
+                    "--gradient_accumulation_steps", "1", "--eval_split_size", "8", "--report_to", "none"])
+
+
+@pytest.fixture(scope="module")
+def real_ppo(real_model, real_rm, tmp_path_factory):
+    """2 PPO updates whose policy is the stock directory itself: its sampling settings and EOS list, no reset flag."""
+    from rlhf_trl import ppo
+
+    out = tmp_path_factory.mktemp("real_ppo")
+    return ppo.main(["--config", str(RECIPES / "ppo.yaml"), "--sft_model_path", real_model,
+                     "--reward_model_path", real_rm["merged"], "--output_dir", str(out),
+                     "--total_episodes", "4", "--per_device_train_batch_size", "2", "--response_length", "12",
+                     "--eval_split_size", "4", "--per_device_eval_batch_size", "2", "--log_samples_every", "0",
+                     "--reward_baseline", "0.0", "--report_to", "none"])
+
+
+def test_stock_tokenizer_pads_with_a_token_that_is_no_eos(real_model):
+    from rlhf_trl.models import eos_token_ids, load_tokenizer
+
+    tok = load_tokenizer(real_model)
+    assert tok.eos_token_id == IM_END and eos_token_ids(tok, real_model) == [IM_END, ENDOFTEXT]
+    assert tok.pad_token_id not in (IM_END, ENDOFTEXT) and tok.pad_token == "<|vision_pad|>"
+
+
+def test_sft_lowers_heldout_loss_on_real_rows(real_model, real_sft):
+    """Held-out rows (never trained on): completion loss of the merged SFT model < that of the stock model."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_trl.data import Template, sft_features
+    from rlhf_trl.models import load_tokenizer
+
+    tok = load_tokenizer(real_model)
+    rows = heldout_rows(SHARED / "data" / "zh" / "oaast_sft_zh.json", "sft", 3, 4)
+    feats = sft_features(rows, tok, Template(), max_length=128)
+    before = completion_loss(AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32), feats)
+    after = completion_loss(AutoModelForCausalLM.from_pretrained(real_sft["merged"], dtype=torch.float32), feats)
+    assert after < before - 0.05, (before, after)
+    # the merged model keeps the stock generation settings and EOS list (deployable as downloaded)
+    gen = json.load(open(os.path.join(real_sft["merged"], "generation_config.json")))
+    assert gen["eos_token_id"] == [IM_END, ENDOFTEXT]
+    assert (gen["top_k"], gen["top_p"], gen["repetition_penalty"]) == (20, 0.8, 1.1)
+
+
+def test_rm_pairs_are_the_ids_ppo_scores(real_rm):
+    """Every held-out RM pair: the ids PPO builds (left-padded query batch + response + EOS, as rollouts do) equal
+    the RM stage's ids, and TRL's get_reward (what PPO calls) reads the same score, at the response's EOS."""
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
+    from trl.experimental.utils import get_reward
+
+    from rlhf_trl.data import Template, encode_response, prompt_features
+    from rlhf_trl.models import load_tokenizer
+    from rlhf_trl.scoring import score_sequences
+
+    out = real_rm["output_dir"]
+    metrics = json.load(open(os.path.join(out, "eval_metrics.json")))
+    assert {"accuracy", "length_baseline_accuracy", "margin", "num_pairs"} <= set(metrics)
+    pairs = [json.loads(line) for line in open(os.path.join(out, "eval_pairs.jsonl"))]
+    assert len(pairs) == metrics["num_pairs"] > 0
+    tok = load_tokenizer(real_rm["merged"], padding_side="left")
+    # the stage's held-out records (pairs too long for max_length were dropped there): find each by its response
+    records = heldout_rows(SHARED / "data" / "zh" / "oaast_rm_zh.json", "pairs", 8, 8, dataset_format="ranked",
+                           ranked_pairs="adjacent")
+    by_response = {tuple(encode_response(tok, Template(), r["chosen"])): r for r in records}
+    model = AutoModelForSequenceClassification.from_pretrained(real_rm["merged"], dtype=torch.float32).eval()
+    collate = DataCollatorWithPadding(tok)
+    for k, pair in enumerate(pairs):
+        n = pair["prompt_length"]
+        rec = by_response[tuple(pair["chosen_ids"][n:])]
+        query = prompt_features([rec], tok, Template(), max_prompt_length=n)["input_ids"][0]  # PPO's prompt ids
+        for side in ("chosen", "rejected"):
+            response = encode_response(tok, Template(), rec[side])
+            assert query + response == pair[f"{side}_ids"]
+            assert response[-1] == tok.eos_token_id
+            if k >= 2:  # scoring costs 0.5B forwards: the first two pairs are scored as PPO scores them
+                continue
+            batch = collate([{"input_ids": query}, {"input_ids": [tok.pad_token_id] * 3 + query}])["input_ids"]
+            resp = torch.full((2, len(response) + 4), tok.pad_token_id)
+            resp[:, : len(response)] = torch.tensor(response)
+            full = torch.cat((batch, resp), 1)
+            _, score, last = get_reward(model, full, tok.pad_token_id, batch.shape[1])
+            assert int(last[0]) == int(last[1]) == batch.shape[1] + len(response) - 1  # the response's EOS
+            assert int(full[0, last[0]]) == tok.eos_token_id
+            direct = score_sequences(model, [pair[f"{side}_ids"]], tok.pad_token_id)
+            torch.testing.assert_close(score.float().cpu(), direct.expand(2), rtol=1e-4, atol=1e-4)
+
+
+def test_ppo_runs_from_the_stock_directory(real_model, real_ppo, caplog):
+    """No reset flag: the stock sampling settings are overridden for rollouts (one log line) and kept in merged/;
+    rollouts stop at either EOS id; the EOS rate over both ids is logged."""
+    trainer = real_ppo["trainer"]
+    assert trainer.state.global_step == 2
+    assert trainer.eos_token_ids == [IM_END, ENDOFTEXT]
+    gen = trainer.accelerator.unwrap_model(trainer.model).policy.generation_config
+    assert gen.eos_token_id == [IM_END, ENDOFTEXT] and gen.top_k == 0 and gen.repetition_penalty == 1.0
+    logs = [h for h in trainer.state.log_history if "val/eos_rate" in h]
+    assert len(logs) == 2 and all(0.0 <= h["val/eos_rate"] <= 1.0 for h in logs)
+    stock = json.load(open(os.path.join(real_model, "generation_config.json")))
+    merged = json.load(open(os.path.join(real_ppo["merged"], "generation_config.json")))
+    for key in ("top_k", "top_p", "repetition_penalty", "temperature", "do_sample"):
+        assert merged[key] == stock[key], key
+    assert merged["eos_token_id"] == [IM_END, ENDOFTEXT]
+
+
+def test_merged_models_reload_and_match_the_adapters(real_model, real_rm, real_ppo, tmp_path):
+    """`rlhf-trl merge` of the PPO policy adapter and the RM adapter: plain transformers reloads give the adapter
+    models' logits / scores."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhf_trl import merge
+    from rlhf_trl.models import load_tokenizer
+
+    tok = load_tokenizer(real_model)
+    ids = torch.tensor([tok("问：你好吗？\n\n答：我很好。", add_special_tokens=False)["input_ids"] + [IM_END]])
+
+    merge.main(["--adapter", os.path.join(real_ppo["output_dir"], "adapter"), "--output", str(tmp_path / "policy"),
+                "--dtype", "float32"])
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", dtype=torch.float32).eval()
+    with torch.no_grad():
+        merged_logits = plain(input_ids=ids).logits
+    del plain
+    base = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(base, os.path.join(real_ppo["output_dir"], "adapter")).eval()
+    with torch.no_grad():
+        adapter_logits = adapted(input_ids=ids).logits
+    del adapted, base
+    torch.testing.assert_close(merged_logits, adapter_logits, rtol=1e-3, atol=2e-3)
+
+    merge.main(["--adapter", os.path.join(real_rm["output_dir"], "adapter"), "--output", str(tmp_path / "rm"),
+                "--dtype", "float32"])
+    rm_plain = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", dtype=torch.float32).eval()
+    rm_stage = AutoModelForSequenceClassification.from_pretrained(real_rm["merged"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(rm_plain(input_ids=ids).logits, rm_stage(input_ids=ids).logits,
+                                   rtol=1e-3, atol=1e-3)
+
+
+def test_eval_writes_report_for_the_real_run(real_model, real_rm, real_ppo):
+    from rlhf_trl import evaluate
+
+    out = real_ppo["output_dir"]
+    result = evaluate.main(["--config", str(RECIPES / "ppo.yaml"), "--output_dir", out,
+                            "--sft_model_path", real_model, "--reward_model_path", real_rm["merged"],
+                            "--eval_split_size", "4", "--num_prompts", "2", "--samples_per_prompt", "1",
+                            "--response_length", "12"])
+    figures = json.load(open(os.path.join(out, "eval.json")))
+    for key in ("sft_reward", "ppo_reward", "kl_per_token", "sft_eos_rate", "ppo_eos_rate", "rm_accuracy",
+                "rm_length_baseline_accuracy"):
+        assert isinstance(figures[key], float), key
+    report = open(result["report"], encoding="utf-8").read()
+    assert "rm_accuracy" in report and "ppo_reward" in report
+    pngs = os.listdir(os.path.join(out, "report"))
+    assert any(p.endswith(".png") for p in pngs), pngs
