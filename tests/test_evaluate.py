@@ -195,3 +195,19 @@ def test_stage_without_logs_is_reported(tmp_path):
     assert evaluate.read_stage_logs(str(tmp_path)) == (logs, str(tmp_path / "checkpoint-10" / "trainer_state.json"))
     assert evaluate.plot_curves(logs, evaluate.PPO_CURVES, str(tmp_path / "x.png"), "x") == ["objective/kl"]
     assert (tmp_path / "x.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_quality_lines_read_the_figures_honestly():
+    from rlhf_trl.evaluate import quality_lines
+
+    figures = {"rm_accuracy": 0.6, "rm_length_baseline_accuracy": 0.7, "rm_num_pairs": 10, "sft_reward": 0.0,
+               "ppo_reward": 0.5, "kl_per_token": 0.01, "sft_eos_rate": 0.5, "ppo_eos_rate": 1.0,
+               "sft_mean_length": 10.0, "ppo_mean_length": 8.0}
+    rows = [{"sft": {"reward": 0.0}, "ppo": {"reward": d}} for d in (0.4, 0.5, 0.6)]  # mean 0.5, se 0.0577
+    lines = quality_lines(figures, rows)
+    assert lines[2] == ("- Reward model: accuracy 0.600 on 10 held-out pairs, not above the length-only baseline "
+                        "(0.700, gap -0.100).")
+    assert lines[3] == ("- PPO vs SFT: mean RM reward 0.500 vs 0.000, paired difference +0.500 +- 0.058 (standard "
+                        "error, 3 pairs): larger than two standard errors.")
+    noisy = quality_lines(figures, [{"sft": {"reward": 0.0}, "ppo": {"reward": d}} for d in (-1.0, 1.2)])
+    assert noisy[3].endswith("within two standard errors of zero (noise at this scale).")

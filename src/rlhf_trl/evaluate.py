@@ -263,6 +263,33 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", "⏎")
 
 
+def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
+    """A plain-words reading of the figures (markdown lines): is the reward model better than "the longer response
+    wins", and is PPO's reward gain larger than its sampling noise (paired mean difference of PPO - SFT rewards over
+    the ``rows`` with its standard error, reward units), at what KL, EOS rate and length. No targets: at CPU smoke
+    scale these figures are often within noise, and the section says so when they are."""
+    out = ["## Quality at this scale", ""]
+    if "rm_accuracy" in figures:
+        gap = figures["rm_accuracy"] - figures["rm_length_baseline_accuracy"]
+        verdict = "above" if gap > 0 else "not above"
+        out.append(f"- Reward model: accuracy {figures['rm_accuracy']:.3f} on {figures['rm_num_pairs']} held-out pairs, "
+                   f"{verdict} the length-only baseline ({figures['rm_length_baseline_accuracy']:.3f}, gap {gap:+.3f}).")
+    diffs = [r["ppo"]["reward"] - r["sft"]["reward"] for r in rows]
+    if diffs:
+        n = len(diffs)
+        mean = sum(diffs) / n
+        se = (sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
+        clear = n > 1 and abs(mean) > 2 * se
+        out.append(f"- PPO vs SFT: mean RM reward {figures['ppo_reward']:.3f} vs {figures['sft_reward']:.3f}, paired "
+                   f"difference {mean:+.3f} +- {se:.3f} (standard error, {n} pairs): "
+                   + ("larger than two standard errors." if clear else "within two standard errors of zero (noise at "
+                      "this scale)."))
+        out.append(f"- Cost: {figures['kl_per_token']:.4f} nats per token of log-prob gap to the SFT policy; EOS rate "
+                   f"{figures['sft_eos_rate']:.2f} (SFT) -> {figures['ppo_eos_rate']:.2f} (PPO); mean length "
+                   f"{figures['sft_mean_length']:.1f} -> {figures['ppo_mean_length']:.1f} tokens.")
+    return out + [""]
+
+
 def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[str, tuple[list[dict], str | None]],
                  num_examples: int = 5) -> str:
     """Write ``report.md`` (and ``report/<stage>_curves.png``) into ``out_dir``; returns the report path.
@@ -286,8 +313,9 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
                if result.get("rm_pairs") else " RM pairwise accuracy: no held-out pairs found (the RM run had no eval "
                "split).")
     lines += ["", "`kl_per_token`: mean over PPO response tokens (EOS included) of log p_ppo - log p_sft at "
-              "temperature 1 (nats per token); lengths in tokens, EOS excluded." + rm_note, "",
-              "## Samples", "", "| prompt | SFT response | PPO response | SFT reward | PPO reward |",
+              "temperature 1 (nats per token); lengths in tokens, EOS excluded." + rm_note, ""]
+    lines += quality_lines(result["figures"], rows)
+    lines += ["## Samples", "", "| prompt | SFT response | PPO response | SFT reward | PPO reward |",
               "|---|---|---|---|---|"]
     for r in rows[:num_examples]:
         lines.append(f"| {_cell(r['question'])} | {_cell(r['sft']['text'])} | {_cell(r['ppo']['text'])} | "

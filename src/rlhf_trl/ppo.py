@@ -26,7 +26,11 @@ What `RLHFPPOTrainer` adds around TRL's trainer (which it subclasses; the PPO lo
     from Human Preferences", section 2.2), logged as ``objective/kl_coef``;
   - a stop on the first non-finite loss, reward or value, naming the update (the last good checkpoint is kept);
   - sample tables (query / response / score / reward) every ``log_samples_every`` updates, to the logs and to
-    ``samples.jsonl``; sampling for them never perturbs the training RNG.
+    ``samples.jsonl``; sampling for them never perturbs the training RNG;
+  - stock checkpoints as downloaded: rollouts sample with the recipe's ``temperature`` only (the policy's own
+    top_k / top_p / repetition_penalty are overridden, named in one log line, and kept in the saved ``merged/``),
+    and an EOS list (Qwen2.5-Instruct: ``[<|im_end|>, <|endoftext|>]``) is honoured: rollouts stop at any id, the
+    missing-EOS penalty and ``val/eos_rate`` count any id, the reward is read at whichever ends the response.
 
 Outputs under ``output_dir``: ``checkpoint-N/``, ``adapter/``, ``merged/`` (plain causal LM + tokenizer),
 ``value_model/`` (plain sequence classifier), ``samples.jsonl``, ``run_config.yaml`` and ``metrics.json``.
