@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from rlhf_trl import evaluate, merge
+from rlhf_trl import demo_task, evaluate, merge
 from rlhf_trl.data import DataArguments, Template, pair_features, read_records, split_records
 from rlhf_trl.scoring import score_sequences
 
@@ -100,6 +100,10 @@ def test_eval_figures_recomputed_from_samples(eval_run, assets, tokenizer):
         expected[f"{name}_mean_length"] = sum(len(r[name]["response_ids"]) - r[name]["eos"] for r in rows) / n
         expected[f"{name}_eos_rate"] = sum(r[name]["eos"] for r in rows) / n
         expected[f"{name}_score"] = sum(r[name]["score"] for r in rows) / n
+        expected[f"{name}_on_topic_rate"] = sum(r[name]["on_topic"] for r in rows) / n
+        for r in rows:  # the ground truth of each sample: its question and its decoded response
+            assert r[name]["score"] == demo_task.score_response(r["question"], r[name]["text"])
+            assert r[name]["on_topic"] == demo_task.on_topic(r["question"], r[name]["text"])
     wins = [(r["ppo"]["reward"] > r["sft"]["reward"]) + 0.5 * (r["ppo"]["reward"] == r["sft"]["reward"]) for r in rows]
     expected["win_rate"] = sum(wins) / n
     ratios = [a - b for r in rows for a, b in zip(r["ppo"]["logprobs_ppo"], r["ppo"]["logprobs_sft"])]
@@ -167,7 +171,7 @@ def test_eval_report_and_plots(eval_run, ppo_run, sft_run, rm_run):
     result, rows, saved = eval_run
     report = open(result["report"], encoding="utf-8").read()
     assert result["report"] == os.path.join(ppo_run["output_dir"], "report.md")
-    for key in evaluate.FIGURES + evaluate.RM_FIGURES + ["sft_score", "ppo_score"]:
+    for key in evaluate.FIGURES + evaluate.RM_FIGURES + evaluate.DEMO_FIGURES:
         assert f"| `{key}` |" in report
     assert report.count(f"| {rows[0]['question']} |") >= 1
     assert set(result["plots"]) == {"sft", "rm", "ppo"}

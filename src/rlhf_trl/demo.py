@@ -5,8 +5,19 @@ Run: ``make demo`` (or ``rlhf-trl demo``). Offline; about 3-5 minutes on 2 CPU c
 1. Assets (built once, cached in ``outputs/demo/assets``): task data (`rlhf_trl.demo_task`), a byte-level BPE
    tokenizer with Qwen-style special tokens and a distinct pad token, and a random-init tiny Qwen2 model.
 2. The three stages with ``recipes/demo/{sft,rm,ppo}.yaml``, in this process.
-3. Evaluation on held-out topics: ``rm_accuracy`` (held-out pairs), ``sft_score`` / ``ppo_score`` (mean ground-truth
-   score of sampled responses of each policy, in [-1, 1]). Printed and written to ``outputs/demo/summary.json``.
+3. Evaluation on held-out topics (never in the RM data or the PPO prompts): ``rm_accuracy`` (held-out pairs, half
+   with an on-topic negative answer rejected, half with praise of another topic rejected; each half's accuracy as
+   ``rm_accuracy_vs_negative`` / ``rm_accuracy_vs_off_topic``), ``sft_score`` /
+   ``ppo_score`` (mean ground truth `rlhf_trl.demo_task.score_response` of sampled responses of each policy, in
+   [-1, 1]: sentiment when on topic, -1 off topic) and ``sft_on_topic_rate`` / ``ppo_on_topic_rate`` (fraction of
+   those responses that name the asked topic and no other, in [0, 1]). Printed and written to
+   ``outputs/demo/summary.json``.
+
+The SFT data covers every topic, held-out ones included: the tiny random-init model cannot name a topic token it
+never saw (its on-topic rate on topics left out of SFT was 0.0), so the held-out topics test the preference stages
+(RM and PPO), not SFT. Measured (1 thread, loaded 2-core machine): rm_accuracy 0.825 (1.000 against on-topic criticism,
+0.650 against praise of another topic: the RM barely learns the topic), sft_score -0.052, ppo_score 0.844,
+sft_on_topic_rate 0.974, ppo_on_topic_rate 0.922.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from .models import write_json
 
 logger = logging.getLogger(__name__)
 
-TARGETS = {"rm_accuracy": 0.95, "ppo_minus_sft": 0.25, "seconds": 300}
+TARGETS = {"rm_accuracy": 0.95, "ppo_minus_sft": 0.25, "ppo_on_topic_rate": 0.8, "seconds": 300}
 
 
 def build_assets(assets_dir: str, force: bool = False) -> dict:
@@ -49,7 +60,7 @@ def build_assets(assets_dir: str, force: bool = False) -> dict:
         return paths
     os.makedirs(assets_dir, exist_ok=True)
     files = {
-        "sft": demo_task.sft_rows(800, seed=1),
+        "sft": demo_task.sft_rows(800, seed=1, topics=demo_task.TOPICS),  # every topic: the policy must name them
         "rm": demo_task.ranked_rows(300, seed=2),
         "prompts": demo_task.prompt_rows(demo_task.TRAIN_TOPICS, seed=3),
         "heldout_prompts": demo_task.prompt_rows(demo_task.HELDOUT_TOPICS, seed=4),
@@ -115,22 +126,29 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
     rm_dir = results["rm"]["merged"]
     tok = load_tokenizer(rm_dir)
     reward_model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
-    pairs = pair_records(
-        [json.loads(line) for line in open(paths["heldout_pairs"], encoding="utf-8")], DataArguments(),
-        paths["heldout_pairs"],
-    )
-    rm_eval = evaluate_pairs(reward_model, pair_features(pairs, tok, Template()), tok.pad_token_id)
+    pair_rows = [json.loads(line) for line in open(paths["heldout_pairs"], encoding="utf-8")]
+
+    def rm_pairs_eval(rows: list[dict]) -> dict:
+        pairs = pair_records(rows, DataArguments(), paths["heldout_pairs"])
+        return evaluate_pairs(reward_model, pair_features(pairs, tok, Template()), tok.pad_token_id)
+
+    rm_eval = rm_pairs_eval(pair_rows)
+    # demo_task.pair_rows alternates the rejected answer: on-topic negative (even rows), praise of another topic (odd)
+    rm_by_kind = {"negative": rm_pairs_eval(pair_rows[0::2])["accuracy"],
+                  "off_topic": rm_pairs_eval(pair_rows[1::2])["accuracy"]}
 
     # ground-truth scores of samples from each policy on held-out prompts
     ppo_cfg = _read_yaml(os.path.join(recipes_dir, "ppo.yaml"))
     questions = [json.loads(line)["instruction"] for line in open(paths["heldout_prompts"], encoding="utf-8")]
-    scores, examples = {}, {}
+    scores, on_topic, examples = {}, {}, {}
     for name, model_dir in (("sft", results["sft"]["merged"]), ("ppo", results["ppo"]["merged"])):
         responses = sample_responses(
             model_dir, questions, samples_per_prompt=4, max_new_tokens=int(ppo_cfg.get("response_length", 24)),
             temperature=float(ppo_cfg.get("temperature", 0.7)), seed=1234,
         )
-        scores[name] = sum(demo_task.score_text(r) for r in responses) / len(responses)
+        asked = [q for q in questions for _ in range(4)]
+        scores[name] = sum(demo_task.score_response(q, r) for q, r in zip(asked, responses)) / len(responses)
+        on_topic[name] = sum(demo_task.on_topic(q, r) for q, r in zip(asked, responses)) / len(responses)
         examples[name] = [{"prompt": q, "response": r} for q, r in zip(questions, responses[::4])][:5]
 
     # merge / evaluate / report: eval.json + report.md (SFT vs PPO on the PPO recipe's held-out prompts)
@@ -144,11 +162,15 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
 
     summary = {
         "rm_accuracy": rm_eval["accuracy"],
+        "rm_accuracy_vs_negative": rm_by_kind["negative"],
+        "rm_accuracy_vs_off_topic": rm_by_kind["off_topic"],
         "rm_margin": rm_eval["margin"],
         "rm_length_baseline_accuracy": rm_eval["length_baseline_accuracy"],
         "rm_num_pairs": rm_eval["num_pairs"],
         "sft_score": scores["sft"],
         "ppo_score": scores["ppo"],
+        "sft_on_topic_rate": on_topic["sft"],
+        "ppo_on_topic_rate": on_topic["ppo"],
         "seconds": round(time.time() - start, 1),
         "stage_seconds": stage_seconds,
         "targets": TARGETS,
@@ -158,6 +180,7 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
     summary["targets_met"] = bool(
         summary["rm_accuracy"] >= TARGETS["rm_accuracy"]
         and summary["ppo_score"] >= summary["sft_score"] + TARGETS["ppo_minus_sft"]
+        and summary["ppo_on_topic_rate"] >= TARGETS["ppo_on_topic_rate"]
         and summary["seconds"] <= TARGETS["seconds"]
     )
     write_json(os.path.join(output_dir, "summary.json"), summary)

@@ -1,12 +1,23 @@
-"""The embedded demo task: short Chinese opinions about everyday topics, scored exactly by their sentiment.
+"""The embedded demo task: short Chinese opinions about everyday topics, scored exactly: positive AND on topic.
 
-A question asks about a topic ("你觉得咖啡怎么样？"); an answer is ``{topic}{predicate}，{closer}`` whose predicate
-and closer are both positive or both negative (neutral answers use neither). The ground-truth score of any text
-is ``(positive phrases - negative phrases) / (positive + negative)`` in ``[-1, 1]`` (0 when it has none), so every
-policy can be scored exactly. Preferred = more positive. SFT data mixes positive and negative answers 50/50, so
-the SFT policy scores near 0; PPO against a reward model trained on the preferences should move it up.
+A question asks about one topic ("你觉得咖啡怎么样？"); an answer is ``{topic}{predicate}，{closer}`` whose predicate
+and closer are both positive or both negative (neutral answers use neither).
 
-The phrase lists are disjoint and no phrase contains another, so counting substrings is exact.
+Ground truth (`score_response`, in ``[-1, 1]``, exact): a response is *on topic* when the topics it names (the
+``TOPICS`` occurring in it as substrings) are exactly the asked topic (the one topic the question names). An
+on-topic response scores its sentiment ``(pos - neg) / (pos + neg)`` over positive / negative phrase counts (0
+when it has none); any other response (another topic, several topics, no topic, empty) scores ``OFF_TOPIC_SCORE``
+= -1, as low as an on-topic negative answer: praise of the museum is no answer to "how is the hospital?".
+
+Preferences follow the ground truth: on-topic positive > neutral > on-topic negative, and on-topic positive >
+neutral > off-topic praise. SFT data mixes on-topic positive and negative answers 50/50, so an SFT policy that
+stays on topic scores near 0 (each off-topic sample costs it more); PPO against a reward model trained on the
+preferences should move it towards on-topic positive answers (score 1).
+
+Every topic is one token of the demo tokenizer (`TOPICS` are added tokens, see `rlhf_trl.demo.build_assets`), so
+naming the asked topic is copying one token of the question. No topic contains another topic, and no topic occurs
+in a question template, phrase, closer or neutral answer; the phrase lists are disjoint and no phrase contains
+another; so counting substrings is exact.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ TOPICS = [
     "这款游戏", "面包店", "电动车", "露营", "这门课", "超市", "游乐园", "画展", "网球", "这道菜",
     "春天", "小区", "医院", "机场", "书店", "花园", "烤鸭", "滑雪", "旅行", "新电脑",
 ]
-HELDOUT_TOPICS = TOPICS[-8:]  # never seen in training data: eval prompts and held-out pairs
+HELDOUT_TOPICS = TOPICS[-8:]  # never in the RM data or the PPO prompts: eval prompts and held-out pairs
 TRAIN_TOPICS = TOPICS[:-8]
 
 QUESTIONS = [
@@ -33,13 +44,42 @@ NEUTRAL = ["{t}还行，一般般。", "{t}说不上来，看情况。"]
 
 POSITIVE_PHRASES = POSITIVE + [c.rstrip("。") for c in POSITIVE_CLOSERS]
 NEGATIVE_PHRASES = NEGATIVE + [c.rstrip("。") for c in NEGATIVE_CLOSERS]
+OFF_TOPIC_SCORE = -1.0  # ground truth of a response that does not name exactly the asked topic
 
 
-def score_text(text: str) -> float:
-    """Ground-truth sentiment of ``text`` in ``[-1, 1]``: (pos - neg) / (pos + neg) phrase counts, 0 if none."""
+def topics_in(text: str) -> list[str]:
+    """The `TOPICS` that ``text`` names (occur in it as substrings), in `TOPICS` order."""
+    return [t for t in TOPICS if t in text]
+
+
+def topic_of(question: str) -> str:
+    """The one topic that ``question`` asks about (any text naming exactly one topic, e.g. a rendered prompt).
+
+    Raises ``ValueError`` when it names no topic or several.
+    """
+    named = topics_in(question)
+    if len(named) != 1:
+        raise ValueError(f"a demo question names exactly one topic; {question!r} names {named}")
+    return named[0]
+
+
+def sentiment(text: str) -> float:
+    """Sentiment of ``text`` in ``[-1, 1]``: (pos - neg) / (pos + neg) phrase counts, 0 if it has none."""
     pos = sum(text.count(p) for p in POSITIVE_PHRASES)
     neg = sum(text.count(p) for p in NEGATIVE_PHRASES)
     return 0.0 if pos + neg == 0 else (pos - neg) / (pos + neg)
+
+
+def on_topic(question: str, response: str) -> bool:
+    """Whether ``response`` names the topic ``question`` asks about and no other topic."""
+    return topics_in(response) == [topic_of(question)]
+
+
+def score_response(question: str, response: str) -> float:
+    """Ground truth of ``response`` to ``question`` in ``[-1, 1]``: its `sentiment` when `on_topic`, else
+    ``OFF_TOPIC_SCORE`` (-1). E.g. 1 for on-topic praise, -1 for on-topic criticism, 0 for an on-topic neutral or
+    mixed answer, -1 for praise of another topic and for an empty response."""
+    return sentiment(response) if on_topic(question, response) else OFF_TOPIC_SCORE
 
 
 def answer(topic: str, sentiment: int, rng: random.Random) -> str:
@@ -51,12 +91,17 @@ def answer(topic: str, sentiment: int, rng: random.Random) -> str:
     return rng.choice(NEUTRAL).format(t=topic)
 
 
+def other_topic(topic: str, rng: random.Random, topics=TOPICS) -> str:
+    """A topic of ``topics`` other than ``topic``."""
+    return rng.choice([t for t in topics if t != topic])
+
+
 def question(topic: str, rng: random.Random) -> str:
     return rng.choice(QUESTIONS).format(t=topic)
 
 
 def sft_rows(n: int, seed: int, topics=TRAIN_TOPICS) -> list[dict]:
-    """Alpaca rows (instruction / input / output), half positive and half negative answers."""
+    """Alpaca rows (instruction / input / output): on-topic answers, half positive and half negative."""
     rng = random.Random(seed)
     return [
         {"instruction": question(t, rng), "input": "", "output": answer(t, 1 if i % 2 == 0 else -1, rng)}
@@ -65,12 +110,16 @@ def sft_rows(n: int, seed: int, topics=TRAIN_TOPICS) -> list[dict]:
 
 
 def ranked_rows(n: int, seed: int, topics=TRAIN_TOPICS) -> list[dict]:
-    """Ranked answer lists, best first: [positive, neutral, negative] (3 ordered pairs each)."""
+    """Ranked answer lists, best first (3 ordered pairs each), alternating between
+    [on-topic positive, neutral, on-topic negative] and [on-topic positive, neutral, praise of another topic of
+    ``topics``]."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(n):
+    for i in range(n):
         t = rng.choice(topics)
-        rows.append({"instruction": question(t, rng), "input": "", "output": [answer(t, s, rng) for s in (1, 0, -1)]})
+        q = question(t, rng)
+        last = answer(t, -1, rng) if i % 2 == 0 else answer(other_topic(t, rng, topics), 1, rng)
+        rows.append({"instruction": q, "input": "", "output": [answer(t, 1, rng), answer(t, 0, rng), last]})
     return rows
 
 
@@ -85,12 +134,15 @@ def prompt_rows(topics, seed: int, per_topic: int | None = None) -> list[dict]:
 
 
 def pair_rows(n: int, seed: int, topics=HELDOUT_TOPICS) -> list[dict]:
-    """Prompt / chosen / rejected rows (positive preferred over negative)."""
+    """Prompt / chosen / rejected rows; chosen is an on-topic positive answer, rejected alternates between an
+    on-topic negative answer and praise of another topic (any of `TOPICS`)."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(n):
+    for i in range(n):
         t = rng.choice(topics)
-        rows.append({"prompt": question(t, rng), "chosen": answer(t, 1, rng), "rejected": answer(t, -1, rng)})
+        q = question(t, rng)
+        rejected = answer(t, -1, rng) if i % 2 == 0 else answer(other_topic(t, rng), 1, rng)
+        rows.append({"prompt": q, "chosen": answer(t, 1, rng), "rejected": rejected})
     return rows
 
 

@@ -30,7 +30,9 @@ What is computed (all on the PPO recipe's held-out prompts: ``read_records(data_
    - ``sft_mean_length`` / ``ppo_mean_length``: mean response length in tokens, EOS excluded;
    - ``sft_eos_rate`` / ``ppo_eos_rate``: fraction of responses that ended with EOS;
    - with ``--demo`` (the embedded demo task): ``sft_score`` / ``ppo_score``, the mean ground-truth score
-     (`rlhf_trl.demo_task.score_text` of the decoded response) in [-1, 1].
+     (`rlhf_trl.demo_task.score_response` of the question and the decoded response: its sentiment when it names the
+     asked topic and no other, else -1) in [-1, 1]; ``sft_on_topic_rate`` / ``ppo_on_topic_rate``, the fraction of
+     responses that name the asked topic and no other (`rlhf_trl.demo_task.on_topic`) in [0, 1].
    - ``rm_accuracy`` / ``rm_margin`` / ``rm_length_baseline_accuracy`` / ``rm_num_pairs``: the reward model's
      pairwise accuracy (chosen scored above rejected), mean margin (reward units) and the "longer response wins"
      baseline on the pairs the RM stage held out (``<rm stage dir>/eval_pairs.jsonl``, token ids, re-scored here
@@ -65,6 +67,7 @@ RM_CURVES = ["loss", "eval_loss", "train_loss", "eval_accuracy", "accuracy", "ma
 FIGURES = ["sft_reward", "ppo_reward", "win_rate", "kl_per_token", "sft_mean_length", "ppo_mean_length",
            "sft_eos_rate", "ppo_eos_rate"]
 RM_FIGURES = ["rm_accuracy", "rm_margin", "rm_length_baseline_accuracy", "rm_num_pairs"]
+DEMO_FIGURES = ["sft_score", "ppo_score", "sft_on_topic_rate", "ppo_on_topic_rate"]  # with --demo
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -141,7 +144,7 @@ def figures(rows: list[dict], demo: bool = False) -> dict:
     """The eval figures (see the module docstring) from ``eval_samples.jsonl`` rows.
 
     Each row holds ``sft`` and ``ppo`` dicts with ``response_ids`` (EOS included when ``eos``), ``eos``, ``reward``
-    (and ``score`` for the demo); ``ppo`` also holds ``logprobs_ppo`` / ``logprobs_sft`` (one float per response
+    (and ``score``, ``on_topic`` for the demo); ``ppo`` also holds ``logprobs_ppo`` / ``logprobs_sft`` (one float per response
     token). Raises ``ValueError`` on no rows.
     """
     if not rows:
@@ -154,6 +157,7 @@ def figures(rows: list[dict], demo: bool = False) -> dict:
         out[f"{name}_eos_rate"] = sum(int(r[name]["eos"]) for r in rows) / n
         if demo:
             out[f"{name}_score"] = sum(r[name]["score"] for r in rows) / n
+            out[f"{name}_on_topic_rate"] = sum(int(r[name]["on_topic"]) for r in rows) / n
     out["win_rate"] = sum(
         1.0 if r["ppo"]["reward"] > r["sft"]["reward"] else 0.5 if r["ppo"]["reward"] == r["sft"]["reward"] else 0.0
         for r in rows
@@ -304,7 +308,7 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
              f"{result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} tokens, seed "
              f"{result['seed']}. Rewards are raw reward-model scores (no baseline, no missing-EOS penalty).", "",
              "## Figures", "", "| figure | value |", "|---|---|"]
-    keys = FIGURES + [k for k in ("sft_score", "ppo_score", *RM_FIGURES) if k in result["figures"]]
+    keys = FIGURES + [k for k in (*DEMO_FIGURES, *RM_FIGURES) if k in result["figures"]]
     for key in keys:
         value = result["figures"][key]
         lines.append(f"| `{key}` | {value if isinstance(value, int) else format(value, '.4f')} |")
@@ -363,7 +367,7 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
             ``response_length``, ``temperature``, ``seed``).
         num_prompts: use the first N held-out prompts (default: all of them).
         samples_per_prompt: responses per prompt and policy.
-        demo: also report the demo task's ground-truth ``sft_score`` / ``ppo_score``.
+        demo: also report the demo task's ground-truth ``sft_score`` / ``ppo_score`` and on-topic rates.
         ppo_logs: the PPO trainer's ``log_history`` (default: read from the newest checkpoint).
         hints: the command that produces each input (``sft`` / ``rm`` / ``ppo``), named when it is missing.
 
@@ -438,9 +442,10 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
             text = tokenizer.decode(ids, skip_special_tokens=True)
             row[name] = {"response_ids": ids, "eos": ended, "text": text, "reward": rewards[name][i]}
             if demo:
-                from .demo_task import score_text
+                from .demo_task import on_topic, score_response
 
-                row[name]["score"] = score_text(text)
+                row[name]["score"] = score_response(row["question"], text)
+                row[name]["on_topic"] = on_topic(row["question"], text)
         row["ppo"]["logprobs_ppo"] = logp_ppo[i]
         row["ppo"]["logprobs_sft"] = logp_sft[i]
         rows.append(row)
