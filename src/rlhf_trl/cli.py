@@ -98,15 +98,15 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
 def print_demo_summary(summary: dict, path: str) -> None:
     t = summary["targets"]
     rows = [
-        ("rm_accuracy (held-out topics)", summary["rm_accuracy"], f">= {t['rm_accuracy']}"),
-        ("  rejected: on-topic negative", summary["rm_accuracy_vs_negative"], ""),
-        ("  rejected: praise of another topic", summary["rm_accuracy_vs_off_topic"], ""),
+        ("rm_accuracy (held-out topics)", summary["rm_accuracy"], ""),
+        ("  rejected: on-topic negative", summary["rm_accuracy_vs_negative"], f">= {t['rm_accuracy_vs_negative']}"),
+        ("  rejected: praise of another topic", summary["rm_accuracy_vs_off_topic"], "(reported, no target)"),
         ("rm length-only baseline", summary["rm_length_baseline_accuracy"], ""),
         ("sft_score (ground truth, [-1, 1])", summary["sft_score"], ""),
         ("ppo_score (ground truth, [-1, 1])", summary["ppo_score"], f">= sft_score + {t['ppo_minus_sft']}"),
         ("sft_on_topic_rate ([0, 1])", summary["sft_on_topic_rate"], ""),
         ("ppo_on_topic_rate ([0, 1])", summary["ppo_on_topic_rate"], f">= {t['ppo_on_topic_rate']}"),
-        ("seconds (whole demo)", summary["seconds"], f"<= {t['seconds']}"),
+        ("seconds (whole demo)", summary["seconds"], "(reported, not gated)"),
     ]
     print("\nrlhf-trl demo summary (topics held out of the RM data and PPO prompts; the eval report uses the recipes' "
           "own splits)")
