@@ -42,7 +42,8 @@ def sampling_generation_config(temperature: float, max_new_tokens: int | None, e
     """
     from transformers import GenerationConfig
 
-    neutral = {k: ok[-1] for k, ok in BIASING_GENERATION_KEYS.items() if ok[-1] is not None}
+    # min_length is left unset: min_new_tokens=0 takes precedence over it (and setting both makes generate warn)
+    neutral = {k: ok[-1] for k, ok in BIASING_GENERATION_KEYS.items() if ok[-1] is not None and k != "min_length"}
     neutral.update(do_sample=True, temperature=temperature, eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id)
     if max_new_tokens is not None:
         neutral["max_new_tokens"] = max_new_tokens
