@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 
@@ -202,29 +204,71 @@ def _has_bitsandbytes() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
+@functools.lru_cache(maxsize=1)
+def _bnb_cpu_4bit_problem() -> str | None:
+    """None when bitsandbytes' CPU backend quantizes to 4 bits here; otherwise why not (one line).
+
+    The check (once per process, ~10 ms): import bitsandbytes, NF4-quantize a 64 x 64 fp32 tensor on the CPU with
+    ``bitsandbytes.functional.quantize_4bit``, dequantize it and compare. A bitsandbytes without a CPU backend raises
+    there, so does a native library that fails to load; a backend that returns garbage fails the comparison
+    (NF4 of N(0, 1) values keeps every element within ~0.2 of its block's absmax, absmax ~3-4 here: bound 1.0).
+    """
+    try:
+        import bitsandbytes
+        from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+        x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+        packed, state = quantize_4bit(x, blocksize=64, quant_type="nf4")
+        back = dequantize_4bit(packed, state).float()
+        err = float((back - x).abs().max())
+        if packed.device.type != "cpu" or not err < 1.0:  # also catches NaN
+            return f"bitsandbytes {bitsandbytes.__version__} CPU round trip is wrong (max error {err:.3g})"
+    except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"; the reason goes into the message
+        version = getattr(sys.modules.get("bitsandbytes"), "__version__", "?")
+        first = (str(exc).strip().splitlines() or [""])[0][:160]
+        return f"bitsandbytes {version} cannot quantize on the CPU: {type(exc).__name__}: {first}"
+    return None
+
+
 def _quantization_key(quantization_config) -> str:
     """The recipe key that asked for ``quantization_config``: ``load_in_4bit`` or ``load_in_8bit``."""
     return "load_in_8bit" if getattr(quantization_config, "load_in_8bit", False) else "load_in_4bit"
 
 
+def kbit_runs_on_cpu(use_cpu: bool = False) -> bool:
+    """True when a quantized model of this process loads on the CPU: ``use_cpu`` is set or there is no CUDA GPU."""
+    return use_cpu or not torch.cuda.is_available()
+
+
 def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> None:
-    """Check that bitsandbytes and a CUDA GPU are there for a ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) run.
+    """Check that a ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) run can quantize here.
+
+    On a CUDA GPU (``use_cpu`` false and ``torch.cuda.is_available()``) bitsandbytes must be installed. On the CPU
+    (``use_cpu`` or no CUDA GPU) only ``load_in_4bit`` runs, through bitsandbytes' CPU backend (bitsandbytes >= 0.50;
+    checked by a real 4-bit round trip of a tiny tensor, `_bnb_cpu_4bit_problem`); ``load_in_8bit`` needs a GPU.
 
     Raises:
-        ValueError: bitsandbytes is not installed, or no CUDA GPU is available (or ``use_cpu`` is set); the message
-            names ``key``, everything that is missing and the fix.
+        ValueError: one line naming ``key``, what is missing (the bitsandbytes package, a usable CPU backend, or for
+            8 bits a CUDA GPU) and the fix.
     """
-    missing = []
     if not _has_bitsandbytes():
-        missing.append("the bitsandbytes package (install it: pip install -e '.[qlora]')")
-    if use_cpu:
-        missing.append("a CUDA GPU (the recipe sets use_cpu: true)")
-    elif not torch.cuda.is_available():
-        missing.append("a CUDA GPU (torch.cuda.is_available() is False)")
-    if missing:
         raise ValueError(
-            f"{key}: true needs bitsandbytes and a CUDA GPU; missing here: {'; '.join(missing)}. Run it on a CUDA "
-            f"machine with the qlora extra, or set {key}: false (the bf16 LoRA recipes need neither)"
+            f"{key}: true needs the bitsandbytes package, which is not installed here; install it "
+            f"(pip install -e '.[qlora]'), or set {key}: false"
+        )
+    if not kbit_runs_on_cpu(use_cpu):
+        return  # CUDA: unchanged, bitsandbytes' CUDA kernels
+    where = "the recipe sets use_cpu: true" if use_cpu else "torch.cuda.is_available() is False"
+    if key == "load_in_8bit":
+        raise ValueError(
+            f"load_in_8bit: true needs a CUDA GPU ({where}); on the CPU only load_in_4bit runs: set load_in_4bit: "
+            "true instead, run on a CUDA machine, or set load_in_8bit: false"
+        )
+    problem = _bnb_cpu_4bit_problem()
+    if problem is not None:
+        raise ValueError(
+            f"load_in_4bit: true on the CPU ({where}) needs a working bitsandbytes CPU backend; {problem}; upgrade "
+            "it (pip install -U 'bitsandbytes>=0.50'), run on a CUDA machine, or set load_in_4bit: false"
         )
 
 
@@ -236,9 +280,13 @@ def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, 
     Quantized weights cannot be trained, only LoRA adapters on them (QLoRA), so every switch in ``lora`` (recipe key
     -> value; default ``{"use_peft": model_args.use_peft}``; PPO adds ``value_use_peft``) must be on.
 
+    ``use_cpu`` (or no CUDA GPU) means the model quantizes and trains on the CPU: ``load_in_4bit`` through
+    bitsandbytes' CPU backend (compute dtype: ``dtype``; ``float32`` is the tested one), ``load_in_8bit`` not at all.
+
     Raises:
-        ValueError: a ``lora`` switch is off; ``load_in_4bit`` with ``dtype: auto``; bitsandbytes or a CUDA GPU is
-            missing (`require_kbit_support`). Each message names the recipe key and the fix.
+        ValueError: a ``lora`` switch is off; ``load_in_4bit`` with ``dtype: auto``; bitsandbytes missing, or on the
+            CPU its backend unusable or 8 bits asked for (`require_kbit_support`). Each message is one line naming
+            the recipe key and the fix.
     """
     from trl import get_quantization_config
 
@@ -261,11 +309,52 @@ def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, 
 
 
 def kbit_device_map() -> dict:
-    """``{"": local process index}``: each process loads its quantized model whole onto its own GPU (bitsandbytes
-    weights are quantized as they load; DDP runs one model copy per GPU)."""
+    """Where this process loads a quantized model whole (bitsandbytes weights are quantized as they load; DDP runs one
+    model copy per process): ``{"": local process index}`` (its own GPU) when the run's device is a CUDA GPU,
+    ``{"": "cpu"}`` when it is the CPU (``use_cpu: true``, or no CUDA GPU). The device is that of
+    `accelerate.PartialState`, which the stages set up from ``use_cpu`` before they load models."""
     from accelerate import PartialState
 
-    return {"": PartialState().local_process_index}
+    state = PartialState()
+    return {"": "cpu"} if state.device.type == "cpu" else {"": state.local_process_index}
+
+
+def _keep_cpu_4bit_weights_unpacked(model) -> None:
+    """Switch off bitsandbytes' CPU repacking of 4-bit weights in ``model`` (in place).
+
+    On CPUs with AVX512-BF16, bitsandbytes 0.50 repacks a ``Linear4bit`` weight into a fused-kernel layout the
+    first time the layer runs in eval mode without gradients (a PPO rollout, an eval pass) and keeps it that way; a
+    later training forward through the same weights then fails. Clearing the layer's ``support_avx512bf16_for_cpu``
+    flag keeps the weights in the standard layout (the dequantize-then-matmul path every other CPU takes). Not seen
+    on CPUs without AVX512-BF16, where the flag is already False.
+    """
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+
+
+def fp32_adapters_for_fp32_compute(model, quantization_config) -> int:
+    """Cast the trainable parameters of a QLoRA model back to fp32 when its 4-bit compute dtype is fp32 (in place).
+
+    TRL's SFTTrainer and RewardTrainer cast every trainable parameter of a quantized model to bf16 (the QLoRA
+    paper's choice for bf16 compute on a GPU). With fp32 compute (``dtype: float32``, the CPU recipes) that breaks the
+    reward model: its trained ``score`` head (a peft ``modules_to_save`` copy, no dtype cast around it) gets fp32
+    hidden states and a bf16 weight and fails ("expected m1 and m2 to have the same dtype"); LoRA layers survive the
+    mix (peft casts their input) but run bf16 matmuls, slow on CPUs without AVX512-BF16. Call it after building the
+    trainer, before ``train()`` (the optimizer is created there, from these parameters). Does nothing without
+    ``quantization_config`` or with another compute dtype (the bf16 GPU recipes are unchanged).
+
+    Returns:
+        The number of parameters cast.
+    """
+    if quantization_config is None or getattr(quantization_config, "bnb_4bit_compute_dtype", None) != torch.float32:
+        return 0
+    cast = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+            cast += 1
+    return cast
 
 
 def is_quantized(model) -> bool:
@@ -278,25 +367,30 @@ def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pick
     """Load a causal LM (``kind='causal_lm'``) or a one-label sequence classifier (``'sequence_classifier'``).
 
     With ``quantization_config`` (a ``BitsAndBytesConfig``) the model is quantized as it loads, onto this process's
-    GPU (`kbit_device_map`).
+    GPU, or the CPU (`kbit_device_map`).
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     _check_remote_code(path, trust_remote_code)
     quant = {}
     if quantization_config is not None:
-        require_kbit_support(_quantization_key(quantization_config))
-        quant = {"quantization_config": quantization_config, "device_map": kbit_device_map()}
+        device_map = kbit_device_map()
+        require_kbit_support(_quantization_key(quantization_config), use_cpu=device_map[""] == "cpu")
+        quant = {"quantization_config": quantization_config, "device_map": device_map}
     if trust_remote_code and is_baichuan(path):
         from . import baichuan
 
-        return getattr(baichuan, f"load_{kind}")(path, dtype=dtype, **quant)
-    auto, extra = (AutoModelForCausalLM, {}) if kind == "causal_lm" else (AutoModelForSequenceClassification,
-                                                                         {"num_labels": 1})
-    return auto.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True,
-        **extra, **quant,
-    )
+        model = getattr(baichuan, f"load_{kind}")(path, dtype=dtype, **quant)
+    else:
+        auto, extra = (AutoModelForCausalLM, {}) if kind == "causal_lm" else (AutoModelForSequenceClassification,
+                                                                             {"num_labels": 1})
+        model = auto.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True,
+            **extra, **quant,
+        )
+    if quant and quant["device_map"][""] == "cpu":
+        _keep_cpu_4bit_weights_unpacked(model)
+    return model
 
 
 def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False,
@@ -304,11 +398,12 @@ def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow
     """A causal LM (policy / SFT model); Baichuan remote-code models go through `rlhf_trl.baichuan`.
 
     Weights load from safetensors only unless ``allow_pickle``. ``quantization_config`` (a ``BitsAndBytesConfig``,
-    see `recipe_quantization_config`) quantizes the model as it loads, onto this process's GPU.
+    see `recipe_quantization_config`) quantizes the model as it loads, onto this process's GPU or, without one (or
+    under ``use_cpu``), the CPU: 4 bits only, through bitsandbytes' CPU backend.
 
     Raises:
-        ValueError: a remote-code model without ``trust_remote_code``; ``quantization_config`` without bitsandbytes
-            or a CUDA GPU.
+        ValueError: a remote-code model without ``trust_remote_code``; ``quantization_config`` without bitsandbytes,
+            or on the CPU with an unusable bitsandbytes CPU backend or 8 bits (`require_kbit_support`).
     """
     return _load_model("causal_lm", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
@@ -319,11 +414,12 @@ def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = Fa
 
     Baichuan remote-code models get `rlhf_trl.baichuan.BaichuanForSequenceClassification`. Weights load from
     safetensors only unless ``allow_pickle``. ``quantization_config`` quantizes the model as it loads (the ``score``
-    head, the last module, stays unquantized), onto this process's GPU.
+    head, the last module, stays unquantized), onto this process's GPU, or the CPU (4 bits only; see
+    `load_causal_lm`).
 
     Raises:
-        ValueError: a remote-code model without ``trust_remote_code``; ``quantization_config`` without bitsandbytes
-            or a CUDA GPU.
+        ValueError: a remote-code model without ``trust_remote_code``; ``quantization_config`` without bitsandbytes,
+            or on the CPU with an unusable bitsandbytes CPU backend or 8 bits (`require_kbit_support`).
     """
     return _load_model("sequence_classifier", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
@@ -427,8 +523,9 @@ def merge_and_save(model, tokenizer, path: str):
 
     A LoRA adapter on a bitsandbytes-quantized base (QLoRA) is not merged into the quantized weights (that would
     round the update away and save a 4-bit model): the base is loaded again unquantized, on the CPU, in the dtype of
-    the quantized model's unquantized parts (bf16 in the QLoRA recipes), the adapter is merged into it and that model
-    is saved. ``model`` is then returned unchanged (quantized, adapter active: what was trained, on the GPU).
+    the quantized model's unquantized parts (bf16 in the QLoRA recipes; fp32 in a CPU run with ``dtype: float32``),
+    the adapter is merged into it and that model is saved. ``model`` is then returned unchanged (quantized, adapter
+    active: what was trained, on its GPU or the CPU).
 
     Returns:
         The merged plain `transformers` model, or ``model`` itself for a quantized base.

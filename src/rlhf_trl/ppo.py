@@ -679,7 +679,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         DataError: bad rows.
         ValueError: fewer eval prompts than ``per_device_eval_batch_size``; biasing generation settings; a bad
             ``reward_baseline``; ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft`` or ``value_use_peft`` false,
-            or without bitsandbytes or a CUDA GPU, or with ``save_merged_checkpoints``; ``share_reward_value_base``
+            without bitsandbytes (on the CPU: without its working CPU backend, or 8 bits), or with
+            ``save_merged_checkpoints``; ``share_reward_value_base``
             without ``value_use_peft``, with a ``value_model_path`` or under DeepSpeed.
         TrainingDivergedError: a non-finite loss, reward or value.
 

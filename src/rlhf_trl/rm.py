@@ -24,6 +24,7 @@ from .checkpoints import save_final_model, start_run, with_atomic_checkpoints
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, Template, describe_sources, pair_features, read_records, split_records
 from .models import (
+    fp32_adapters_for_fp32_compute,
     load_sequence_classifier,
     load_tokenizer,
     recipe_quantization_config,
@@ -61,8 +62,8 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     Raises:
         StageInputError: the SFT model is missing (``produced_by`` names the command to run first).
         DataError: bad rows, or no pair left after the length policy.
-        ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, or without bitsandbytes or a CUDA
-            GPU (`rlhf_trl.models.recipe_quantization_config`).
+        ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, without bitsandbytes, or on the CPU
+            with an unusable bitsandbytes CPU backend or 8 bits (`rlhf_trl.models.recipe_quantization_config`).
     """
     from trl import RewardTrainer, get_peft_config
 
@@ -116,6 +117,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
         peft_config=peft_config,
         callbacks=callbacks,
     )
+    fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
     train_result = trainer.train(resume_from_checkpoint=resume)
 
     # save (under `accelerate launch`: every process calls save_model, only the main process writes and evaluates)

@@ -37,21 +37,25 @@ def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_
     """Reward-model scores of token id sequences, ``[num_sequences]`` (float32, on CPU).
 
     Runs the model's backbone (``model.base_model_prefix``) and its ``score`` head, and reads the score at the last
-    non-pad token, exactly as PPO does during rollouts.
+    non-pad token, exactly as PPO does during rollouts. ``model`` may be a `peft.PeftModel` (e.g. the QLoRA reward
+    model the RM stage evaluates: adapter on a 4-bit base): its active adapter and trained ``score`` copy are used.
     """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    # a PeftModel's LoRA layers sit inside the transformers model (get_base_model); getattr(peft_model, "model")
+    # would be that whole model, whose output has no last_hidden_state
+    plain = model.get_base_model() if hasattr(model, "get_base_model") else model
     scores = []
     for i in range(0, len(sequences), batch_size):
         ids = pad_right(sequences[i : i + batch_size], pad_token_id).to(device)
         mask = ids != pad_token_id
         position_ids = mask.long().cumsum(1) - mask.long()
-        backbone = getattr(model, model.base_model_prefix)
+        backbone = getattr(plain, plain.base_model_prefix)
         hidden = backbone(
             input_ids=ids.masked_fill(~mask, 0), attention_mask=mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        logits = model.score(hidden).squeeze(-1)  # [batch, seq_len]
+        logits = plain.score(hidden).squeeze(-1)  # [batch, seq_len]
         idx = last_token_index(ids, pad_token_id)
         scores.append(logits[torch.arange(len(idx), device=device), idx].float().cpu())
     model.train(was_training)

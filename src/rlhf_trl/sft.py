@@ -19,6 +19,7 @@ from .checkpoints import save_final_model, start_run, with_atomic_checkpoints
 from .config import RunArguments, parse_recipe, save_recipe
 from .data import DataArguments, Template, describe_sources, read_records, sft_features, split_records
 from .models import (
+    fp32_adapters_for_fp32_compute,
     load_causal_lm,
     load_tokenizer,
     recipe_quantization_config,
@@ -53,8 +54,8 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     Raises:
         StageInputError: the base model or tokenizer is missing.
         DataError: bad rows (file, row and field named).
-        ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, or without bitsandbytes or a CUDA
-            GPU (`rlhf_trl.models.recipe_quantization_config`).
+        ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, without bitsandbytes, or on the CPU
+            with an unusable bitsandbytes CPU backend or 8 bits (`rlhf_trl.models.recipe_quantization_config`).
     """
     from trl import SFTTrainer, get_peft_config
 
@@ -106,6 +107,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         peft_config=get_peft_config(model_args),
         callbacks=callbacks,
     )
+    fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
     train_result = trainer.train(resume_from_checkpoint=resume)
 
     # evaluate (held-out loss on completion tokens), before the adapter is merged away
