@@ -550,9 +550,9 @@ def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
     value = row[qkey]
     system, history = None, None
     if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
-        if len(value) > 1 and kind != "prompts":
-            raise DataError(source, f"holds {len(value)} user turns without answers; {kind.upper()} rows need one "
-                                    "question (only PPO prompts take a turn: prompt_turn)", i, qkey)
+        if kind != "prompts":
+            raise DataError(source, f"must be a string for {kind.upper()} rows, got a list of {len(value)} user "
+                                    "turn(s) without answers (only PPO prompts read such lists: prompt_turn)", i, qkey)
         try:
             question = value[args.prompt_turn if len(value) > 1 else 0]
         except IndexError:
