@@ -6,7 +6,6 @@ import gzip
 import json
 import logging
 import lzma
-import os
 import shutil
 
 import pytest
@@ -308,6 +307,21 @@ def test_lists_globs_and_directories_of_shards(tmp_path):
     with pytest.raises(DataError) as err:
         read_records(DataArguments(dataset_name=str(shards)), "sft")
     assert one_line(err) == f"{shards}: mixes file types (csv, json); one source, one type"
+
+
+def test_hub_dataset_is_read_with_its_config_and_split(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list([{"question": "What is 2+2?", "answer": "4"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    args = DataArguments(dataset_name="openai/gsm8k", dataset_config="main", dataset_split="test")
+    assert read_records(args, "sft") == [{"question": "What is 2+2?", "history": [], "answer": "4"}]
+    assert calls == [("openai/gsm8k", "main", "test")]
 
 
 def test_offline_hub_id_fails_in_one_line_naming_hf_hub_offline(monkeypatch):

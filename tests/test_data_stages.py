@@ -61,7 +61,8 @@ def chat_files(tmp_path_factory):
     for r in demo_task.pair_rows(120, seed=2):
         prompt = f"\n\nHuman: {r['prompt']}\n\nAssistant:"
         pairs.append({"chosen": f"{prompt} {r['chosen']}", "rejected": f"{prompt} {r['rejected']}"})
-    prompts = [{"prompt": [r["instruction"], "再说一遍。"]} for r in demo_task.prompt_rows(demo_task.TRAIN_TOPICS, seed=3)]
+    prompts = [{"prompt": [r["instruction"], "再说一遍。"]}
+               for r in demo_task.prompt_rows(demo_task.TRAIN_TOPICS, seed=3)]
     return {"sft": write_gz(d / "sft.jsonl.gz", sft), "rm": write_gz(d / "hh.jsonl.gz", pairs),
             "prompts": write_gz(d / "prompts.jsonl.gz", prompts[:64])}
 
@@ -115,8 +116,8 @@ def test_chat_mode_through_sft_rm_and_ppo(assets, chat_files, tmp_path):
 
 
 def test_implicit_pairs_without_a_shared_marker_fail_in_one_line(assets, tmp_path, capsys):
-    data = write_gz(tmp_path / "bad.jsonl.gz", [{"chosen": "\n\nHuman: q\n\nAssistant: a", "rejected": "\n\nHuman: q\n\nAssistant: b"},
-                                                {"chosen": "User: q Bot: a", "rejected": "User: q Bot: b"}])
+    good = {"chosen": "\n\nHuman: q\n\nAssistant: a", "rejected": "\n\nHuman: q\n\nAssistant: b"}
+    data = write_gz(tmp_path / "bad.jsonl.gz", [good, {"chosen": "User: q Bot: a", "rejected": "User: q Bot: b"}])
     argv = ["--config", f"{RECIPES}/rm.yaml", "--dataset_name", data, "--dataset_format", "auto",
             "--model_name_or_path", assets["base_model"], "--output_dir", str(tmp_path / "out")]
     code, lines = run_cli_error("rm", argv, capsys)

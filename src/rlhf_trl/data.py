@@ -687,8 +687,8 @@ def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
 
     Text: the prompt is the shared prefix through the last ``assistant_marker``, kept verbatim as ``text`` (and as
     ``question``; ``markers`` = (human, assistant) parse its turns for chat templates: `split_transcript`); the
-    answers are the rest, leading space included. Messages: the prompt is the shared leading messages (ending with a user
-    turn); each side must then hold exactly one assistant message.
+    answers are the rest, leading space included. Messages: the prompt is the shared leading messages (ending with a
+    user turn); each side must then hold exactly one assistant message.
 
     Raises:
         DataError: missing / mistyped sides, identical sides, or no shared prefix ending in the assistant marker
@@ -890,23 +890,29 @@ def _normalise_rows(kind: str, batches: Iterable[list[dict]], args: DataArgument
     auto = args.dataset_format == "auto"
     i = 0
     for batch in batches:
-        for row in batch:
+        if fmt is None and batch:
+            row = batch[0]
             if not isinstance(row, dict):
                 raise DataError(source, f"must be an object, got {type(row).__name__}", i)
-            if fmt is None:
-                fmt = detect_format(row, args) if auto else args.dataset_format
-                keys0 = tuple(row)
-                by_keys = fmt not in ("alpaca", "ranked")  # these two also depend on the answer's type
-            elif auto and not (by_keys and tuple(row) == keys0):  # Arrow rows of one file share their columns
-                got = detect_format(row, args)
-                if got != fmt:
-                    raise DataError(source, f"looks like '{got}' but row 0 is '{fmt}' (mixed formats in one file)", i)
-            if kind == "sft":
-                out.append(_sft_row(row, fmt, args, source, i))
+            fmt = detect_format(row, args) if auto else args.dataset_format
+            keys0 = tuple(row)
+            by_keys = fmt not in ("alpaca", "ranked")  # these two also depend on the answer's type
+            if kind == "pairs" and fmt == "implicit":
+                add, one = out.append, lambda r, f, a, s, n: _implicit(r, a, s, n)
             elif kind == "pairs":
-                out.extend(_pair_rows(row, fmt, args, source, i, counts))
+                add, one = out.extend, lambda r, f, a, s, n: _pair_rows(r, f, a, s, n, counts)
             else:
-                out.append(_prompt_row(row, fmt, args, source, i))
+                add, one = out.append, _sft_row if kind == "sft" else _prompt_row
+        for row in batch:
+            if i:
+                if not isinstance(row, dict):
+                    raise DataError(source, f"must be an object, got {type(row).__name__}", i)
+                if auto and not (by_keys and tuple(row) == keys0):  # Arrow rows of one file share their columns
+                    got = detect_format(row, args)
+                    if got != fmt:
+                        raise DataError(source, f"looks like '{got}' but row 0 is '{fmt}' (mixed formats in one "
+                                                "file)", i)
+            add(one(row, fmt, args, source, i))
             i += 1
     if fmt is None:
         raise DataError(source, "holds no rows")
@@ -1036,8 +1042,10 @@ def encode_prompt(tokenizer, template: Template, question: str, history=None, sy
     """Token ids of the rendered prompt, ``[prompt_len]``.
 
     Text / raw modes: the template's text (or ``text``, a prompt carrying its own turns, verbatim), without special
-    tokens. Chat mode: ``apply_chat_template(messages, add_generation_prompt=True)`` tokens, messages from
-    `Template.messages` (``text`` is ignored; its parsed turns are in question / history / system).
+    tokens (special-token strings in the data are tokenized as text). Chat mode: the tokens of
+    ``apply_chat_template(messages, add_generation_prompt=True)``, messages from `Template.messages` (``text`` is
+    ignored: `_prompt_ids` parses its turns), exactly as the tokenizer tokenizes the rendered template (as TRL does:
+    special-token strings inside message contents become special tokens there).
 
     Raises:
         ValueError: chat mode with a tokenizer without a chat template.
