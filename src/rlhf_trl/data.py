@@ -699,11 +699,13 @@ def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
     if chosen.__class__ is str and rejected.__class__ is str:  # the common case first: transcripts
         marker = args.assistant_marker
         k = chosen.rfind(marker)
-        while k >= 0 and not rejected.startswith(chosen[: k + len(marker)]):
+        text = chosen[: k + len(marker)]
+        while k >= 0 and not rejected.startswith(text):
             k = chosen.rfind(marker, 0, k)
-        cut = k + len(marker)
-        text, good, bad = chosen[:cut], chosen[cut:], rejected[cut:]
-        if k < 0 or chosen == rejected or not good or good.isspace() or not bad or bad.isspace():
+            text = chosen[: k + len(marker)]
+        cut = len(text)
+        good, bad = chosen[cut:], rejected[cut:]
+        if k < 0 or not good or good.isspace() or not bad or bad.isspace() or good == bad:
             _implicit_text_error(row, args, source, i, k)
         # the transcript is the prompt; its turns are parsed only to render it with a chat template (_prompt_ids)
         return {"question": text, "history": [], "chosen": good, "rejected": bad, "text": text,
