@@ -57,6 +57,7 @@ QUESTION_KEYS = ("instruction", "prompt", "question", "query")
 ANSWER_KEYS = ("output", "answer", "response", "completion")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 BATCH_ROWS = 8192  # rows converted from Arrow to Python objects at a time
+_ALTERNATING = [(["user", "assistant"] * 33)[:n] for n in range(65)]  # well-formed role sequences, by length
 
 
 class DataError(ValueError):
@@ -482,6 +483,24 @@ def _turns(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
     Raises:
         DataError: not a non-empty list of such objects, an unknown role, or an empty / non-string content.
     """
+    if value.__class__ is list and value:  # fast path: plain {role, content} messages with text content
+        out = []
+        append = out.append
+        try:
+            for turn in value:
+                content = turn["content"]
+                if content.__class__ is not str or not content or content.isspace():
+                    break
+                append((ROLES[turn["role"]], content))
+            else:
+                return out
+        except (KeyError, TypeError):
+            pass
+    return _turns_checked(value, source, i, key)
+
+
+def _turns_checked(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
+    """`_turns` for every shape it accepts ({from, value}, content parts), raising on the first bad message."""
     if value is None:
         raise DataError(source, "is null or missing in this row", i, key)
     if not isinstance(value, list) or not value:
@@ -515,22 +534,26 @@ def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: 
     offset = 0
     if turns and turns[0][0] == "system":
         system, turns, offset = turns[0][1], turns[1:], 1
-    last = max((k for k, (role, _) in enumerate(turns) if role == end), default=-1)
+    last = len(turns) - 1
+    while last >= 0 and turns[last][0] != end:
+        last -= 1
     if last < 0 or (end == "assistant" and last == 0):
         need = "a user turn followed by an assistant turn" if end == "assistant" else "a user turn"
         raise DataError(source, f"needs {need}", i, key)
     body = turns[: last + 1]
-    for k, (role, _) in enumerate(body):
-        want = "user" if k % 2 == 0 else "assistant"
-        if role != want:
-            where = "is only allowed as the first message" if role == "system" else f"must be {want}"
-            raise DataError(source, f"message {k + offset} ({role}) {where} (turns alternate user / assistant)",
-                            i, key)
+    roles = [role for role, _ in body]
+    if len(roles) >= len(_ALTERNATING) or roles != _ALTERNATING[len(roles)]:
+        for k, role in enumerate(roles):
+            want = "user" if k % 2 == 0 else "assistant"
+            if role != want:
+                where = "is only allowed as the first message" if role == "system" else f"must be {want}"
+                raise DataError(source, f"message {k + offset} ({role}) {where} (turns alternate user / assistant)",
+                                i, key)
     answer = None
     if end == "assistant":
         answer, body = body[-1][1], body[:-1]
-    history = [(body[k][1], body[k + 1][1]) for k in range(0, len(body) - 1, 2)]
-    return system, history, body[-1][1], answer
+    texts = [text for _, text in body]
+    return system, list(zip(texts[0:-1:2], texts[1::2])), texts[-1], answer
 
 
 def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
