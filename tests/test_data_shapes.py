@@ -7,6 +7,7 @@ import json
 import logging
 import lzma
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import SHARED, write_jsonl
@@ -385,7 +386,7 @@ def test_sft_truncate_prompt_keeps_the_newest_turns(tokenizer, caplog):
 def test_real_cmath_prompts_with_question_column_input():
     path = need_shared(DATA / "zh" / "cmath_dev.jsonl")
     records = read_records(DataArguments(dataset_name=path, question_key="input", dataset_format="prompt"), "prompts")
-    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
     assert len(records) == len(rows) == 600
     assert [r["question"] for r in records] == [row["input"] for row in rows]  # once, not twice
 
@@ -401,7 +402,7 @@ def test_real_gsm8k_compressed_with_a_glob(tmp_path):
 def test_real_dpo_rows_in_every_new_shape_read_like_the_original(tmp_path, qwen):
     path = need_shared(DATA / "en" / "dpo_en_demo.json")
     original = read_records(DataArguments(dataset_name=path), "pairs")
-    rows = json.load(open(path, encoding="utf-8"))
+    rows = json.loads(Path(path).read_text(encoding="utf-8"))
     role = {"human": "user", "gpt": "assistant", "system": "system"}  # 80 rows open with a system turn
 
     def messages(turns):
@@ -437,7 +438,7 @@ def test_real_dpo_rows_in_every_new_shape_read_like_the_original(tmp_path, qwen)
 def test_real_sharegpt_sft_as_openai_messages(tmp_path):
     path = need_shared(DATA / "zh" / "medical_sft_1k.jsonl")
     original = read_records(DataArguments(dataset_name=path), "sft")
-    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
     role = {"human": "user", "gpt": "assistant"}
     shaped = [{"messages": [{"role": role[t["from"]], "content": t["value"]} for t in r["conversations"]]}
               for r in rows]

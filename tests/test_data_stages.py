@@ -29,17 +29,23 @@ def with_chat_template(src: str, dst, eos_list: bool) -> str:
     ``eos_list`` its generation_config lists <|im_end|> as a second EOS."""
     shutil.copytree(src, dst)
     cfg_path = os.path.join(dst, "tokenizer_config.json")
-    cfg = json.load(open(cfg_path, encoding="utf-8"))
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
     cfg["chat_template"] = CHATML
-    json.dump(cfg, open(cfg_path, "w", encoding="utf-8"), ensure_ascii=False)
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, ensure_ascii=False)
     if eos_list:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(dst))
         gen_path = os.path.join(dst, "generation_config.json")
-        gen = json.load(open(gen_path)) if os.path.isfile(gen_path) else {}
+        gen = {}
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                gen = json.load(f)
         gen["eos_token_id"] = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
-        json.dump(gen, open(gen_path, "w"))
+        with open(gen_path, "w") as f:
+            json.dump(gen, f)
     return str(dst)
 
 
@@ -97,7 +103,8 @@ def test_chat_mode_through_sft_rm_and_ppo(assets, chat_files, tmp_path):
         "--chat_template", "true", "--system_prompt", "简短回答。", "--model_name_or_path", sft_out["merged"],
         "--output_dir", str(tmp_path / "rm"), "--max_steps", "4", "--max_length", "96",
     ])
-    pairs = [json.loads(line) for line in open(os.path.join(rm_out["output_dir"], "eval_pairs.jsonl"))]
+    with open(os.path.join(rm_out["output_dir"], "eval_pairs.jsonl")) as f:
+        pairs = [json.loads(line) for line in f]
     assert pairs and all(p["chosen_ids"][-1] == im_end and p["rejected_ids"][-1] == im_end for p in pairs)
     first = pairs[0]
     prompt = first["chosen_ids"][: first["prompt_length"]]
@@ -110,7 +117,7 @@ def test_chat_mode_through_sft_rm_and_ppo(assets, chat_files, tmp_path):
         "--output_dir", str(tmp_path / "ppo"), "--total_episodes", "32", "--logging_steps", "1",
         "--log_samples_every", "1", "--max_prompt_length", "64",
     ])
-    rows = [json.loads(x) for x in open(tmp_path / "ppo" / "samples.jsonl", encoding="utf-8")]
+    rows = [json.loads(x) for x in (tmp_path / "ppo" / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
     assert rows and all("再说一遍" not in r["query"] for r in rows)  # PPO prompts take the first turn
     assert ppo_out["output_dir"] == str(tmp_path / "ppo")
 
