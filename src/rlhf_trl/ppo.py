@@ -732,8 +732,11 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     # tokenizer and models (prompts left-padded; pad distinct from EOS)
     remote = ppo_args.trust_remote_code
     tokenizer = load_tokenizer(sft_path, padding_side="left", trust_remote_code=remote)
-    train_ds = Dataset.from_dict(prompt_features(train_records, tokenizer, template, data_args.max_prompt_length))
-    eval_ds = Dataset.from_dict(prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length))
+    source = describe_sources(data_args)
+    train_ds = Dataset.from_dict(prompt_features(train_records, tokenizer, template, data_args.max_prompt_length,
+                                                 f"{source} (train split)"))
+    eval_ds = Dataset.from_dict(prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length,
+                                                f"{source} (eval split)"))
     dtype = torch.bfloat16 if training_args.bf16 else torch_dtype(model_args.dtype)  # TRL ignores bf16
     # load_in_4bit quantizes all three models; policy and value model are then trained through LoRA only
     quantized = model_args.load_in_4bit or model_args.load_in_8bit

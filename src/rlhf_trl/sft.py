@@ -78,7 +78,8 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     training_args.pad_token = tokenizer.pad_token
     def features(rows, split):
         source = f"{describe_sources(data_args)} ({split} split)"
-        return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, source))
+        return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, source,
+                                              data_args.length_policy, data_args.max_prompt_length))
 
     train_ds = features(train_records, "train")
     eval_ds = features(eval_records, "eval") if eval_records else None
