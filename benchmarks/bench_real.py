@@ -135,8 +135,9 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
         meter.enter("generation")
         out_ = original["batch_generation"](model_, queries, chunk, pad, config)
         meter.tensor(out_[1])
-        meter.shape.update(rows=int(queries.shape[0]), prompt_tokens=int(queries.shape[1]),
-                           sequence_tokens=int(out_[0].shape[1]))
+        if int(queries.shape[0]) >= meter.shape.get("rows", 0):  # a rollout batch (sample tables are off)
+            meter.shape.update(rows=int(queries.shape[0]), prompt_tokens=int(queries.shape[1]),
+                               sequence_tokens=int(out_[0].shape[1]))
         meter.enter("scoring")
         return out_
 
@@ -146,10 +147,11 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
         return original["get_reward"](*args, **kwargs)
 
     def forward(*args, **kwargs):
-        out_ = original["forward"](*args, **kwargs)
-        meter.tensor(getattr(out_, "logits", None))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():  # the PPO epochs' forward (policy and value model together)
             meter.enter("optimisation")
+        out_ = original["forward"](*args, **kwargs)
+        policy_output = out_[0] if isinstance(out_, tuple) else out_  # training: (policy output, values)
+        meter.tensor(getattr(policy_output, "logits", None))
         return out_
 
     class UpdateEnd(TrainerCallback):
@@ -166,6 +168,7 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
                 "num_ppo_epochs": "1", "num_mini_batches": "1", "learning_rate": "1e-5", "temperature": "0.7",
                 "kl_coef": "0.05", "missing_eos_penalty": "1.0", "seed": "42", "report_to": "none",
                 "save_strategy": "no", "logging_steps": "1", "output_dir": str(work / variant), "use_cpu": "true",
+                "num_sample_generations": "0",
                 "sft_model_path": model, "reward_model_path": model, "dataset_name": prompts,
                 "max_prompt_length": "256", "use_peft": "true", "lora_r": "16", "lora_alpha": "32",
                 "lora_target_modules": "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj",
@@ -190,7 +193,7 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
         extra = ["--value_use_peft", "true", "--share_reward_value_base", "true"] if variant == "rlhf_trl_lean" else []
         argv = ["--config", str(REPO / "recipes" / "qwen2.5-0.5b-cpu" / "ppo.yaml"), "--dataset_format", "prompt",
                 "--value_use_peft", "false", "--share_reward_value_base", "false", "--reward_baseline", "0.0",
-                "--log_samples_every", "0", "--num_sample_generations", "0", *extra]
+                "--log_samples_every", "0", *extra]
         for k, v in settings.items():
             argv += [f"--{k}", *v.split()] if k == "lora_target_modules" else [f"--{k}", v]
         ppo.main(argv, callbacks=[UpdateEnd()])
