@@ -1,0 +1,46 @@
+"""benchmarks/bench_real.py's arithmetic: parameter counts, per-phase matmul work, the summary figures."""
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_real  # noqa: E402
+
+QWEN_05B = {"hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864, "vocab_size": 151936,
+            "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": False}
+
+
+def test_param_counts_of_qwen2_5_0_5b(tmp_path):
+    json.dump(QWEN_05B, open(tmp_path / "config.json", "w"))
+    n = bench_real.param_counts(str(tmp_path))
+    # per layer: q, o 896x896; k, v 896x128; gate, up, down 896x4864 (biases and norms left out)
+    assert n["body"] == 24 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864) == 357826560
+    assert n["head"] == 151936 * 896 and n["total"] == 357826560 + 2 * 151936 * 896  # untied: 630M, as loaded
+
+
+def test_phase_flops_by_hand():
+    n = {"body": 10, "head": 3}
+    shape = {"rows": 2, "prompt_tokens": 4, "sequence_tokens": 6}  # 2 new tokens per row
+    flops = bench_real.phase_flops(n, shape, {}, lean=False)
+    assert flops["generation"] == 2 * 10 * 2 * 6 + 2 * 3 * 2 * 2  # body over every token, head for new tokens
+    assert flops["scoring"] == 2 * 13 * 2 * 6 + 4 * 10 * 2 * 6  # reference with head; value + reward without
+    assert flops["optimisation"] == 4 * 13 * 2 * 6 + 6 * 10 * 2 * 6  # LoRA policy fwd+bwd, full value fwd+bwd
+    assert bench_real.phase_flops(n, shape, {}, lean=True)["optimisation"] == 4 * 13 * 12 + 4 * 10 * 12
+
+
+def test_summary_skips_the_warm_up_and_rates_against_the_probe():
+    update = {f"{p}_{k}": v for p in ("generation", "scoring", "optimisation")
+              for k, v in (("seconds", 1.0), ("peak_rss_bytes", 4), ("largest_logits_bytes", 8))}
+    warm = dict(update, generation_seconds=100.0)
+    run = {"variant": "rlhf_trl", "updates": [warm, update, update], "shape": {"rows": 2, "prompt_tokens": 4,
+           "sequence_tokens": 6}, "threads": 2, "peak_rss_bytes": 8}
+    n = {"body": 10, "head": 3}
+    out = bench_real.summarise(run, n, {}, probe=100.0, base_bytes=2)
+    assert out["updates_timed"] == 2 and out["seconds_per_update"] == pytest.approx(3.0)
+    assert out["generation"]["gflop_per_second"] == pytest.approx(264 / 1e9)
+    assert out["generation"]["fraction_of_matmul_rate"] == pytest.approx(264 / 100.0)
+    assert out["peak_rss_model_copies"] == 4 and out["optimisation"]["peak_rss_model_copies"] == 2
