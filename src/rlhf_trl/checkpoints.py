@@ -71,12 +71,13 @@ def remove_staging(output_dir: str) -> None:
 
 
 def start_run(training_args, run_args=None):
-    """Checks every stage makes before it writes anything into ``training_args.output_dir``.
+    """Checks every stage makes before it reads its inputs; nothing of an earlier run is changed here.
 
     Resolves ``resume_from_checkpoint`` (``true`` -> the newest complete checkpoint), refuses to overwrite a finished
     run unless ``overwrite_output_dir``, refuses to start afresh next to an unfinished run's checkpoints unless
-    ``overwrite_output_dir`` (which then removes them with the earlier run's logs and reports: `remove_earlier_run`),
-    and removes ``.tmp-checkpoint-*`` leftovers of a killed run.
+    ``overwrite_output_dir``, and removes ``.tmp-checkpoint-*`` leftovers of a killed run (never a complete
+    checkpoint). The earlier run's checkpoints, logs and reports are removed later, by `begin_writing`, once the new
+    run has read and tokenized its data and loaded its models: bad input leaves them as they were.
 
     Returns:
         ``(run_args, resume)``: the run arguments (defaults if None) and the checkpoint to resume from, or None.
@@ -101,10 +102,18 @@ def start_run(training_args, run_args=None):
         )
     if state.is_main_process:
         remove_staging(out)
-        if run_args.overwrite_output_dir and not resume:
-            remove_earlier_run(out)
     state.wait_for_everyone()  # every process has checked the output_dir before any of them writes into it
     return run_args, resume
+
+
+def begin_writing(training_args, run_args, resume) -> None:
+    """Call when the run has proven its inputs (recipe parsed, data read and tokenized, models loaded), right before
+    it starts to write: with ``overwrite_output_dir`` and no resume, the earlier run's checkpoints, logs and reports
+    go now (`remove_earlier_run`), not before, so a run that fails on its inputs changes nothing on disk."""
+    state = distributed_state(training_args)
+    if state.is_main_process and run_args.overwrite_output_dir and not resume:
+        remove_earlier_run(training_args.output_dir)
+    state.wait_for_everyone()
 
 
 # what a run leaves besides its models; a fresh run over an old one removes them so none of them is mistaken for its

@@ -58,7 +58,7 @@ from trl.experimental.ppo import ppo_trainer as trl_ppo_trainer  # noqa: E402
 from trl.experimental.ppo.ppo_trainer import batch_generation  # noqa: E402
 from trl.experimental.utils import get_reward  # noqa: E402
 
-from .checkpoints import AtomicCheckpointMixin, distributed_state, start_run  # noqa: E402
+from .checkpoints import AtomicCheckpointMixin, begin_writing, distributed_state, start_run  # noqa: E402
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe  # noqa: E402
 from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records  # noqa: E402
 from .models import (  # noqa: E402
@@ -783,7 +783,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     ppo_args.reward_baseline = str(baseline)
     apply_reward_baseline(reward_model, baseline)
 
-    # trainer
+    # trainer (inputs proven: only now does anything of an earlier run go)
+    begin_writing(training_args, run_args, resume)
     out = training_args.output_dir
     if not resume and dist.is_main_process and os.path.exists(os.path.join(out, "samples.jsonl")):
         os.remove(os.path.join(out, "samples.jsonl"))

@@ -20,7 +20,7 @@ import os
 
 from datasets import Dataset
 
-from .checkpoints import save_final_model, start_run, with_atomic_checkpoints
+from .checkpoints import begin_writing, save_final_model, start_run, with_atomic_checkpoints
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, Template, describe_sources, pair_features, read_records, split_records
 from .models import (
@@ -107,7 +107,8 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     if peft_config is not None:
         peft_config.task_type = "SEQ_CLS"  # makes peft train and save the score head with the adapter
 
-    # trainer, train
+    # trainer, train (inputs proven: only now does anything of an earlier run go)
+    begin_writing(training_args, run_args, resume)
     trainer = with_atomic_checkpoints(RewardTrainer)(
         model=model,
         args=training_args,

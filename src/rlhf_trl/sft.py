@@ -15,7 +15,7 @@ import torch
 
 from datasets import Dataset
 
-from .checkpoints import save_final_model, start_run, with_atomic_checkpoints
+from .checkpoints import begin_writing, save_final_model, start_run, with_atomic_checkpoints
 from .config import RunArguments, parse_recipe, save_recipe
 from .data import DataArguments, Template, describe_sources, read_records, sft_features, split_records
 from .models import (
@@ -98,7 +98,8 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         logger.warning("%s: output head %s is not nn.Linear; using loss_type 'nll'", model_path, type(head).__name__)
         training_args.loss_type = "nll"
 
-    # trainer, train
+    # trainer, train (inputs proven: only now does anything of an earlier run go)
+    begin_writing(training_args, run_args, resume)
     trainer = with_atomic_checkpoints(SFTTrainer)(
         model=model,
         args=training_args,

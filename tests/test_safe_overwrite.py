@@ -1,0 +1,70 @@
+"""Bad input over a finished run changes nothing: with `overwrite_output_dir: true`, a broken data row, a missing
+model and a bad recipe value leave every file of the earlier run byte-identical (the earlier run's checkpoints, logs
+and reports go only once the new run has read its data and loaded its models: `checkpoints.begin_writing`)."""
+
+import hashlib
+import os
+import shutil
+
+import pytest
+from conftest import RECIPES
+
+from rlhf_trl import ppo, rm, sft
+from rlhf_trl.config import RecipeError
+from rlhf_trl.data import DataError
+from rlhf_trl.models import StageInputError
+
+
+def tree_hashes(root) -> dict:
+    """sha256 of every file under ``root`` and the set of directories, by relative path."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        rel = os.path.relpath(folder, root)
+        out[rel + "/"] = sorted(dirs + files)
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                out[os.path.join(rel, name)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def broken_file(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"instruction": "你觉得咖啡怎么样？", "output": "咖啡很棒。"}\n{"instruction": broken\n',
+                    encoding="utf-8")
+    return str(path)
+
+
+def stage_argv(stage, assets, sft_run, rm_run, out, data=None, **paths):
+    data = data or {"sft": assets["sft"], "rm": assets["rm"], "ppo": assets["prompts"]}[stage]
+    argv = ["--config", f"{RECIPES}/{stage}.yaml", "--dataset_name", data, "--output_dir", str(out),
+            "--overwrite_output_dir", "true"]
+    if stage == "sft":
+        argv += ["--model_name_or_path", paths.get("model", assets["base_model"])]
+    elif stage == "rm":
+        argv += ["--model_name_or_path", paths.get("model", sft_run["merged"])]
+    else:
+        argv += ["--sft_model_path", paths.get("model", sft_run["merged"]), "--reward_model_path", rm_run["merged"]]
+    return argv
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "ppo"])
+def test_bad_input_over_a_finished_run_leaves_it_byte_identical(stage, assets, sft_run, rm_run, ppo_run, tmp_path,
+                                                                 broken_file):
+    finished = {"sft": sft_run, "rm": rm_run, "ppo": ppo_run}[stage]["output_dir"]
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    if stage == "ppo":
+        assert any(n.startswith("checkpoint-") for n in os.listdir(out))  # checkpoints at stake too
+    before = tree_hashes(out)
+    main = {"sft": sft.main, "rm": rm.main, "ppo": ppo.main}[stage]
+
+    with pytest.raises(DataError, match=r"broken.jsonl: cannot be read as json"):  # a broken row
+        main(stage_argv(stage, assets, sft_run, rm_run, out, data=broken_file))
+    assert tree_hashes(out) == before
+    with pytest.raises(StageInputError, match="not found at '/nonexistent/model'"):  # a missing model
+        main(stage_argv(stage, assets, sft_run, rm_run, out, model="/nonexistent/model"))
+    assert tree_hashes(out) == before
+    with pytest.raises(RecipeError, match="learning_rate"):  # a bad recipe value
+        main(stage_argv(stage, assets, sft_run, rm_run, out) + ["--learning_rate", "fast"])
+    assert tree_hashes(out) == before
