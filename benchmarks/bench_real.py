@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         bench["variants"][variant]["wall_seconds"] = time.perf_counter() - t
     trl_run = bench["variants"].get("plain_trl", {})
     if "seconds_per_update" in trl_run:
-        for name, r in bench["variants"].items():
+        for r in bench["variants"].values():
             if "seconds_per_update" in r:
                 r["seconds_vs_plain_trl"] = r["seconds_per_update"] / trl_run["seconds_per_update"]
                 r["peak_rss_vs_plain_trl"] = r["peak_rss_bytes"] / trl_run["peak_rss_bytes"]

@@ -9,7 +9,6 @@ Skipped when ../shared is absent or the registry is unreachable (the fetch scrip
 """
 
 import json
-import logging
 import os
 
 import pytest

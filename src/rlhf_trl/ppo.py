@@ -70,14 +70,15 @@ from .models import (  # noqa: E402
     merge_and_save,
     recipe_quantization_config,
     require_model_dir,
+    sampling_generation_config,
     save_pretrained_atomic,
     torch_dtype,
     write_json,
 )
-from .models import sampling_generation_config  # noqa: E402
 from .scoring import eos_mask, truncate_at_eos  # noqa: E402
 
 logger = logging.getLogger(__name__)
+
 
 class TrainingDivergedError(RuntimeError):
     """A loss, reward or value became NaN or infinite; the message names the update and the last good checkpoint."""
