@@ -57,6 +57,15 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def status_field(key: str) -> int:
+    """One byte-valued field of /proc/self/status (``VmRSS``, ``VmHWM``, ...), 0 where it is missing."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def status_bytes() -> dict:
     """VmRSS, RssAnon (heap: tensors) and RssFile (mapped files, e.g. safetensors being loaded) in bytes."""
     out = {}

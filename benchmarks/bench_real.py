@@ -43,6 +43,8 @@ import platform
 import subprocess
 import sys
 import time
+
+from _measure import status_field  # noqa: E402  (benchmarks/ is on sys.path: scripts run from it)
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,14 +67,6 @@ GB = 1e9
 
 
 # -- the child: one PPO run with phase timers ---------------------------------------------------------------------
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _reset_peak() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -108,7 +102,7 @@ class PhaseMeter:
             return
         self.cur[f"{self.phase}_seconds"] += time.perf_counter() - self.t
         key = f"{self.phase}_peak_rss_bytes"
-        self.cur[key] = max(self.cur[key], _status("VmHWM"))
+        self.cur[key] = max(self.cur[key], status_field("VmHWM"))
         self.phase = None
 
     def tensor(self, logits) -> None:
@@ -175,7 +169,7 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
                 "dtype": "float32", "eval_split_size": "4", "per_device_eval_batch_size": "2",
                 "overwrite_output_dir": "true"}
     t0 = time.perf_counter()
-    rss_start = _status("VmRSS")
+    rss_start = status_field("VmRSS")
     if variant == "plain_trl":
         sys.path.insert(0, str(REPO / "benchmarks"))
         import plain_trl
@@ -199,7 +193,7 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
         ppo.main(argv, callbacks=[UpdateEnd()])
     meter.close()
     json.dump({"variant": variant, "updates": meter.updates, "shape": meter.shape, "seconds": time.perf_counter() - t0,
-               "peak_rss_bytes": max([_status("VmHWM")] + [u[k] for u in meter.updates for k in u
+               "peak_rss_bytes": max([status_field("VmHWM")] + [u[k] for u in meter.updates for k in u
                                                              if k.endswith("peak_rss_bytes")]),
                "rss_start_bytes": rss_start, "threads": torch.get_num_threads()}, open(out, "w"), indent=2)
 

@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+from _measure import status_field  # noqa: E402  (benchmarks/ is on sys.path: scripts run from it)
+
 TARGET_ROWS_PER_SECOND = 50_000
 TARGET_RSS_OVER_FILE = 3.0
 
@@ -80,14 +82,6 @@ def generate(path: str, rows: int, shape: str, seed: int = 0) -> int:
     return os.path.getsize(path)
 
 
-def _status_bytes(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def child(path: str, kind: str) -> dict:
     """Runs in the child process: read_records on ``path``; returns its figures."""
     import logging
@@ -97,12 +91,12 @@ def child(path: str, kind: str) -> dict:
     from rlhf_trl.data import DataArguments, read_records
 
     logging.basicConfig(level=logging.WARNING)
-    import_rss = _status_bytes("VmRSS")
+    import_rss = status_field("VmRSS")
     t0, c0 = time.perf_counter(), time.process_time()
     records = read_records(DataArguments(dataset_name=path, eval_split_size=0.0), kind)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"records": len(records), "seconds": seconds, "cpu_seconds": cpu, "peak_rss_bytes": _status_bytes("VmHWM"),
-            "import_rss_bytes": import_rss, "rss_after_bytes": _status_bytes("VmRSS")}
+    return {"records": len(records), "seconds": seconds, "cpu_seconds": cpu, "peak_rss_bytes": status_field("VmHWM"),
+            "import_rss_bytes": import_rss, "rss_after_bytes": status_field("VmRSS")}
 
 
 def main(argv: list[str] | None = None) -> dict:
