@@ -1,5 +1,6 @@
 """EOS lists (Qwen2.5-Instruct: [<|im_end|>, <|endoftext|>], the second also the stock pad token) in every stage."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -89,13 +90,10 @@ def listed_sft(sft_run, tmp_path_factory):
     return str(path), second
 
 
-def test_ppo_honours_the_eos_list(assets, rm_run, listed_sft, tmp_path):
+def test_ppo_honours_the_eos_list(assets, rm_run, listed_sft, tmp_path, monkeypatch):
     """PPO from a directory with an EOS list and sampling settings: runs without a flag, stops at either id, and
     the missing-EOS penalty falls only on responses without any EOS id; merged/ keeps the stock config."""
-    from trl.experimental.ppo import ppo_trainer as trl_ppo
-    from trl.experimental.utils import get_reward
-
-    from rlhf_trl import ppo
+    from rlhf_trl import ppo, ppo_engine
 
     sft_dir, second = listed_sft
     res = ppo.main(["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
@@ -105,20 +103,22 @@ def test_ppo_honours_the_eos_list(assets, rm_run, listed_sft, tmp_path):
                     "--missing_eos_penalty", "1.0", "--save_strategy", "no"])
     trainer = res["trainer"]
     eos = trainer.processing_class.eos_token_id
-    assert trainer.eos_token_ids == [eos, second] and trainer.stop_token_id == [eos, second]
+    assert trainer.eos_token_ids == [eos, second]
     assert [h["val/eos_rate"] for h in trainer.state.log_history if "val/eos_rate" in h]
     merged = json.load(open(os.path.join(res["merged"], "generation_config.json")))
     assert merged["eos_token_id"] == [eos, second] and merged["top_k"] == 20 and merged["repetition_penalty"] == 1.1
 
-    # the penalty TRL then applies (rows without the tokenizer's EOS) lands only on rows without any EOS id
+    # one rollout with known responses: cut after either id; the penalty only where no EOS id ends the response
+    # (TRL 1.12 would also have penalised the row ending with the second id: a deliberate difference)
     pad = trainer.processing_class.pad_token_id
     query = torch.tensor([[11, 12, 13]] * 3)
-    response = torch.tensor([[20, eos, pad], [20, second, pad], [20, 21, 22]])
+    response = torch.tensor([[20, eos, 30], [20, second, 30], [20, 21, 22]])
     qr = torch.cat((query, response), 1)
-    plain = get_reward(trainer.reward_model, qr, pad, 3)[1]
-    with trainer._eos_list_in_trl():
-        patched = trl_ppo.get_reward(trainer.reward_model, qr, pad, 3)[1]
-        assert trl_ppo.truncate_response(trainer.stop_token_id, pad, response).tolist() == response.tolist()
-    after_trl = patched - 1.0 * (~(response == eos).any(1)).float()
-    torch.testing.assert_close(after_trl, plain - torch.tensor([0.0, 0.0, 1.0]))
-    assert trl_ppo.get_reward is get_reward  # put back after train()
+    monkeypatch.setattr(ppo_engine, "generate_rollouts", lambda *a, **k: (qr, torch.zeros(3, 3)))
+    base = trainer.unwrapped.policy.get_base_model()  # the run merged its adapter when saving: the base is the policy
+    monkeypatch.setattr(trainer, "reference", lambda: contextlib.nullcontext(base))
+    ro = trainer.rollout(query, None, update=1)
+    cut = torch.tensor([[20, eos, pad], [20, second, pad], [20, 21, 22]])
+    assert ro["ended"].tolist() == [True, True, False] and ro["sequence_lengths"].tolist() == [1, 1, 2]
+    plain = ppo_engine.sequence_scores(trainer.reward_model, torch.cat((query, cut), 1), pad, 3)
+    torch.testing.assert_close(ro["scores"], plain - torch.tensor([0.0, 0.0, 1.0]))

@@ -50,18 +50,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
+from transformers import GenerationConfig
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # pinned to trl 1.12.0 on purpose: see pyproject.toml
-from trl.experimental.ppo import PPOConfig, PPOTrainer  # noqa: E402  (the one import of TRL's PPO)
-from trl.experimental.ppo import ppo_trainer as trl_ppo_trainer  # noqa: E402
-from trl.experimental.ppo.ppo_trainer import batch_generation  # noqa: E402
-from trl.experimental.utils import get_reward  # noqa: E402
-
-from .checkpoints import AtomicCheckpointMixin, begin_writing, distributed_state, start_run  # noqa: E402
-from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe  # noqa: E402
-from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records  # noqa: E402
-from .models import (  # noqa: E402
+from .checkpoints import AtomicCheckpointMixin, begin_writing, distributed_state, start_run
+from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
+from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records
+from .models import (
     BIASING_GENERATION_KEYS,
     eos_token_ids,
     load_causal_lm,
@@ -75,7 +69,8 @@ from .models import (  # noqa: E402
     torch_dtype,
     write_json,
 )
-from .scoring import eos_mask, truncate_at_eos  # noqa: E402
+from .ppo_engine import OnlineTrainerState, PPOConfig, PPOEngine, generate_rollouts, sampling_config, sequence_scores
+from .scoring import truncate_at_eos
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +131,15 @@ class PPOScriptArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run model code shipped in the model directories (e.g. Baichuan)."}
     )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Reward functions 'package.module:function' (or 'file.py:function'), each "
+                  "f(prompts, completions, **columns) -> list[float]; added to the reward model's score (or alone "
+                  "without reward_model_path)."},
+    )
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "Weight of each reward function (default: 1.0 each)."}
+    )
 
 
 class AdaptiveKLController:
@@ -161,8 +165,8 @@ class AdaptiveKLController:
 class BaselineShiftedScore(torch.nn.Module):
     """Wraps a reward model's ``score`` head so that it returns ``score(hidden) - baseline``.
 
-    PPOTrainer reads rewards as ``reward_model.score(hidden_states)`` at the last non-pad token
-    (``trl.experimental.utils.get_reward``); replacing the head is how the baseline reaches it.
+    The engine reads rewards as ``reward_model.score(hidden_states)`` at the last non-pad token
+    (`rlhf_trl.ppo_engine.sequence_scores`); replacing the head is how the baseline reaches it.
     Input ``[batch, seq_len, hidden]``, output ``[batch, seq_len, 1]``.
     """
 
@@ -181,7 +185,7 @@ class SharedBaseRewardModel(torch.nn.Module):
 
     Built by ``share_reward_value_base: true``: the value model is ``get_peft_model(reward_model, LoRA SEQ_CLS)``,
     which wraps the reward model's modules in place, so without this the reward model would hold a second full
-    copy of the same weights. It has what ``trl.experimental.utils.get_reward`` reads: ``base_model_prefix`` naming
+    copy of the same weights. It has what `rlhf_trl.ppo_engine.sequence_scores` reads: ``base_model_prefix`` naming
     a backbone callable (``backbone(input_ids=[batch, seq_len], attention_mask=..., ...)`` run under
     ``value_model.disable_adapter()``) and ``score`` (``[batch, seq_len, hidden] -> [batch, seq_len, 1]``).
 
@@ -300,41 +304,14 @@ class ResumableLoader:
         self._resume = (state["epoch_rng"], state["consumed"], state["now"])
 
 
-class _ContinueCounters(TrainerCallback):
-    """Puts the restored step / episode counters back after PPOTrainer.train() resets them to zero."""
-
-    def __init__(self, global_step: int, episode: int, max_steps: int, log_history: list):
-        self.values = (global_step, episode, max_steps, log_history)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        state.global_step, state.episode, state.max_steps, state.log_history = self.values
-
-
-class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
-    """TRL's PPOTrainer plus resumable, atomic checkpoints with the value model, KL control, divergence checks and
-    sample tables. See the module docstring; the PPO algorithm is TRL's (``trl/experimental/ppo/ppo_trainer.py``).
-    """
+class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
+    """The PPO engine (`rlhf_trl.ppo_engine.PPOEngine`) plus resumable, atomic checkpoints with the value model, KL
+    control, divergence checks and sample tables. See the module docstring."""
 
     def __init__(self, *args, script_args: PPOScriptArguments | None = None, tokenizer_for_saving=None,
-                 recipe_configs: tuple = (), eos_token_ids: list[int] | None = None, stock_generation_config=None,
-                 **kwargs):
+                 recipe_configs: tuple = (), stock_generation_config=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.stock_generation_config = stock_generation_config  # saved with merged policies (PPO samples otherwise)
-        # every EOS id ends a response (TRL 1.12 knows one): generation, truncation, missing-EOS penalty, EOS rate
-        self.eos_token_ids = list(eos_token_ids or [self.processing_class.eos_token_id])
-        if self.stop_token_id == self.processing_class.eos_token_id:  # stop_token: eos
-            self.stop_token_id = self.eos_token_ids
-            self.policy_model.generation_config.eos_token_id = self.eos_token_ids
-        self._eos_ended: list[bool] = []  # rollouts since the last log: ended with an EOS id?
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            # under `accelerate launch` (DDP) TRL 1.12 still reads `self.model.policy` (training loop's reference
-            # forward, null_ref_context, save_model) and `self.model.config` (model card), which the DDP wrapper
-            # lacks (huggingface/trl#2375): expose them on the wrapper, without registering submodules
-            inner = self.accelerator.unwrap_model(self.model)
-            for name in ("policy", "value_model", "config"):
-                object.__setattr__(self.model, name, getattr(inner, name))
-        # read by Trainer._save on non-main processes; TRL's PPOTrainer skips Trainer.__init__, which sets it
-        self.is_distributed_loading_by_transformers = getattr(self, "is_distributed_loading_by_transformers", False)
         self.script_args = script_args or PPOScriptArguments()
         self.reward_baseline = 0.0
         self.recipe_configs = recipe_configs
@@ -371,12 +348,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
                     self.state.global_step, logs["objective/kl"],
                 )
             logs["objective/kl_coef"] = self.args.kl_coef
-            if self._eos_ended:  # responses that end with any EOS id (TRL's val/num_eos_tokens counts one id)
-                logs["val/eos_rate"] = sum(self._eos_ended) / len(self._eos_ended)
-                self._eos_ended = []
             if self.kl_controller is not None:
                 self.args.kl_coef = self.kl_controller.update(logs["objective/kl"], self.args.batch_size)
-            every = max(1, int(self.state.logging_steps or 1))  # TRL's PPO logs every update: honour logging_steps
+            every = max(1, int(self.state.logging_steps or 1))  # the engine logs every update: honour logging_steps
             step = self.state.global_step
             if step % every and step < self.state.max_steps:  # the last update is always logged
                 return
@@ -389,32 +363,31 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
 
     # -- sample tables -------------------------------------------------------------------------------------------
     def generate_completions(self, sampling: bool = False):
-        """Sample one eval batch (near-greedy, as TRL does), score it and log query / response / score / reward.
+        """Sample one eval batch (near-greedy, temperature 0.01), score it and log query / response / score / reward.
 
         Runs under `preserved_rng`, so sample tables never change the training run.
         """
-        from transformers import GenerationConfig
-
-        if self.eval_dataset is None:
+        if self.eval_dataloader is None:
             return
         tok = self.processing_class
-        gen_config = GenerationConfig(
-            max_new_tokens=self.args.response_length, temperature=0.01 + 1e-7, top_k=0, top_p=1.0, do_sample=True
-        )
-        policy = self.accelerator.unwrap_model(self.model).policy
+        pad = tok.pad_token_id
+        gen_config = GenerationConfig(max_new_tokens=self.args.response_length, temperature=0.01 + 1e-7, top_k=0,
+                                      top_p=1.0, do_sample=True, eos_token_id=self.eos_token_ids, pad_token_id=pad)
         rows = []
         with preserved_rng():
             for batch in self.eval_dataloader:
                 query = batch["input_ids"]
+                context = query.shape[1]
+                with self.generation_policy() as policy:
+                    query_response, _ = generate_rollouts(policy, query, pad, gen_config, query.shape[0])
+                response = query_response[:, context:]
+                if self.eos_token_ids is not None:
+                    response = truncate_at_eos(response, self.eos_token_ids, pad)
                 with torch.no_grad():
-                    context_length = query.shape[1]
-                    query_response, _ = batch_generation(policy, query, query.shape[0], tok.pad_token_id, gen_config)
-                    response = query_response[:, context_length:]
-                    if self.stop_token_id is not None:
-                        response = truncate_at_eos(response, self.stop_token_id, tok.pad_token_id)
-                    _, reward, _ = get_reward(
-                        self.reward_model, torch.cat((query, response), 1), tok.pad_token_id, context_length
-                    )
+                    if self.reward_model is not None:
+                        reward = sequence_scores(self.reward_model, torch.cat((query, response), 1), pad, context)
+                    else:
+                        reward = torch.zeros(len(query))
                 for q, r, s in zip(
                     tok.batch_decode(query, skip_special_tokens=True),
                     tok.batch_decode(response, skip_special_tokens=True),
@@ -441,7 +414,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
-        """What TRL's checkpoints lack: value model, merged policy, data position, baseline / KL state, recipe."""
+        """What the Trainer's checkpoint files lack: value model, merged policy, data position, baseline / KL state,
+        recipe."""
         self._save_extras(checkpoint_dir, self.dataloader.state(), merged=self.script_args.save_merged_checkpoints)
 
     def _save_extras(self, ckpt: str, data_state: dict | None, merged: bool) -> None:
@@ -451,7 +425,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
             torch.save(data_state, os.path.join(ckpt, _data_state_name(rank)))
         if not self.args.should_save:  # under `accelerate launch`, the main process writes the other extras
             return
-        unwrapped = self.accelerator.unwrap_model(self.model)
+        unwrapped = self.unwrapped
         unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
         if merged:
             from peft import PeftModel
@@ -470,63 +444,23 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
             save_recipe(ckpt, *self.recipe_configs)
 
     # -- resume --------------------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | None = None):
-        """Run PPO; with ``resume_from_checkpoint`` (a ``checkpoint-N`` directory) continue that run exactly.
-
-        Restores policy (adapter or full weights), value model, optimizer, scheduler, step / episode counters,
-        KL coefficient, data position and RNG state, then runs the remaining updates.
+    def restore(self, ckpt: str) -> int:
+        """Continue the run of ``ckpt`` (a ``checkpoint-N`` directory) exactly: policy (adapter or full weights),
+        value model, optimizer, scheduler, step / episode counters and log history, KL coefficient, data position
+        and RNG state. Returns the number of updates done.
 
         Raises:
             FileNotFoundError: the checkpoint lacks a file needed to resume.
+            ValueError: the checkpoint belongs to a run with another number of updates, or has none left.
         """
-        if resume_from_checkpoint:
-            self._restore(resume_from_checkpoint)
-        with self._eos_list_in_trl():
-            return super().train()
-
-    @contextmanager
-    def _eos_list_in_trl(self):
-        """Make TRL 1.12's training loop honour the EOS list, for the duration of ``train()``.
-
-        TRL's loop calls the module functions ``truncate_response(stop_token_id, ...)`` and ``get_reward(...)``, and
-        applies ``missing_eos_penalty`` to rows without the tokenizer's one EOS id. Here ``truncate_response`` cuts
-        at any EOS id (`rlhf_trl.scoring.truncate_at_eos`), and the reward model's scores are corrected so that the
-        penalty falls on rows without any EOS id (a row ending at a second EOS, e.g. Qwen's ``<|endoftext|>``, is
-        not penalised); the EOS rate over all ids is logged as ``val/eos_rate``. The originals are put back after.
-        """
-        penalty = self.args.missing_eos_penalty
-        eos_ids, primary = self.eos_token_ids, self.processing_class.eos_token_id
-        original_truncate, original_reward = trl_ppo_trainer.truncate_response, trl_ppo_trainer.get_reward
-
-        def truncate_response(stop_token_id, pad_token_id, responses):
-            return truncate_at_eos(responses, stop_token_id, pad_token_id)
-
-        def scores_for_any_eos(model, query_responses, pad_token_id, context_length):
-            logits, score, lengths = original_reward(model, query_responses, pad_token_id, context_length)
-            if model is self.reward_model:
-                response = query_responses[:, context_length:]
-                ended = eos_mask(response, eos_ids).any(1)
-                self._eos_ended += ended.tolist()
-                if penalty:  # TRL subtracts it where the tokenizer's EOS is missing: give it back where another ended
-                    score = score + penalty * (ended & ~(response == primary).any(1)).to(score.dtype)
-            return logits, score, lengths
-
-        trl_ppo_trainer.truncate_response, trl_ppo_trainer.get_reward = truncate_response, scores_for_any_eos
-        try:
-            yield
-        finally:
-            trl_ppo_trainer.truncate_response, trl_ppo_trainer.get_reward = original_truncate, original_reward
-
-    def _restore(self, ckpt: str) -> None:
         from peft import PeftModel, set_peft_model_state_dict
         from safetensors.torch import load_file
-        from trl.experimental.ppo.ppo_trainer import OnlineTrainerState
 
         needed = ["optimizer.pt", "scheduler.pt", "trainer_state.json", "data_state.pt", "value_model"]
         missing = [n for n in needed if not os.path.exists(os.path.join(ckpt, n))]
         if missing:
             raise FileNotFoundError(f"cannot resume from {ckpt}: missing {missing}")
-        unwrapped = self.accelerator.unwrap_model(self.model)
+        unwrapped = self.unwrapped
         _load_weights(unwrapped.policy, ckpt, PeftModel, set_peft_model_state_dict, load_file)
         _load_weights(unwrapped.value_model, os.path.join(ckpt, "value_model"), PeftModel,
                       set_peft_model_state_dict, load_file)
@@ -539,7 +473,6 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
             self.args.kl_coef = extras["kl_coef"]
             if self.kl_controller is not None:
                 self.kl_controller.value = extras["kl_coef"]
-        episode = getattr(saved, "episode", saved.global_step * self.args.batch_size)
         total = self.args.num_total_batches
         done = saved.global_step
         planned = getattr(saved, "max_steps", 0) or total
@@ -548,14 +481,16 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOTrainer):
                              "/ effective batch): resume with the same total_episodes and batch sizes, or start afresh")
         if done >= total:
             raise ValueError(f"{ckpt} is at update {done}; the recipe has {total} updates: nothing left to run")
-        self.args.num_total_batches = total - done
-        self.add_callback(_ContinueCounters(done, episode, total, saved.log_history))
+        self.state.global_step = done
+        self.state.episode = getattr(saved, "episode", 0) or done * self.args.batch_size
+        self.state.log_history = saved.log_history
         data_state = os.path.join(ckpt, _data_state_name(self.accelerator.process_index))
         if not os.path.exists(data_state):
             raise FileNotFoundError(f"cannot resume from {ckpt}: missing {os.path.basename(data_state)} (the "
                                     "checkpoint was written by fewer processes than this run has)")
         self.dataloader.resume_from(torch.load(data_state, weights_only=False))
-        logger.info("resuming from %s at update %d of %d (episode %d)", ckpt, done, total, episode)
+        logger.info("resuming from %s at update %d of %d (episode %d)", ckpt, done, total, self.state.episode)
+        return done
 
 
 def _data_state_name(rank: int) -> str:
@@ -623,37 +558,36 @@ def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset: Dataset,
                               eos_ids: list[int] | None = None) -> float:
     """Mean RM score (reward units) of SFT-policy rollouts on ``batches`` batches of prompts, as PPO would sample them.
 
-    Uses TRL's rollout functions (``batch_generation``, ``get_reward``) with the recipe's temperature and
+    Uses the engine's rollout (`generate_rollouts`, `sequence_scores`) with the recipe's temperature and
     ``response_length``, responses cut after their first EOS (any of ``eos_ids``, default the tokenizer's);
     runs under `preserved_rng`.
     """
-    from transformers import DataCollatorWithPadding, GenerationConfig
+    from transformers import DataCollatorWithPadding
 
     collator = DataCollatorWithPadding(tokenizer)
-    gen = GenerationConfig(max_new_tokens=args.response_length, temperature=args.temperature + 1e-7, top_k=0,
-                           top_p=1.0, do_sample=True)
+    eos_ids = eos_ids or [tokenizer.eos_token_id]
+    gen = sampling_config(args, eos_ids, tokenizer.pad_token_id)
     size = args.per_device_train_batch_size
     scores = []
     with preserved_rng():
         torch.manual_seed(args.seed)
         for b in range(batches):
-            rows = [dataset[i] for i in range(b * size, min(len(dataset), (b + 1) * size))]
+            rows = [{"input_ids": dataset[i]["input_ids"]} for i in range(b * size, min(len(dataset), (b + 1) * size))]
             if not rows:
                 break
             query = collator(rows)["input_ids"].to(policy.device)
-            qr, _ = batch_generation(policy, query, len(rows), tokenizer.pad_token_id, gen)
-            response = truncate_at_eos(qr[:, query.shape[1]:], eos_ids or [tokenizer.eos_token_id],
-                                       tokenizer.pad_token_id)
-            _, score, _ = get_reward(reward_model, torch.cat((query, response), 1), tokenizer.pad_token_id,
-                                     query.shape[1])
-            scores.append(score.float().cpu())
+            qr, _ = generate_rollouts(policy, query, tokenizer.pad_token_id, gen, len(rows))
+            response = truncate_at_eos(qr[:, query.shape[1]:], eos_ids, tokenizer.pad_token_id)
+            scores.append(sequence_scores(reward_model, torch.cat((query, response), 1), tokenizer.pad_token_id,
+                                          query.shape[1]).float().cpu())
     value = float(torch.cat(scores).mean())
     logger.info("reward_baseline auto: mean RM score %.4f over %d SFT rollouts", value, sum(len(s) for s in scores))
     return value
 
 
 def recipe_types() -> tuple:
-    """The dataclasses a PPO recipe fills: data fields, `PPOScriptArguments`, TRL's `PPOConfig` and `ModelConfig`."""
+    """The dataclasses a PPO recipe fills: data fields, `PPOScriptArguments`, the engine's `PPOConfig` (TRL 1.12's
+    PPOConfig keys) and TRL's `ModelConfig`."""
     from trl import ModelConfig
 
     return (DataArguments, PPOScriptArguments, PPOConfig, ModelConfig, RunArguments)
@@ -699,8 +633,22 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     dist = distributed_state(training_args)  # under `accelerate launch`: this process's place in the group
     pickle_ok = run_args.allow_pickle_weights
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", sft_hint, pickle_ok)
-    rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint, pickle_ok)
+    reward_functions = None
+    if ppo_args.reward_funcs:
+        from .rewards import load_reward_functions, reward_columns
+
+        reward_functions = load_reward_functions(ppo_args.reward_funcs, ppo_args.reward_weights)
+    elif not training_args.reward_model_path:
+        raise ValueError("reward_model_path: PPO needs a reward model, reward functions (reward_funcs) or both")
+    rm_path = None
+    if training_args.reward_model_path:
+        rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint, pickle_ok)
+    if not (ppo_args.value_model_path or rm_path):
+        raise ValueError("value_model_path: without a reward model the value model needs its own initialization "
+                         "(a sequence classifier, or a causal LM directory: its score head starts at random)")
     value_path = require_model_dir(ppo_args.value_model_path or rm_path, "value model", rm_hint, pickle_ok)
+    if rm_path is None and (ppo_args.share_reward_value_base or str(ppo_args.reward_baseline).strip() == "auto"):
+        raise ValueError("share_reward_value_base / reward_baseline auto need a reward model (reward_model_path)")
     if ppo_args.share_reward_value_base:
         if not ppo_args.value_use_peft:
             raise ValueError("share_reward_value_base: true needs value_use_peft: true (the value model is a LoRA "
@@ -747,10 +695,12 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     quant = recipe_quantization_config(model_args, {"use_peft": model_args.use_peft,
                                                     "value_use_peft": ppo_args.value_use_peft}, training_args.use_cpu)
     policy = load_causal_lm(sft_path, dtype, remote, pickle_ok, quantization_config=quant)
-    reward_model = load_sequence_classifier(rm_path, dtype, remote, pickle_ok, quantization_config=quant)
+    reward_model = rm_path and load_sequence_classifier(rm_path, dtype, remote, pickle_ok, quantization_config=quant)
     value_model = reward_model if ppo_args.share_reward_value_base else load_sequence_classifier(
         value_path, dtype, remote, pickle_ok, quantization_config=quant)
     for name, m in (("policy", policy), ("reward model", reward_model), ("value model", value_model)):
+        if m is None:
+            continue
         if m.config.vocab_size < len(tokenizer):
             raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) is smaller than the tokenizer's ({len(tokenizer)})")
         m.config.pad_token_id = tokenizer.pad_token_id
@@ -782,28 +732,42 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
 
             baseline = broadcast_object_list([baseline], from_process=0)[0]
     ppo_args.reward_baseline = str(baseline)
-    apply_reward_baseline(reward_model, baseline)
+    if reward_model is not None:
+        apply_reward_baseline(reward_model, baseline)
+    if reward_functions is not None:  # rows index the records, whose columns reach the reward functions
+        train_ds = train_ds.add_column("row", list(range(len(train_ds))))
 
     # trainer (inputs proven: only now does anything of an earlier run go)
     begin_writing(training_args, run_args, resume)
     out = training_args.output_dir
     if not resume and dist.is_main_process and os.path.exists(os.path.join(out, "samples.jsonl")):
         os.remove(os.path.join(out, "samples.jsonl"))
+    peft_config = get_peft_config(model_args)
+    if peft_config is not None:  # the reference is then the policy with its adapter disabled: no second copy
+        policy = get_peft_model(policy, peft_config)
+        if training_args.bf16 and getattr(policy, "is_loaded_in_4bit", False):
+            for name, module in policy.named_modules():  # norms in fp32, embeddings / head in bf16 (as TRL 1.12)
+                if isinstance(module, torch.nn.LayerNorm) or "norm" in name:
+                    module.to(torch.float32)
+                elif any(x in name for x in ("lm_head", "embed_tokens")) and getattr(module, "weight", None) is not None \
+                        and module.weight.dtype == torch.float32:
+                    module.to(torch.bfloat16)
     trainer = RLHFPPOTrainer(
         args=training_args,
         processing_class=tokenizer,
         model=policy,
-        ref_model=None,  # with LoRA: the policy with its adapter disabled
+        ref_model=None,  # with LoRA: the policy with its adapter disabled; else a frozen copy
         reward_model=reward_model,
         value_model=value_model,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
-        peft_config=get_peft_config(model_args),
         callbacks=callbacks,
         script_args=ppo_args,
         recipe_configs=(data_args, ppo_args, training_args, model_args, run_args),
         eos_token_ids=eos_ids,
         stock_generation_config=stock_generation_config,
+        reward_functions=reward_functions,
+        reward_columns=(lambda rows: reward_columns([train_records[i] for i in rows])) if reward_functions else None,
     )
     trainer.reward_baseline = baseline
 

@@ -1,0 +1,637 @@
+"""The PPO engine: rollouts, rewards, advantages and clipped updates of a policy and a value model.
+
+TRL removed its PPOTrainer in 1.13; this module is the project's own loop, written to the same algorithm (the math is
+in `rlhf_trl.ppo_math`, each step a small pure function). `tests/test_ppo_oracle.py` checks ten updates of it against
+TRL 1.12's ``trl.experimental.ppo.PPOTrainer`` (live while trl 1.12 is installed, else against the trajectory
+recorded in ``tests/fixtures/ppo_oracle.pt`` by ``benchmarks/ppo_oracle.py``).
+
+One update (``PPOEngine.train``), for ``batch_size`` prompts of the data loader:
+
+1. rollout (no gradients): sample a response per prompt with ``temperature`` only, stopping at any EOS id
+   (`generate_rollouts`); the policy's log-probs of the sampled tokens come from the sampling logits;
+2. the reference's log-probs (the policy with its LoRA adapter disabled, or a frozen copy), the value model's values
+   and the reward: the reward model's score at the response's EOS (minus its baseline), plus weighted reward
+   functions, minus ``missing_eos_penalty`` for responses that never end;
+3. per-token rewards ``-kl_coef * KL`` plus the score at the end (`ppo_math.shape_rewards`), GAE advantages from
+   the last token backwards, returns = advantages + values, advantages whitened over real tokens;
+4. ``num_ppo_epochs`` passes over the batch in ``num_mini_batches`` shuffled mini-batches of micro-batches
+   (``per_device_train_batch_size``; one optimizer step per mini-batch through gradient accumulation): clipped policy
+   loss + ``vf_coef`` x clipped value loss.
+
+Memory: the policy's vocabulary-sized logits are only formed for the response positions, ``logits_chunk_size``
+positions at a time; with gradients each chunk is recomputed in the backward pass (activation checkpointing), so
+no ``[batch, seq_len, vocab]`` tensor (nor its softmax, nor their gradients) is ever held whole.
+
+Deliberate differences from TRL 1.12 (none changes a number on a tokenizer with one EOS id, the oracle's case):
+every id of an EOS list ends a response (TRL: one id), the missing-EOS penalty and ``val/num_eos_tokens`` count any
+of them; an adaptive KL coefficient, reward functions, ``logging_steps``, exact resume and a divergence stop exist.
+
+Runs under ``accelerate`` like TRL's trainer: one process, DDP (``accelerate launch``), DeepSpeed ZeRO-2/3 (the
+reward and reference models are prepared for inference; ZeRO-3 gathers the policy for generation when
+``ds3_gather_for_generation``) or FSDP.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState, TrainingArguments
+
+from . import ppo_math as pm
+from .scoring import eos_mask, truncate_at_eos
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PPOConfig(TrainingArguments):
+    """PPO settings: the keys (and defaults) of TRL 1.12's ``trl.experimental.ppo.PPOConfig``, so recipes written
+    for it run unchanged, plus ``logits_chunk_size``.
+
+    Batch sizes (episodes): ``batch_size = per_device_train_batch_size x gradient_accumulation_steps x processes``
+    rollouts per update; ``num_total_batches`` updates = ceil(``total_episodes`` / ``batch_size``).
+    """
+
+    # defaults TRL's configs change from TrainingArguments
+    learning_rate: float = field(default=3e-6, metadata={"help": "AdamW learning rate."})
+    logging_steps: float = field(default=10, metadata={"help": "Updates between logged statistics."})
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in the backward."})
+    bf16: bool | None = field(default=None, metadata={"help": "bfloat16 weights (default: true unless fp16)."})
+    lr_scheduler_kwargs: dict | str | None = field(default=None, metadata={"help": "Extra lr scheduler arguments."})
+    # PPO
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Unused (kept for TRL recipes)."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Mini-batches per rollout batch (optimizer steps)."})
+    total_episodes: int | None = field(default=None, metadata={"help": "Episodes (prompt + response) to train on."})
+    local_rollout_forward_batch_size: int = field(
+        default=64, metadata={"help": "Rollouts generated / scored per forward pass (per process)."})
+    num_sample_generations: int = field(default=10, metadata={"help": "Sample tables over the run (0: none)."})
+    response_length: int = field(default=53, metadata={"help": "Maximum new tokens per response."})
+    stop_token: Literal["eos"] | None = field(default=None, metadata={"help": "'eos': responses end at EOS."})
+    stop_token_id: int | None = field(default=None, metadata={"help": "A token id that ends responses."})
+    temperature: float = field(default=0.7, metadata={"help": "Rollout sampling temperature."})
+    missing_eos_penalty: float | None = field(
+        default=None, metadata={"help": "Subtracted from the score of responses without EOS (reward units)."})
+    sft_model_path: str = field(default="EleutherAI/pythia-160m", metadata={"help": "Policy initialization."})
+    reward_model_path: str | None = field(default="EleutherAI/pythia-160m", metadata={"help": "Reward model."})
+    world_size: int | None = field(default=None, metadata={"help": "Computed: processes."})
+    num_total_batches: int | None = field(default=None, metadata={"help": "Computed: updates."})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
+    local_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
+    batch_size: int | None = field(default=None, metadata={"help": "Computed: episodes per update."})
+    local_mini_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
+    mini_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Push the model to the Hub after training."})
+    model_adapter_name: str | None = field(default=None, metadata={"help": "Trained adapter (several adapters)."})
+    ref_adapter_name: str | None = field(default=None, metadata={"help": "Reference adapter (several adapters)."})
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Optimisation passes over each rollout batch."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten per-token rewards (needs >= 8 per rank)."})
+    kl_coef: float = field(default=0.05, metadata={"help": "KL coefficient (reward units per nat)."})
+    kl_estimator: Literal["k1", "k3"] = field(default="k1", metadata={"help": "KL estimator: k1 or k3."})
+    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Value loss weight."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range (reward units)."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    ds3_gather_for_generation: bool = field(
+        default=True, metadata={"help": "ZeRO-3: gather the policy's weights for generation."})
+    logits_chunk_size: int = field(
+        default=32, metadata={"help": "Response positions whose vocabulary logits are formed at once (0: all)."})
+
+    def __post_init__(self):
+        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        super().__post_init__()
+
+
+@dataclass
+class OnlineTrainerState(TrainerState):
+    """`transformers.TrainerState` plus the episode counter (episodes trained so far)."""
+
+    episode: int = 0
+
+
+def _exact_div(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}: {a} is not a multiple of {b}")
+    return a // b
+
+
+def _lm_parts(model):
+    """``(backbone, lm_head)`` of a causal LM (or a peft model on one): hidden states, then vocabulary logits."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix), base.get_output_embeddings()
+
+
+def _classifier_parts(model):
+    """``(backbone, score_head)`` of a sequence classifier, a peft model on one, or `SharedBaseRewardModel`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix), base.score
+
+
+def _inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
+    """Model inputs of left-padded prompt + right-padded response ids ``[b, T]``: pad masked, positions counted."""
+    mask = query_responses != pad_token_id
+    return {"input_ids": query_responses.masked_fill(~mask, 0), "attention_mask": mask,
+            "position_ids": mask.cumsum(1) - mask.long(), "use_cache": False}
+
+
+def token_scores(model, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """A sequence classifier's score head at every position: ``[b, T] -> [b, T]`` (reward units)."""
+    backbone, head = _classifier_parts(model)
+    hidden = backbone(**_inputs(query_responses, pad_token_id)).last_hidden_state
+    return head(hidden).squeeze(-1)
+
+
+def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]``.
+
+    Agrees with TRL 1.12's ``trl.experimental.utils.get_reward`` (``[1]`` of its result).
+    """
+    per_token = token_scores(model, query_responses, pad_token_id)
+    last = pm.first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    return per_token[torch.arange(len(last), device=last.device), last]
+
+
+def response_logprobs(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                      temperature: float, chunk_size: int = 0, with_entropy: bool = False):
+    """Log-probs of the response tokens under ``softmax(logits / temperature)``, optionally their entropy.
+
+    ``query_responses [b, T]`` (prompt of ``context_length`` tokens, then the response) -> ``logprobs [b, R]`` with
+    ``R = T - context_length`` (and ``entropy [b, R]`` in nats, without gradient). Vocabulary logits are formed
+    only for the response positions, ``chunk_size`` positions at a time (0: all at once); under autograd each
+    chunk is checkpointed, so its logits are recomputed in the backward pass instead of kept.
+    """
+    backbone, lm_head = _lm_parts(policy)
+    hidden = backbone(**_inputs(query_responses, pad_token_id)).last_hidden_state[:, context_length - 1: -1]
+    response = query_responses[:, context_length:]
+    step = chunk_size if chunk_size and chunk_size > 0 else response.shape[1]
+    divisor = temperature + 1e-7
+
+    def chunk_logprobs(h, ids):
+        return pm.selective_log_softmax(lm_head(h) / divisor, ids)
+
+    logprobs, entropies = [], []
+    for start in range(0, response.shape[1], step):
+        h, ids = hidden[:, start:start + step], response[:, start:start + step]
+        if torch.is_grad_enabled() and h.requires_grad and step < response.shape[1]:
+            logprobs.append(torch.utils.checkpoint.checkpoint(chunk_logprobs, h, ids, use_reentrant=False))
+        else:
+            logprobs.append(chunk_logprobs(h, ids))
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(pm.entropy_from_logits(lm_head(h.detach()) / divisor))
+    out = torch.cat(logprobs, 1)
+    return (out, torch.cat(entropies, 1)) if with_entropy else out
+
+
+class PolicyAndValue(nn.Module):
+    """Policy and value model as one module, so that one ``accelerator.prepare`` (DDP, DeepSpeed, FSDP) covers both
+    and one forward pass (through the wrapper, as DDP needs) trains both."""
+
+    def __init__(self, policy, value_model):
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+
+    def forward(self, query_responses: torch.Tensor, context_length: int, pad_token_id: int, temperature: float,
+                chunk_size: int):
+        """``[b, T]`` ids -> ``(logprobs [b, R], entropy [b, R], values [b, R])``: policy log-probs of the response
+        tokens, their entropy (no gradient) and the value model's estimate at each response position's context."""
+        logprobs, entropy = response_logprobs(self.policy, query_responses, context_length, pad_token_id,
+                                              temperature, chunk_size, with_entropy=True)
+        values = token_scores(self.value_model, query_responses, pad_token_id)[:, context_length - 1: -1]
+        return logprobs, entropy, values
+
+
+@torch.no_grad()
+def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generation_config: GenerationConfig,
+                      batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one response per left-padded prompt, ``batch`` prompts per ``generate`` call.
+
+    ``queries [b, Q]`` -> ``(query_responses [b, Q + R], logprobs [b, R])``: prompt then response ids (right-padded
+    with ``pad_token_id`` where a call ended early), and each sampled token's log-prob under the sampling
+    distribution (the processed logits ``generate`` returns: ``logits / temperature``). Same rollout as TRL 1.12's
+    ``batch_generation``, without stacking the ``[b, R, vocab]`` logits.
+    """
+    context = queries.shape[1]
+    pieces, logps = [], []
+    for i in range(0, queries.shape[0], batch):
+        query = queries[i:i + batch]
+        mask = query != pad_token_id
+        out = policy.generate(input_ids=query.masked_fill(~mask, 0), attention_mask=mask,
+                              generation_config=generation_config, return_dict_in_generate=True, output_scores=True)
+        response = out.sequences[:, context:]
+        lp = torch.stack([pm.selective_log_softmax(s[:, None, :], response[:, t:t + 1])[:, 0]
+                          for t, s in enumerate(out.scores)], 1)
+        pieces.append(torch.cat((query, response), 1))
+        logps.append(lp)
+        del out
+    width = max(p.shape[1] for p in pieces)
+    query_responses = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad_token_id) for p in pieces])
+    logprobs = torch.cat([nn.functional.pad(p, (0, width - context - p.shape[1]), value=0.0) for p in logps])
+    return query_responses, logprobs
+
+
+def sampling_config(args: PPOConfig, eos_ids: list[int] | None, pad_token_id: int) -> GenerationConfig:
+    """Sampling from ``softmax(logits / temperature)`` alone (top-k / top-p off), ``response_length`` new tokens,
+    stopping at any of ``eos_ids`` (None: never)."""
+    return GenerationConfig(max_new_tokens=args.response_length, temperature=args.temperature + 1e-7, top_k=0,
+                            top_p=1.0, do_sample=True, eos_token_id=eos_ids, pad_token_id=pad_token_id)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability to 0 (log-probs must be a function of the weights alone)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0
+
+
+class PPOEngine(Trainer):
+    """PPO of a policy (plus value model) against a reward model and/or reward functions; see the module docstring.
+
+    Subclasses `transformers.Trainer` for its optimizer / scheduler construction, logging, callbacks and checkpoint
+    writing; ``Trainer.__init__`` is not run (it would wrap a single model), the attributes it sets are set here.
+
+    Args:
+        args: `PPOConfig`.
+        processing_class: the tokenizer (pad distinct from every EOS id).
+        model: the policy (a causal LM; a peft model for LoRA).
+        ref_model: the reference, or None with a peft policy (the adapter is disabled for reference log-probs).
+        reward_model: a sequence classifier, or None when ``reward_functions`` give all the reward.
+        value_model: a sequence classifier (or peft model on one).
+        train_dataset / eval_dataset: rows of ``input_ids`` (prompts); an optional ``row`` column indexes
+            ``reward_columns`` for reward functions.
+        eos_token_ids: ids that end a response (default: the tokenizer's EOS; None with ``stop_token`` unset).
+        reward_functions: a `rlhf_trl.rewards.RewardFunctions` (or None), called with decoded prompts and
+            completions; ``reward_columns(rows)`` gives its keyword columns for dataset row indices.
+
+    Raises:
+        ValueError: bad batch sizes or stop settings.
+    """
+
+    def __init__(self, args: PPOConfig, processing_class, model, ref_model, reward_model, train_dataset,
+                 value_model, data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None,
+                 eos_token_ids: list[int] | None = None, reward_functions=None, reward_columns=None):
+        from accelerate import Accelerator
+        from torch.utils.data import DataLoader
+        from transformers import DataCollatorWithPadding
+        from transformers.trainer_callback import (CallbackHandler, ExportableState, PrinterCallback)
+        from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
+        from transformers.integrations import get_reporting_integration_callbacks
+
+        if ref_model is not None and ref_model is model:
+            raise ValueError("the reference must be a copy of the policy (or None with a LoRA policy)")
+        if args.stop_token and args.stop_token_id is not None:
+            raise ValueError("set stop_token or stop_token_id, not both")
+        if args.stop_token not in (None, "eos"):
+            raise ValueError(f"stop_token must be 'eos' or unset, got {args.stop_token!r}")
+        if args.kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {args.kl_estimator!r}")
+        self.args = args
+        self.processing_class = processing_class
+        self.policy_model = model
+        if args.stop_token == "eos":
+            self.eos_token_ids = list(eos_token_ids or [processing_class.eos_token_id])
+        elif args.stop_token_id is not None:
+            self.eos_token_ids = [args.stop_token_id]
+        else:
+            self.eos_token_ids = None
+        model.generation_config.eos_token_id = self.eos_token_ids
+        self.is_peft_model = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+        if ref_model is None and not self.is_peft_model:
+            import copy
+
+            ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.ref_model = ref_model
+        self.reward_model = reward_model
+        self.value_model = value_model
+        self.reward_functions = reward_functions
+        self.reward_columns = reward_columns
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.train_dataset_len = len(train_dataset)
+        self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
+        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = None
+
+        # batch sizes (episodes)
+        if args.total_episodes is None:
+            args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
+        accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+        self.accelerator = accelerator
+        args.world_size = accelerator.num_processes
+        args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        args.micro_batch_size = args.per_device_train_batch_size * args.world_size
+        args.batch_size = args.local_batch_size * args.world_size
+        args.mini_batch_size = _exact_div(args.batch_size, args.num_mini_batches,
+                                          "batch_size (episodes per update) / num_mini_batches")
+        args.local_mini_batch_size = _exact_div(args.local_batch_size, args.num_mini_batches,
+                                                "per-process batch / num_mini_batches")
+        if args.whiten_rewards and args.local_mini_batch_size < 8:
+            raise ValueError(f"whiten_rewards needs >= 8 rollouts per process mini-batch, got "
+                             f"{args.local_mini_batch_size}")
+        args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+        self.local_seed = args.seed + accelerator.process_index * 100003
+        self.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
+
+        # models, optimizer
+        for m in (self.policy_model, self.ref_model, self.value_model, self.reward_model):
+            if m is not None:
+                disable_dropout(m)
+        self.model = PolicyAndValue(self.policy_model, self.value_model)
+        self.model.config = self.policy_model.config
+        self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
+
+        # Trainer machinery: callbacks, state
+        callbacks_all = DEFAULT_CALLBACKS + get_reporting_integration_callbacks(args.report_to) + list(callbacks or [])
+        self.callback_handler = CallbackHandler(callbacks_all, self.model, processing_class, self.optimizer,
+                                                self.lr_scheduler)
+        self.add_callback(PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK)
+        self.control = TrainerControl()
+        self.state = OnlineTrainerState(
+            is_local_process_zero=self.is_local_process_zero(), is_world_process_zero=self.is_world_process_zero(),
+            stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
+                                if isinstance(cb, ExportableState)],
+        )
+        self.current_flos = 0
+        self.hp_search_backend = None
+        self.is_deepspeed_enabled = getattr(accelerator.state, "deepspeed_plugin", None) is not None
+        self.is_fsdp_enabled = getattr(accelerator.state, "fsdp_plugin", None) is not None
+        self.is_distributed_loading_by_transformers = False
+        self.hub_model_id = None
+        if args.should_save:
+            os.makedirs(args.output_dir, exist_ok=True)
+
+        # data: the shuffle is drawn from `seed` on every process, then each process reseeds for its own sampling
+        self.dataloader = DataLoader(train_dataset, batch_size=args.local_batch_size, shuffle=True,
+                                     collate_fn=self.data_collator, drop_last=True)
+        torch.manual_seed(args.seed)
+        self.model, self.optimizer, self.dataloader = accelerator.prepare(self.model, self.optimizer, self.dataloader)
+        torch.manual_seed(self.local_seed)
+        self.eval_dataloader = None
+        if eval_dataset is not None:
+            self.eval_dataloader = accelerator.prepare(DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size,
+                                                                  collate_fn=self.data_collator, drop_last=True))
+        if self.is_deepspeed_enabled:
+            from trl.models.utils import prepare_deepspeed
+
+            for name in ("reward_model", "ref_model"):
+                if getattr(self, name) is not None:
+                    setattr(self, name, prepare_deepspeed(getattr(self, name), accelerator))
+        else:
+            for name in ("reward_model", "ref_model"):
+                if getattr(self, name) is not None:
+                    setattr(self, name, getattr(self, name).to(accelerator.device))
+
+    # -- pieces of one update -----------------------------------------------------------------------------------
+    @property
+    def unwrapped(self) -> PolicyAndValue:
+        return self.accelerator.unwrap_model(self.model)
+
+    @contextmanager
+    def reference(self):
+        """The reference policy: a frozen copy, or the policy with its adapter disabled (or set to
+        ``ref_adapter_name``)."""
+        if self.ref_model is not None:
+            yield self.ref_model
+            return
+        policy = self.unwrapped.policy
+        if self.args.ref_adapter_name:
+            policy.set_adapter(self.args.ref_adapter_name)
+            try:
+                yield policy
+            finally:
+                policy.set_adapter(self.args.model_adapter_name or "default")
+        else:
+            with policy.disable_adapter():
+                yield policy
+
+    @contextmanager
+    def generation_policy(self):
+        """The policy for ``generate``: unwrapped, with ZeRO-3 parameters gathered when configured."""
+        if self.is_deepspeed_enabled and self.args.ds3_gather_for_generation:
+            import deepspeed
+
+            stage = self.accelerator.state.deepspeed_plugin.zero_stage
+            ctx = deepspeed.zero.GatheredParameters(self.model.parameters()) if stage == 3 else nullcontext()
+            with ctx:
+                yield self.unwrapped.policy
+        else:
+            yield self.unwrapped.policy
+
+    @torch.no_grad()
+    def rollout(self, queries: torch.Tensor, rows: torch.Tensor | None, update: int) -> dict:
+        """Steps 1-2 of an update for left-padded prompts ``queries [b, Q]``.
+
+        Returns a dict of tensors: ``query_responses [b, T]``, ``responses [b, R]`` (as sampled),
+        ``logprobs / ref_logprobs / values [b, R]`` (unmasked), ``sequence_lengths [b]`` (index of the last real
+        response token), ``scores [b]`` (reward units: RM score - baseline + reward functions - EOS penalty),
+        ``ended [b]`` (bool: the response holds an EOS id), and ``fn_values`` (per reward function, ``[b]``).
+        """
+        args, tok = self.args, self.processing_class
+        pad = tok.pad_token_id
+        context = queries.shape[1]
+        step = args.local_rollout_forward_batch_size
+        with self.generation_policy() as policy:
+            query_responses, logprobs = generate_rollouts(
+                policy, queries, pad, sampling_config(args, self.eos_token_ids, pad), step)
+        out = {k: [] for k in ("ref_logprobs", "values", "scores", "postprocessed")}
+        for i in range(0, queries.shape[0], step):
+            qr = query_responses[i:i + step]
+            response = qr[:, context:]
+            with self.reference() as ref:
+                out["ref_logprobs"].append(response_logprobs(ref, qr, context, pad, args.temperature,
+                                                             args.logits_chunk_size))
+            post = response if self.eos_token_ids is None else truncate_at_eos(response, self.eos_token_ids, pad)
+            out["postprocessed"].append(post)
+            out["values"].append(token_scores(self.unwrapped.value_model, qr, pad)[:, context - 1: -1])
+            if self.reward_model is not None:
+                out["scores"].append(sequence_scores(self.reward_model, torch.cat((qr[:, :context], post), 1), pad,
+                                                     context))
+        responses = query_responses[:, context:]
+        post = torch.cat(out["postprocessed"])
+        sequence_lengths = pm.first_true_indices(post == pad) - 1
+        scores = torch.cat(out["scores"]) if out["scores"] else torch.zeros(len(post), device=post.device)
+        fn_values = {}
+        if self.reward_functions is not None:
+            prompts = tok.batch_decode(queries, skip_special_tokens=True)
+            completions = tok.batch_decode(post, skip_special_tokens=True)
+            columns = self.reward_columns(rows.tolist()) if (self.reward_columns and rows is not None) else {}
+            total, fn_values = self.reward_functions(prompts, completions, update=update, **columns)
+            scores = scores + total.to(scores.device, scores.dtype)
+        ended = (eos_mask(post, self.eos_token_ids).any(1) if self.eos_token_ids is not None
+                 else torch.zeros(len(post), dtype=torch.bool, device=post.device))
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * (~ended).to(scores.dtype)
+        return {"query_responses": query_responses, "responses": responses, "logprobs": logprobs,
+                "ref_logprobs": torch.cat(out["ref_logprobs"]), "values": torch.cat(out["values"]),
+                "sequence_lengths": sequence_lengths, "scores": scores, "ended": ended, "fn_values": fn_values}
+
+    def advantages(self, ro: dict) -> dict:
+        """Step 3: masks, KL, shaped rewards, GAE advantages (whitened) and returns, all ``[b, R]``."""
+        args = self.args
+        width = ro["responses"].shape[1]
+        padding_mask = pm.response_padding_mask(ro["sequence_lengths"], width)
+        padding_mask_p1 = pm.value_padding_mask(ro["sequence_lengths"], width)
+        logprobs = ro["logprobs"].masked_fill(padding_mask, pm.INVALID_LOGPROB)
+        ref_logprobs = ro["ref_logprobs"].masked_fill(padding_mask, pm.INVALID_LOGPROB)
+        values = ro["values"].masked_fill(padding_mask_p1, 0)
+        kl = pm.kl_estimate(logprobs, ref_logprobs, args.kl_estimator)
+        rewards, non_score_reward = pm.shape_rewards(kl, ro["scores"], args.kl_coef, ro["sequence_lengths"])
+        if args.whiten_rewards:
+            rewards = pm.masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
+        advantages, returns = pm.gae(rewards, values, args.gamma, args.lam)
+        advantages = pm.masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+        return {"padding_mask": padding_mask, "padding_mask_p1": padding_mask_p1, "logprobs": logprobs,
+                "values": values, "kl": kl, "non_score_reward": non_score_reward, "advantages": advantages,
+                "returns": returns}
+
+    def optimise(self, ro: dict, adv: dict) -> dict:
+        """Step 4: ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps; returns the per-micro-batch statistics
+        ``[epochs, mini-batches, micro-batches]`` of approxkl, clipfrac, losses, entropy and ratio."""
+        args, acc = self.args, self.accelerator
+        context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
+        shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
+        stats = {k: torch.zeros(shape, device=acc.device) for k in
+                 ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        self.model.train()
+        for epoch in range(args.num_ppo_epochs):
+            order = np.random.permutation(args.local_batch_size)
+            for mb, start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
+                mini = order[start:start + args.local_mini_batch_size]
+                for k, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
+                    idx = mini[micro_start:micro_start + args.per_device_train_batch_size]
+                    with acc.accumulate(self.model):
+                        new_logprobs, entropy, vpred = self.model(ro["query_responses"][idx], context,
+                                                                  self.processing_class.pad_token_id,
+                                                                  args.temperature, args.logits_chunk_size)
+                        new_logprobs = new_logprobs.masked_fill(adv["padding_mask"][idx], pm.INVALID_LOGPROB)
+                        vpred = vpred.masked_fill(adv["padding_mask_p1"][idx], 0)
+                        vf = pm.value_loss(vpred, adv["values"][idx], adv["returns"][idx],
+                                           ~adv["padding_mask_p1"][idx], args.cliprange_value)
+                        pg = pm.policy_loss(new_logprobs, adv["logprobs"][idx], adv["advantages"][idx],
+                                            ~adv["padding_mask"][idx], args.cliprange)
+                        acc.backward(pg["loss"] + args.vf_coef * vf["loss"])
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+                    at = (epoch, mb, k)
+                    stats["approxkl"][at], stats["pg_clipfrac"][at] = pg["approxkl"], pg["clipfrac"]
+                    stats["pg_loss"][at], stats["vf_loss"][at] = pg["loss"].detach(), vf["loss"].detach()
+                    stats["vf_clipfrac"][at], stats["ratio"][at] = vf["clipfrac"], pg["ratio"]
+                    stats["entropy"][at] = entropy.mean()
+                    del new_logprobs, entropy, vpred, vf, pg
+        return stats
+
+    def update_metrics(self, ro: dict, adv: dict, stats: dict, start_time: float) -> dict:
+        """The logged statistics of one update (TRL 1.12's names), averaged over processes."""
+        g = self.accelerator.gather_for_metrics
+        kl_sum = adv["kl"].sum(1).mean()
+        entropy = ((-adv["logprobs"]) * (~adv["padding_mask"]).float()).sum(1).mean()
+        non_score = adv["non_score_reward"].sum(1).mean()
+        metrics = {
+            "eps": int(self.state.episode / max(time.time() - start_time, 1e-9)),
+            "objective/kl": g(kl_sum).mean().item(),
+            "objective/entropy": g(entropy).mean().item(),
+            "objective/non_score_reward": g(non_score).mean().item(),
+            "objective/rlhf_reward": g(non_score + ro["scores"].mean()).mean().item(),
+            "objective/scores": g(ro["scores"].mean()).mean().item(),
+            "policy/approxkl_avg": g(stats["approxkl"]).mean().item(),
+            "policy/clipfrac_avg": g(stats["pg_clipfrac"]).mean().item(),
+            "loss/policy_avg": g(stats["pg_loss"]).mean().item(),
+            "loss/value_avg": g(stats["vf_loss"]).mean().item(),
+            "val/clipfrac_avg": g(stats["vf_clipfrac"]).mean().item(),
+            "policy/entropy_avg": g(stats["entropy"]).mean().item(),
+            "val/ratio": g(stats["ratio"]).mean().item(),
+            "val/ratio_var": g(stats["ratio"]).var().item(),
+            "val/num_eos_tokens": int(g(eos_mask(ro["responses"], self.eos_token_ids).sum()).sum().item())
+            if self.eos_token_ids is not None else 0,
+            "val/eos_rate": g(ro["ended"].float().mean()).mean().item(),
+        }
+        for name, values in ro["fn_values"].items():
+            metrics[f"objective/reward_fn/{name}"] = g(values.to(self.accelerator.device).float().mean()).mean().item()
+        metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
+        metrics["episode"] = self.state.episode
+        return metrics
+
+    # -- the loop ---------------------------------------------------------------------------------------------------
+    def begin_state(self, done: int = 0) -> None:
+        """Counters and logging / saving intervals for a run of ``num_total_batches`` updates, ``done`` of them done."""
+        args = self.args
+        self.state.max_steps = args.num_total_batches
+        self.state.num_train_epochs = args.total_episodes / self.train_dataset_len
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(args, name)
+            if value is not None:
+                setattr(self.state, name, math.ceil(self.state.max_steps * value) if value < 1 else value)
+
+    def train(self, resume_from_checkpoint: str | None = None):
+        """Run the remaining updates (all of them, or those after ``resume_from_checkpoint``)."""
+        args = self.args
+        done = self.restore(resume_from_checkpoint) if resume_from_checkpoint else 0
+        if not done:
+            self.state.global_step, self.state.episode = 0, 0
+        self.begin_state(done)
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if self.is_deepspeed_enabled:
+            self.deepspeed = self.model_wrapped = self.model
+        batches = self.batches()
+        start_time = time.time()
+        for update in range(done + 1, args.num_total_batches + 1):
+            self.state.episode += args.batch_size
+            data = next(batches)
+            ro = self.rollout(data["input_ids"].to(self.accelerator.device), data.get("row"), update)
+            gc.collect()
+            with torch.no_grad():
+                adv = self.advantages(ro)
+            stats = self.optimise(ro, adv)
+            with torch.no_grad():
+                metrics = self.update_metrics(ro, adv, stats, start_time)
+            self.state.epoch = self.state.episode / self.train_dataset_len
+            self.state.global_step += 1
+            self.log(metrics)
+            self.lr_scheduler.step()
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if self.control.should_save:
+                self._save_checkpoint(self.model, trial=None)
+                self.control = self.callback_handler.on_save(args, self.state, self.control)
+            del ro, adv, stats
+            gc.collect()
+            if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+                self.generate_completions(sampling=True)
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(args, self.state, self.control)
+
+    def batches(self):
+        """Prompt batches without end: passes over the (shuffled) data loader one after another."""
+        while True:
+            yield from self.dataloader
+
+    def restore(self, checkpoint: str) -> int:
+        """Load a checkpoint's state; returns the number of updates it had done (hook for subclasses)."""
+        raise NotImplementedError("resume is provided by rlhf_trl.ppo.RLHFPPOTrainer")
+
+    def generate_completions(self, sampling: bool = False) -> None:
+        """Sample tables (hook for subclasses; the engine writes none)."""
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Save the policy only (adapter or full weights), as the Trainer's checkpoint model files."""
+        wrapper = self.model
+        self.model = self.unwrapped.policy
+        if self.is_deepspeed_enabled:
+            backup, self.deepspeed = self.deepspeed, self.model
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self.model = wrapper
+            if self.is_deepspeed_enabled:
+                self.deepspeed = backup

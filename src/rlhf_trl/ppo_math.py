@@ -1,0 +1,182 @@
+"""The arithmetic of PPO for language models, as small pure functions on tensors.
+
+Shapes: ``batch`` rollouts, ``R`` response positions (tokens), ``V`` vocabulary entries. Every function is
+deterministic and holds no state; `rlhf_trl.ppo_engine` strings them together. The formulas are those of
+Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences"), Schulman et al. 2016 (GAE), Schulman
+et al. 2017 (PPO's clipped objectives) and Huang et al. 2024 ("The N+ Implementation Details of RLHF with PPO"),
+in the form TRL 1.12's ``trl/experimental/ppo/ppo_trainer.py`` computes them; the oracle test
+(tests/test_ppo_oracle.py) holds the engine to that trainer's numbers.
+
+Position convention (TRL 1.12's): ``sequence_lengths[i]`` is the index of the last real token of response ``i``
+(its EOS when it has one). Log-probs are real through that index (``response_padding_mask``); values are kept one
+position further (``value_padding_mask``), and the reward model's score is added at that extra position
+(``score_positions``): the value model's estimate there is the score's own prediction, so the score reaches the
+EOS token's advantage through one GAE step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INVALID_LOGPROB = 1.0  # written into padded log-prob positions (as TRL); both policy and reference get it: KL 0
+
+
+def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
+    """Index of the first ``True`` of each row, or the row length if there is none: ``[batch, R] -> [batch]``."""
+    width = bools.shape[-1]
+    positions = torch.arange(width, device=bools.device).expand_as(bools)
+    return torch.where(bools, positions, width).min(-1).values
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[..., index]`` without a second ``[..., V]`` tensor: ``[b, R, V], [b, R] -> [b, R]``.
+
+    fp32 / fp64: gathered logit minus a per-row logsumexp; lower precisions: a per-row log_softmax (logsumexp in
+    bf16 loses too much). Same computation as TRL's ``trl.trainer.utils.selective_log_softmax``.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        selected = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
+        lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+        return selected - lse
+    return torch.stack([torch.log_softmax(row, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+                        for row, ids in zip(logits, index)])
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` per position, in nats: ``[b, R, V] -> [b, R]``."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is true (same shapes); over ``axis`` or everything."""
+    if axis is not None:
+        return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
+    return (values * mask).sum() / mask.sum()
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` where ``mask`` is true, Bessel-corrected by default.
+
+    Raises:
+        ValueError: the mask selects nothing (a mini-batch of one empty response).
+    """
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count == 0:
+            raise ValueError("whitening over an empty mask: raise the mini-batch size")
+        variance = variance * count / (count - 1)
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` over the masked entries (``shift_mean=False`` adds the mean back)."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def response_padding_mask(sequence_lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``True`` after each response's last real token: ``[batch] -> [batch, width]`` (log-probs are masked there)."""
+    positions = torch.arange(width, device=sequence_lengths.device)[None, :]
+    return positions > sequence_lengths[:, None]
+
+
+def value_padding_mask(sequence_lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``True`` two or more positions after the last real token: ``[batch] -> [batch, width]`` (values, rewards)."""
+    return response_padding_mask(sequence_lengths + 1, width)
+
+
+def score_positions(sequence_lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Where each score is added: one past the last real token, or the last token if that is the final position.
+
+    ``[batch] -> [batch]`` (long).
+    """
+    after = sequence_lengths + 1
+    return torch.where(after < width, after, sequence_lengths)
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs, nats: ``[b, R] x 2 -> [b, R]``.
+
+    ``k1``: ``logp - logp_ref`` (unbiased, can be negative per token); ``k3``: ``(r - 1) - log r`` with
+    ``r = p_ref / p`` (unbiased, never negative, lower variance). J. Schulman, "Approximating KL Divergence" (2020).
+
+    Raises:
+        ValueError: an unknown estimator.
+    """
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k3":
+        return log_ratio.exp() - 1 - log_ratio
+    raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+def shape_rewards(kl: torch.Tensor, scores: torch.Tensor, kl_coef: float,
+                  sequence_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards: ``-kl_coef * kl`` everywhere plus each sequence's score at `score_positions`.
+
+    ``kl [b, R]`` (nats), ``scores [b]`` (reward units, baseline and penalties already applied),
+    ``sequence_lengths [b]`` -> ``(rewards [b, R], non_score_reward [b, R])``. Ziegler et al. 2019, eq. 2.
+    """
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward.clone()
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    rewards[rows, score_positions(sequence_lengths, rewards.shape[1])] += scores
+    return rewards, non_score_reward
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation, from the last position backwards (Schulman et al. 2016, eq. 16).
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` (``V_R = 0``), ``A_t = delta_t + gamma * lam * A_{t+1}``;
+    ``returns = advantages + values``. ``rewards, values [b, R] -> (advantages [b, R], returns [b, R])``; padded
+    positions must hold zero values and rewards.
+    """
+    width = rewards.shape[1]
+    last = torch.zeros_like(rewards[:, 0])
+    reversed_advantages = []
+    for t in reversed(range(width)):
+        next_value = values[:, t + 1] if t < width - 1 else 0.0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = delta + gamma * lam * last
+        reversed_advantages.append(last)
+    advantages = torch.stack(reversed_advantages[::-1], dim=1)
+    return advantages, advantages + values
+
+
+def policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, cliprange: float) -> dict[str, torch.Tensor]:
+    """PPO's clipped surrogate loss (Schulman et al. 2017, eq. 7), averaged over real tokens.
+
+    ``new_logprobs, old_logprobs, advantages [b, R]``, ``mask [b, R]`` (true on real tokens) -> dict of scalars:
+    ``loss`` (to minimise), ``clipfrac`` (share of tokens where the clipped term is active), ``ratio`` (mean
+    probability ratio over all positions), ``approxkl`` (``0.5 * mean(log_ratio^2)``).
+    """
+    log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).float(), mask)
+        approxkl = 0.5 * (log_ratio ** 2).mean()
+    return {"loss": loss, "clipfrac": clipfrac, "ratio": ratio.mean().detach(), "approxkl": approxkl}
+
+
+def value_loss(new_values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cliprange_value: float) -> dict[str, torch.Tensor]:
+    """Clipped value loss ``0.5 * mean(max((V - G)^2, (clip(V, V_old +- c) - G)^2))`` over real positions.
+
+    ``new_values, old_values, returns, mask [b, R]`` -> ``{"loss", "clipfrac"}`` (scalars).
+    """
+    clipped_values = torch.clamp(new_values, old_values - cliprange_value, old_values + cliprange_value)
+    unclipped = (new_values - returns) ** 2
+    clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(unclipped, clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).float(), mask)
+    return {"loss": loss, "clipfrac": clipfrac}
