@@ -101,7 +101,8 @@ def test_trl_preference_and_prompt_completion_shapes(tmp_path):
         args = DataArguments(dataset_name=path)
         assert read_records(args, "pairs") == [want], name
         assert read_records(args, "sft") == [{"question": "Sky colour?", "history": [], "answer": "Blue."}], name
-        assert read_records(args, "prompts") == [{"question": "Sky colour?", "history": []}], name
+        extra = {"columns": {"chosen": "Blue.", "rejected": "Green."}} if name == "text" else {}  # scalar answers
+        assert read_records(args, "prompts") == [{"question": "Sky colour?", "history": [], **extra}], name
     completion_rows = [{"prompt": user, "completion": [{"role": "assistant", "content": "Blue."}]},
                        {"prompt": "The sky is", "completion": " blue."}]
     assert sft_records(completion_rows[:1], DataArguments(), "f") == [
@@ -352,7 +353,7 @@ def test_list_of_turns_prompts(tmp_path):
 def test_question_column_called_input_is_read_once(tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"input": "What is 2+2?", "answer": "4"}])
     args = DataArguments(dataset_name=path, question_key="input", dataset_format="prompt")
-    assert read_records(args, "prompts") == [{"question": "What is 2+2?", "history": []}]
+    assert read_records(args, "prompts") == [{"question": "What is 2+2?", "history": [], "columns": {"answer": "4"}}]
     args = DataArguments(dataset_name=path, question_key="input")
     assert read_records(args, "sft") == [{"question": "What is 2+2?", "history": [], "answer": "4"}]
 

@@ -8,7 +8,7 @@ Every stage goes through the same three steps:
 2. **normalise** each row into plain records, whatever the source format:
    - SFT: ``{"question", "history", "answer"}``
    - pairs: ``{"question", "history", "chosen", "rejected"}``
-   - prompts: ``{"question", "history"}``
+   - prompts: ``{"question", "history"}`` (+ ``"columns"``: the row's extra scalar columns, `prompt_columns`)
    plus ``"system"`` (a system turn of the row) and ``"text"`` (a prompt that already carries its own turns, e.g.
    ``"\n\nHuman: ...\n\nAssistant:"``; rendered verbatim, never wrapped in a template) where the row has them.
    ``history`` is a list of earlier ``(question, answer)`` turns. Supported sources (`FORMATS`, auto-detected from
@@ -865,7 +865,47 @@ def _pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, co
     return out
 
 
+_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
+
+
+def prompt_columns(row: dict, fmt: str, args: DataArguments) -> dict:
+    """The extra columns of a prompt row: every column whose value is a scalar (str / int / float / bool / None) and
+    that is not read as the prompt (``fmt`` sharegpt: the conversations column; messages: the messages column;
+    implicit: chosen / rejected; else the question, ``input`` and ``history`` columns). Answer columns of SFT / pair
+    rows count as extras (e.g. gsm8k's ``answer``: a reward function's reference); list / dict columns do not.
+
+    PPO passes them to reward functions (`rlhf_trl.rewards.reward_columns`). Row order of the keys is kept.
+    """
+    if fmt == "sharegpt":
+        used = (args.conversations_key or "conversations",)
+    elif fmt == "messages":
+        used = (args.messages_key or "messages",)
+    elif fmt == "implicit":
+        used = (args.good_key or "chosen", args.bad_key or "rejected")
+    else:
+        qkey = args.question_key
+        if qkey is None:  # as `_prompt` picks it (the row has one: `_prompt_fields` read it)
+            for qkey in QUESTION_KEYS:
+                if qkey in row:
+                    break
+        used = (qkey, args.input_key or "input", args.history_key or "history")
+    out = {}
+    for k, v in row.items():  # a plain loop: faster than a comprehension here
+        if k not in used and v.__class__ in _SCALAR_TYPES:
+            out[k] = v
+    return out
+
+
 def _prompt_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:
+    rec = _prompt_fields(row, fmt, args, source, i)
+    if len(row) > 1:  # a one-column row is its prompt (the common prompt file): no extras to look for
+        columns = prompt_columns(row, fmt, args)
+        if columns:  # rows without extra columns keep their plain records
+            rec["columns"] = columns
+    return rec
+
+
+def _prompt_fields(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:
     if fmt == "sharegpt":
         key = args.conversations_key or "conversations"
         turns = _sharegpt_turns(row, args, source, i)
@@ -979,9 +1019,11 @@ def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dic
 
 
 def prompt_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """Normalise rows of any supported format into prompts ``{"question", "history"}`` (answers are ignored).
+    """Normalise rows of any supported format into prompts ``{"question", "history"}`` (+ ``"system"`` / ``"text"``).
 
-    A list of user turns gives turn ``prompt_turn``; a message list gives everything up to its last user turn.
+    A list of user turns gives turn ``prompt_turn``; a message list gives everything up to its last user turn. A row
+    with extra scalar columns (`prompt_columns`: e.g. ``topic``, or an answer column) also gets ``"columns"``, a dict
+    of them, for PPO's reward functions; a row without any gets no ``"columns"`` key.
 
     Raises:
         DataError: the question field is missing, null, empty or mistyped.

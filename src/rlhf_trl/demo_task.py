@@ -82,6 +82,43 @@ def score_response(question: str, response: str) -> float:
     return sentiment(response) if on_topic(question, response) else OFF_TOPIC_SCORE
 
 
+def question_of_prompt(prompt: str) -> str:
+    """The last question of a prompt rendered with the default text template ``问：{question}\n\n答：`` (earlier
+    turns, if any, are dropped). A prompt in another shape (e.g. a chat template's rendering) is returned whole:
+    `topic_of` finds the topic in any text naming exactly one."""
+    from .data import DEFAULT_PROMPT_TEMPLATE
+
+    head, tail = DEFAULT_PROMPT_TEMPLATE.split("{question}")
+    text = prompt[: -len(tail)] if prompt.endswith(tail) else prompt
+    k = text.rfind(head)
+    return text[k + len(head):] if k >= 0 else prompt
+
+
+def ground_truth_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """The demo's ground truth as a PPO reward function (``reward_funcs: ["rlhf_trl.demo_task:ground_truth_reward"]``).
+
+    Args:
+        prompts: ``[batch]`` prompt texts.
+        completions: ``[batch]`` decoded responses (no EOS).
+        columns: extra per-row columns, each a list of length ``batch``; ``question`` (the normalised question,
+            given by `rlhf_trl.rewards.reward_columns`) is used when present, else the question is recovered from
+            the prompt text (`question_of_prompt`). Other columns are ignored.
+
+    Returns:
+        ``[batch]`` floats in ``[-1, 1]`` (the units of `score_response`): ``score_response(question, completion)``.
+
+    Raises:
+        ValueError: a question that names no topic or several (`topic_of`); lengths that differ.
+    """
+    questions = columns.get("question")
+    if questions is None:
+        questions = [None] * len(prompts)
+    if not len(prompts) == len(completions) == len(questions):
+        raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(questions)} questions")
+    return [score_response(q if q is not None else question_of_prompt(p), c)
+            for p, c, q in zip(prompts, completions, questions)]
+
+
 def answer(topic: str, sentiment: int, rng: random.Random) -> str:
     """An answer about ``topic`` with sentiment +1, -1 or 0."""
     if sentiment > 0:

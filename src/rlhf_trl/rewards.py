@@ -1,0 +1,368 @@
+"""Reward functions for PPO: plain Python scorers of decoded completions, named in the recipe.
+
+Recipe keys::
+
+    reward_funcs: ["rlhf_trl.demo_task:ground_truth_reward", "my_rewards.py:length_penalty"]
+    reward_weights: [1.0, 0.1]      # optional; default 1.0 each
+
+Each entry is ``"package.module:function"`` (imported), or ``"path/to/file.py:function"`` (a local file, relative to
+the current directory, imported on its own: its directory is not put on ``sys.path``). ``function`` may be a dotted
+attribute path (``module:Class.method``).
+
+Calling convention (TRL GRPO's): ``f(prompts=..., completions=..., **columns) -> list[float]``, all by keyword:
+
+- ``prompts``: ``[batch]`` prompt texts; ``completions``: ``[batch]`` decoded responses (no EOS);
+- ``columns``: one list of length ``batch`` per column (`reward_columns`): ``question`` (the normalised question,
+  always), ``system`` (the row's system turn or None, always) and the source rows' extra scalar columns
+  (`rlhf_trl.data.prompt_columns`, e.g. ``topic`` or gsm8k's reference ``answer``). A function that takes
+  ``**kwargs`` gets every column; one without gets only the columns it names;
+- returns ``[batch]`` finite numbers (a list, tuple, 1-D array or 1-D tensor; bools count as 0 / 1).
+
+A tiny example (in ``my_rewards.py``, used as ``reward_funcs: ["my_rewards.py:mentions_topic"]``)::
+
+    def mentions_topic(prompts, completions, topic, **kwargs):
+        return [1.0 if t in c else 0.0 for c, t in zip(completions, topic)]
+
+Units: rewards are in reward units. The weighted sum ``sum_i reward_weights[i] * f_i`` is the score of a
+completion when no reward model is given; with a reward model it is added to the reward model's score minus its
+baseline (``reward_baseline``), i.e. ``score = (rm_score - baseline) + sum_i w_i * f_i``, so weights set how many
+reward-model units one unit of each function is worth. PPO's reward shaping (missing-EOS penalty, KL penalty) then
+applies to that score.
+
+Errors: `load_reward_functions` raises a one-line `ValueError` naming the recipe key and the entry; a function that
+raises, returns something that is not ``[batch]`` numbers, or a non-finite value (NaN, inf, None) stops the run with
+a one-line `RewardFunctionError` naming the function's entry and the PPO update.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import numbers
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FORMS = "'package.module:function' or 'path/to/file.py:function'"
+RESERVED = ("prompts", "completions")  # keyword arguments of the call: never passed as columns
+_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_warned: set[str] = set()
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function failed during PPO: it raised, returned something that is not ``[batch]`` numbers, or a
+    non-finite value. The one-line message names the function's entry and the update, e.g. ``reward function
+    rlhf_trl.demo_task:ground_truth_reward at update 3: returned 3 values for 4 completions``."""
+
+
+class RewardFunctions:
+    """Reward functions with weights; calling it scores a batch of completions.
+
+    Args:
+        functions: the callables, ``f(prompts=..., completions=..., **columns) -> list[float]``.
+        weights: one finite weight per function (None: 1.0 each).
+        specs: the recipe entries the functions were loaded from (for messages; default ``module:qualname``).
+
+    Attributes:
+        specs: ``list[str]``, the entries; names: ``list[str]``, unique short names (the function names, ``_2``,
+            ``_3`` ... appended to repeats) for logging as ``objective/reward_fn/<name>``; weights: ``list[float]``;
+        last_values: ``dict[str, torch.Tensor]``, each function's unweighted ``[batch]`` float32 values of the last
+            call, by name (empty before the first call).
+
+    Raises:
+        ValueError: no function, a weight count that differs from the function count, a weight that is not a finite
+            number, or a function whose signature takes no ``prompts`` / ``completions`` (one line, naming
+            ``reward_funcs`` / ``reward_weights`` and the entry).
+    """
+
+    def __init__(self, functions: Sequence[Callable], weights: Sequence[float] | None = None,
+                 specs: Sequence[str] | None = None):
+        if not functions:
+            raise ValueError("reward_funcs: no reward function given")
+        self.functions = list(functions)
+        if specs is not None and len(specs) != len(self.functions):
+            raise ValueError(f"reward_funcs: {len(specs)} entries for {len(self.functions)} functions")
+        self.specs = list(specs) if specs is not None else [
+            f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', type(f).__name__)}" for f in functions]
+        self.weights = _check_weights(weights, self.specs)
+        self._keywords = []
+        for i, (spec, fn) in enumerate(zip(self.specs, self.functions)):
+            keywords = _keywords(fn)
+            missing = [k for k in RESERVED if keywords is not None and k not in keywords]
+            if missing:
+                raise ValueError(f"reward_funcs[{i}] {spec!r}: takes no {' / '.join(map(repr, missing))} argument; a "
+                                 "reward function is f(prompts, completions, **columns) -> list[float]")
+            self._keywords.append(keywords)
+        self.names = _unique_names(self.specs)
+        self.last_values: dict[str, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.functions)
+
+    def __repr__(self) -> str:
+        return "RewardFunctions(" + ", ".join(f"{s} x {w:g}" for s, w in zip(self.specs, self.weights)) + ")"
+
+    def __call__(self, prompts: list[str], completions: list[str], update: int, **columns) -> torch.Tensor:
+        """The weighted sum of the functions' rewards, ``[batch]`` float32 (CPU), in reward units; also stores each
+        function's values in `last_values`. See `compute`."""
+        total, self.last_values = self.compute(prompts, completions, update, **columns)
+        return total
+
+    def compute(self, prompts: list[str], completions: list[str], update: int,
+                **columns) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Score a batch.
+
+        Args:
+            prompts: ``[batch]`` prompt texts.
+            completions: ``[batch]`` decoded responses.
+            update: the PPO update number (for messages only).
+            columns: one list of length ``batch`` per column (`reward_columns`); each function gets them all if it
+                takes ``**kwargs``, else those it names.
+
+        Returns:
+            ``(total, values)``: ``total`` ``[batch]`` float32, ``sum_i weights[i] * f_i`` (summed in float64);
+            ``values`` name -> ``[batch]`` float32, each function's unweighted rewards. Both on CPU.
+
+        Raises:
+            RewardFunctionError: a function raised, or returned something that is not ``batch`` finite numbers (one
+                line naming the entry and ``update``; the function's own exception is chained).
+            ValueError: ``prompts``, ``completions`` and the columns differ in length (a caller's bug).
+        """
+        n = len(completions)
+        if len(prompts) != n:
+            raise ValueError(f"{len(prompts)} prompts for {n} completions")
+        for key, column in columns.items():
+            if len(column) != n:
+                raise ValueError(f"column {key!r} holds {len(column)} values for {n} completions")
+        rows = []
+        for spec, fn, keywords in zip(self.specs, self.functions, self._keywords):
+            kwargs = {k: list(v) for k, v in columns.items() if keywords is None or k in keywords}
+            try:  # copies: a function that edits its arguments in place cannot change what the next one sees
+                out = fn(prompts=list(prompts), completions=list(completions), **kwargs)
+            except Exception as exc:
+                raise RewardFunctionError(f"reward function {spec} at update {update}: raised {_one_line(exc)}"
+                                          ) from exc
+            rows.append(_check_output(out, n, spec, update))
+        values = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), n)  # [n_functions, batch]
+        total = (torch.tensor(self.weights, dtype=torch.float64)[:, None] * values).sum(0)
+        return total.float(), {name: values[k].float() for k, name in enumerate(self.names)}
+
+
+def load_reward_functions(specs: list[str] | None, weights: list[float] | None = None) -> RewardFunctions | None:
+    """Load the recipe's ``reward_funcs`` with their ``reward_weights``.
+
+    Args:
+        specs: entries ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to the current
+            directory); None or ``[]``: no reward function. A single string counts as a list of one.
+        weights: one finite number per entry (negative ones penalise); None or ``[]``: 1.0 each.
+
+    Returns:
+        `RewardFunctions`, or None when ``specs`` is None / empty (and no weights are given).
+
+    Raises:
+        ValueError (one line, naming ``reward_funcs[i]`` / ``reward_weights`` and the entry): an entry in neither
+            form; weights without functions, or a count that differs from the number of functions; a weight that is
+            not a finite number; a module that cannot be imported (the module and the root cause: e.g.
+            ``ModuleNotFoundError: No module named 'x'``); a file that does not exist or fails to import; no such
+            attribute; an attribute that is not callable; a function that takes no ``prompts`` / ``completions``.
+    """
+    specs = [specs] if isinstance(specs, str) else list(specs or [])
+    weights = [weights] if isinstance(weights, numbers.Real) else (list(weights) if weights else None)
+    if not specs:
+        if weights:
+            raise ValueError(f"reward_weights: {len(weights)} weight(s) but no reward_funcs")
+        return None
+    parsed = [_parse(i, spec) for i, spec in enumerate(specs)]  # cheap checks first: nothing is imported yet
+    _check_weights(weights, specs)
+    functions = [_resolve(i, spec, module, attr) for i, (spec, (module, attr)) in enumerate(zip(specs, parsed))]
+    rf = RewardFunctions(functions, weights, specs)
+    logger.info("reward functions: %s", rf)
+    return rf
+
+
+def reward_columns(records: list[dict]) -> dict[str, list]:
+    """The keyword columns of reward functions for a batch of prompt records (`rlhf_trl.data.read_records(args,
+    "prompts")`, one record per completion, in order).
+
+    Returns:
+        name -> ``[batch]`` list: ``question`` (the record's normalised question: the last user turn; for a
+        transcript prompt, the transcript), ``system`` (the record's system turn, else the row's own ``system``
+        column, else None), then every extra column of the records (``record["columns"]``, names in order of first
+        appearance; None where a record lacks one, e.g. rows of another source). An extra column named
+        ``question`` is shadowed by the normalised one, and columns named ``prompts`` / ``completions`` (the call's
+        own arguments) are not passed; each is logged once as a warning.
+    """
+    extras = [r.get("columns") or {} for r in records]
+    out: dict[str, list] = {
+        "question": [r["question"] for r in records],
+        "system": [r["system"] if r.get("system") is not None else e.get("system") for r, e in zip(records, extras)],
+    }
+    names = dict.fromkeys(k for e in extras for k in e)
+    for name in names:
+        if name == "system":
+            continue
+        if name == "question" or name in RESERVED:
+            if name not in _warned:
+                _warned.add(name)
+                logger.warning("the data column %r is not passed to reward functions: %s", name,
+                               "'question' is the normalised question" if name == "question"
+                               else "it is an argument of the call; rename the column")
+            continue
+        out[name] = [e.get(name) for e in extras]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------------------------
+def _parse(i: int, spec) -> tuple[str, str]:
+    """``(module or file, attribute path)`` of an entry.
+
+    Raises:
+        ValueError: an entry in neither accepted form.
+    """
+    module, sep, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+    if not sep or not module or not _MODULE.match(attr) or not (module.endswith(".py") or _MODULE.match(module)):
+        raise ValueError(f"reward_funcs[{i}]: {spec!r} is not {FORMS}")
+    return module, attr
+
+
+def _check_weights(weights, specs: Sequence[str]) -> list[float]:
+    if weights is None:
+        return [1.0] * len(specs)
+    weights = list(weights)
+    if len(weights) != len(specs):
+        raise ValueError(f"reward_weights: {len(weights)} weight(s) for {len(specs)} reward_funcs (one per function, "
+                         "in order)")
+    out = []
+    for j, (w, spec) in enumerate(zip(weights, specs)):
+        if isinstance(w, bool) or not isinstance(w, numbers.Real):
+            raise ValueError(f"reward_weights[{j}]: {w!r} (for {spec!r}) is not a number")
+        if not math.isfinite(w):
+            raise ValueError(f"reward_weights[{j}]: {w!r} (for {spec!r}) is not finite")
+        out.append(float(w))
+    return out
+
+
+def _resolve(i: int, spec: str, module_name: str, attr: str) -> Callable:
+    where = f"reward_funcs[{i}] {spec!r}"
+    if module_name.endswith(".py"):
+        module = _import_file(where, module_name)
+        owner = f"file {module_name!r}"
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            hint = ""
+            local = module_name.replace(".", os.sep) + ".py"
+            if isinstance(exc, ModuleNotFoundError) and os.path.isfile(local):
+                hint = f" (a local file: write '{local}:{attr}')"
+            raise ValueError(f"{where}: cannot import module {module_name!r}: {_one_line(exc, root=True)}{hint}") from None
+        owner = f"module {module_name!r}"
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{where}: {owner} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{where}: {attr!r} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def _import_file(where: str, path: str):
+    """Import a local ``.py`` file (relative to the current directory) as a module of its own, once per file."""
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise ValueError(f"{where}: file not found: {full}")
+    name = "_rlhf_trl_reward_" + re.sub(r"\W", "_", full)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, full)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it, as import does (dataclasses, pickling look it up)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ValueError(f"{where}: cannot import file {full}: {_one_line(exc, root=True)}") from None
+    return module
+
+
+def _keywords(fn: Callable) -> frozenset[str] | None:
+    """The keyword arguments ``fn`` accepts, or None when it takes ``**kwargs`` (or has no readable signature)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def _unique_names(specs: Sequence[str]) -> list[str]:
+    names: list[str] = []
+    for spec in specs:
+        base = spec.rpartition(":")[2].rpartition(".")[2] or spec
+        name, k = base, 1
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.append(name)
+    return names
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checking outputs
+# ----------------------------------------------------------------------------------------------------------------
+def _one_line(exc: BaseException, root: bool = False) -> str:
+    """``Type: message`` of ``exc`` (``root``: of its innermost cause), whitespace collapsed (``Type`` alone for no
+    message)."""
+    while root and (exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__)):
+        exc = exc.__cause__ or exc.__context__
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _short(value) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_output(out, n: int, spec: str, update: int) -> list[float]:
+    """``out`` as ``n`` floats.
+
+    Raises:
+        RewardFunctionError: not a 1-D sequence of numbers, the wrong length, or a non-finite / None value.
+    """
+    head = f"reward function {spec} at update {update}: returned"
+    kind = "None" if out is None else type(out).__name__
+    if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):  # torch / numpy arrays and scalars
+        if getattr(out, "ndim", 1) != 1:
+            raise RewardFunctionError(f"{head} a {kind} of shape {tuple(out.shape)}, not a list of numbers")
+        out = out.tolist()
+    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence):
+        raise RewardFunctionError(f"{head} {kind}, not a list of numbers")
+    if len(out) != n:
+        raise RewardFunctionError(f"{head} {len(out)} values for {n} completions")
+    values = []
+    for j, x in enumerate(out):
+        if x is None:
+            raise RewardFunctionError(f"{head} None at row {j} (rewards must be finite numbers)")
+        try:
+            if isinstance(x, (str, bytes)):
+                raise TypeError
+            v = float(x)
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+            raise RewardFunctionError(f"{head} {_short(x)} ({type(x).__name__}) at row {j}, not a number") from None
+        if not math.isfinite(v):
+            raise RewardFunctionError(f"{head} {v} at row {j} (rewards must be finite numbers)")
+        values.append(v)
+    return values
