@@ -10,13 +10,15 @@ needs). Prompts: the real zh prompts of ``../shared/data/zh/cvalues_responsibili
 else generated ones), rendered with the 问/答 template, at most 256 tokens. fp32 on the CPU.
 
 Variants, each one PPO run in its own process (so that peak RSS is its own), same prompts, seed and settings:
-  plain_trl        TRL 1.12's ``PPOTrainer`` driven by a plain script (benchmarks/plain_trl.py): full value model
-  rlhf_trl         ``rlhf-trl ppo`` in TRL's layout (full value model, as TRL does)
+  plain_trl        TRL 1.12's ``PPOTrainer`` driven by a plain script (benchmarks/plain_trl.py): full value model;
+                   run from its own venv with trl==1.12.0 (``--trl112_venv``, default .venv-trl112, built on first
+                   use), since the project itself follows current TRL
+  rlhf_trl         ``rlhf-trl ppo`` (the project's PPO engine) in TRL's layout (full value model, as TRL does)
   rlhf_trl_lean    ``rlhf-trl ppo`` with ``value_use_peft`` + ``share_reward_value_base`` (one copy of weights for
                    reward and value model)
 
 Per update (the first is a warm-up and is not counted when more than one update runs), split by phase:
-  generation    TRL's ``batch_generation`` (the rollout's ``generate``)
+  generation    the rollout's ``generate`` (TRL's ``batch_generation``; the engine's ``generate_rollouts``)
   scoring       the no-grad forwards of the rollout: reference log-probs, values, rewards
   optimisation  everything else in the update: PPO epochs (forward + backward + AdamW), whitening, GAE, logging
 For each phase: seconds; the phase's matmul work (FLOPs, estimated from the parameter counts and token counts: 2 N
@@ -110,6 +112,11 @@ class PhaseMeter:
             key = f"{self.phase}_largest_logits_bytes"
             self.cur[key] = max(self.cur[key], logits.numel() * logits.element_size())
 
+    def rollout_shape(self, queries, query_responses) -> None:
+        if int(queries.shape[0]) >= self.shape.get("rows", 0):  # a rollout batch (sample tables are off)
+            self.shape.update(rows=int(queries.shape[0]), prompt_tokens=int(queries.shape[1]),
+                              sequence_tokens=int(query_responses.shape[1]))
+
     def end_update(self) -> None:
         self.close()
         self.updates.append(self.cur)
@@ -117,21 +124,18 @@ class PhaseMeter:
         self.enter("optimisation")  # until the next rollout starts, time counts as the update's own work
 
 
-def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: dict, updates: int) -> None:
+def _hook_trl(meter: "PhaseMeter") -> None:
+    """Phase timers around TRL 1.12's PPOTrainer module functions (the plain_trl variant, in its own venv)."""
     import torch
     import trl.experimental.ppo.ppo_trainer as ppo_trainer
-    from transformers import TrainerCallback
 
-    meter = PhaseMeter()
     original = {n: getattr(ppo_trainer, n) for n in ("batch_generation", "get_reward", "forward")}
 
     def batch_generation(model_, queries, chunk, pad, config):
         meter.enter("generation")
         out_ = original["batch_generation"](model_, queries, chunk, pad, config)
         meter.tensor(out_[1])
-        if int(queries.shape[0]) >= meter.shape.get("rows", 0):  # a rollout batch (sample tables are off)
-            meter.shape.update(rows=int(queries.shape[0]), prompt_tokens=int(queries.shape[1]),
-                               sequence_tokens=int(out_[0].shape[1]))
+        meter.rollout_shape(queries, out_[0])
         meter.enter("scoring")
         return out_
 
@@ -148,6 +152,43 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
         meter.tensor(getattr(policy_output, "logits", None))
         return out_
 
+    ppo_trainer.batch_generation, ppo_trainer.get_reward, ppo_trainer.forward = batch_generation, get_reward, forward
+
+
+def _hook_engine(meter: "PhaseMeter") -> None:
+    """Phase timers around the project's PPO engine: its rollout generation, its PPO epochs, and every vocabulary-
+    sized logits tensor it forms (`ppo_math.selective_log_softmax` sees each one)."""
+    from rlhf_trl import ppo_engine, ppo_math
+
+    generate, optimise, select = ppo_engine.generate_rollouts, ppo_engine.PPOEngine.optimise, \
+        ppo_math.selective_log_softmax
+
+    def generate_rollouts(policy, queries, *args, **kwargs):
+        meter.enter("generation")
+        out_ = generate(policy, queries, *args, **kwargs)
+        meter.rollout_shape(queries, out_[0])
+        meter.enter("scoring")
+        return out_
+
+    def optimise_(self, *args, **kwargs):
+        meter.enter("optimisation")
+        return optimise(self, *args, **kwargs)
+
+    def selective_log_softmax(logits, index):
+        meter.tensor(logits)
+        return select(logits, index)
+
+    ppo_engine.generate_rollouts, ppo_engine.PPOEngine.optimise = generate_rollouts, optimise_
+    ppo_math.selective_log_softmax = selective_log_softmax
+
+
+def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: dict, updates: int) -> None:
+    import torch
+    from transformers import TrainerCallback
+
+    meter = PhaseMeter()
+    (_hook_trl if variant == "plain_trl" else _hook_engine)(meter)
+
     class UpdateEnd(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             meter.enter("optimisation")
@@ -156,7 +197,6 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
         def on_step_end(self, args, state, control, **kwargs):
             meter.end_update()
 
-    ppo_trainer.batch_generation, ppo_trainer.get_reward, ppo_trainer.forward = batch_generation, get_reward, forward
     batch = size["per_device_train_batch_size"] * size["gradient_accumulation_steps"]
     settings = {**{k: str(v) for k, v in size.items()}, "total_episodes": str(batch * updates),
                 "num_ppo_epochs": "1", "num_mini_batches": "1", "learning_rate": "1e-5", "temperature": "0.7",
@@ -313,6 +353,23 @@ def write_prompts(path: Path, n: int = 64) -> str:
     return str(path)
 
 
+TRL112_REQUIREMENTS = ["torch==2.13.0", "trl==1.12.0", "transformers>=5.24,<6", "peft>=0.21", "accelerate>=1.15",
+                       "datasets>=5.2", "tokenizers>=0.22", "pyyaml", "pandas", "rich"]
+
+
+def trl112_python(venv: Path) -> str:
+    """The python of a venv holding trl 1.12.0 (the last release with PPOTrainer), built on first use (~2 min with
+    the package registry reachable). The plain_trl variant needs no rlhf_trl import."""
+    python = venv / "bin" / "python"
+    ok = python.is_file() and subprocess.run([str(python), "-c", "import trl, sys; sys.exit(trl.__version__ != '1.12.0')"],
+                                             capture_output=True).returncode == 0
+    if not ok:
+        print(f"bench_real: building {venv} (trl==1.12.0) for the plain_trl variant ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL112_REQUIREMENTS], check=True)
+    return str(python)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="a Qwen2 / Qwen2.5 directory (default: fetch the 0.5B Instruct)")
@@ -320,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--updates", type=int, default=2, help="PPO updates per variant (the first is a warm-up)")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--trl112_venv", default=str(REPO / ".venv-trl112"),
+                   help="venv with trl==1.12.0 for the plain_trl variant (built if missing)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--prompts", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -342,7 +401,11 @@ def main(argv: list[str] | None = None) -> int:
              "variants": {}}
     for variant in args.variants.split(","):
         run_json = out_dir / f"{variant}.json"
-        cmd = [sys.executable, __file__, "--child", variant, "--model", model, "--prompts", prompts,
+        python = sys.executable
+        if variant == "plain_trl":  # TRL 1.12's PPOTrainer lives only in trl 1.12: its own venv
+            python = trl112_python(Path(args.trl112_venv))
+            bench["trl112_venv"] = args.trl112_venv
+        cmd = [python, __file__, "--child", variant, "--model", model, "--prompts", prompts,
                "--out", str(run_json), "--output_dir", str(out_dir), "--size", args.size, "--updates", str(args.updates)]
         print(f"bench_real: {variant} ...", flush=True)
         t = time.perf_counter()

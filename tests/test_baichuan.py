@@ -20,7 +20,6 @@ from rlhf_trl import baichuan, models
 from rlhf_trl.data import Template, encode_prompt, encode_response, pair_features
 from rlhf_trl.scoring import pad_right, score_sequences
 
-os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # before the trl.experimental imports inside the tests
 
 PAIRS = [
     {"question": "你喜欢海边吗？", "chosen": "海边很棒，我很喜欢。", "rejected": "海边很糟糕，我很讨厌。"},
@@ -224,7 +223,7 @@ def classifier(bc_dir):
 
 
 def test_classifier_reads_the_last_non_pad_token(classifier, bc_tok):
-    from trl.experimental.utils import get_reward
+    from conftest import engine_reward as get_reward
 
     model, pad = classifier, bc_tok.pad_token_id
     assert isinstance(model, baichuan.BaichuanForSequenceClassification)
@@ -428,7 +427,7 @@ def test_reward_model_stage_trains_a_baichuan_classifier(rm_run):
 
 def test_ppo_with_baichuan_policy_reward_and_value_models(sft_run, rm_run, tmp_path, caplog):
     from trl import ModelConfig
-    from trl.experimental.ppo import PPOConfig
+    from rlhf_trl.ppo_engine import PPOConfig
 
     from rlhf_trl import ppo
     from rlhf_trl.data import DataArguments

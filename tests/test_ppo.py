@@ -212,7 +212,7 @@ def test_shared_reward_value_base_holds_one_copy_and_keeps_the_reward_frozen(ass
     own, the same scores as the reward model loaded fresh at every update, while the value head and adapter train."""
     from transformers import AutoModelForSequenceClassification
 
-    from trl.experimental.utils import get_reward
+    from conftest import engine_reward as get_reward
 
     from rlhf_trl.scoring import pad_right, score_sequences
 

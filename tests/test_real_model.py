@@ -110,7 +110,7 @@ def test_rm_pairs_are_the_ids_ppo_scores(real_rm):
     """Every held-out RM pair: the ids PPO builds (left-padded query batch + response + EOS, as rollouts do) equal
     the RM stage's ids, and TRL's get_reward (what PPO calls) reads the same score, at the response's EOS."""
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
-    from trl.experimental.utils import get_reward
+    from conftest import engine_reward as get_reward
 
     from rlhf_trl.data import Template, encode_response, prompt_features
     from rlhf_trl.models import load_tokenizer

@@ -1,9 +1,11 @@
-"""Stage 3: PPO against the reward model with a KL penalty to a frozen reference (TRL 1.12's PPOTrainer).
+"""Stage 3: PPO against the reward model (and/or reward functions) with a KL penalty to a frozen reference.
 
 Run: ``rlhf-trl ppo --config recipes/demo/ppo.yaml`` (or ``python -m rlhf_trl.ppo``, ``make ppo RECIPE=...``).
 Resume: ``make ppo RECIPE=... resume_from_checkpoint=true`` (the last checkpoint) or ``=path/to/checkpoint-N``.
 
-This is the only module that imports ``trl.experimental.ppo`` (PPOTrainer was removed in TRL 1.13).
+The PPO loop is the project's own (`rlhf_trl.ppo_engine`, math in `rlhf_trl.ppo_math`; TRL removed its PPOTrainer in
+1.13); recipes keep TRL 1.12's PPOConfig keys. This module reads top to bottom: recipe, data, tokenizer and models,
+trainer, train, save.
 
 Models:
   - policy: the merged SFT model (``sft_model_path``) plus a LoRA adapter (``use_peft: true``); the reference is the
@@ -15,13 +17,15 @@ Models:
   - ``share_reward_value_base: true`` (with ``value_use_peft``): the value model's LoRA adapter sits on the reward
     model's own weights and the reward model is that base with the adapter switched off (`SharedBaseRewardModel`),
     so reward and value model hold one copy of the weights. With a LoRA policy, PPO then holds two copies of base
-    weights in all (policy/reference, reward/value) where TRL's layout holds three (four without LoRA).
+    weights in all (policy/reference, reward/value) where TRL's layout holds three (four without LoRA);
+  - reward functions (``reward_funcs`` / ``reward_weights``, `rlhf_trl.rewards`): added to the reward model's score,
+    or the whole reward without ``reward_model_path`` (the value model then starts from ``value_model_path``).
 
-What `RLHFPPOTrainer` adds around TRL's trainer (which it subclasses; the PPO loop itself is TRL's):
+What `RLHFPPOTrainer` adds around the engine:
   - checkpoints written under a temporary name, then renamed, holding the policy (adapter and merged), the value
     model, optimizer / scheduler / RNG / trainer state, the data position and the run's recipe;
-  - exact resume from such a checkpoint (TRL's ``train()`` cannot resume);
-  - ``bf16``, ``gradient_checkpointing`` and ``logging_steps`` honoured (TRL ignores them);
+  - exact resume from such a checkpoint;
+  - ``logging_steps`` honoured (the engine logs every update);
   - an adaptive KL coefficient (``kl_target`` / ``kl_horizon``; Ziegler et al. 2019, "Fine-Tuning Language Models
     from Human Preferences", section 2.2), logged as ``objective/kl_coef``;
   - a stop on the first non-finite loss, reward or value, naming the update (the last good checkpoint is kept);
@@ -69,14 +73,18 @@ from .models import (
     torch_dtype,
     write_json,
 )
-from .ppo_engine import OnlineTrainerState, PPOConfig, PPOEngine, generate_rollouts, sampling_config, sequence_scores
+from .ppo_engine import (
+    OnlineTrainerState,
+    PPOConfig,
+    PPOEngine,
+    TrainingDivergedError,
+    generate_rollouts,
+    sampling_config,
+    sequence_scores,
+)
 from .scoring import truncate_at_eos
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingDivergedError(RuntimeError):
-    """A loss, reward or value became NaN or infinite; the message names the update and the last good checkpoint."""
 
 
 @dataclass
@@ -808,6 +816,6 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
 
 
 if __name__ == "__main__":
-    from .cli import run_stage
+    from .launch import run_stage
 
     run_stage("ppo")

@@ -2,7 +2,7 @@
 
 TRL removed its PPOTrainer in 1.13; this module is the project's own loop, written to the same algorithm (the math is
 in `rlhf_trl.ppo_math`, each step a small pure function). `tests/test_ppo_oracle.py` checks ten updates of it against
-TRL 1.12's ``trl.experimental.ppo.PPOTrainer`` (live while trl 1.12 is installed, else against the trajectory
+TRL 1.12's ``PPOTrainer`` (live while trl 1.12 is installed, else against the trajectory
 recorded in ``tests/fixtures/ppo_oracle.pt`` by ``benchmarks/ppo_oracle.py``).
 
 One update (``PPOEngine.train``), for ``batch_size`` prompts of the data loader:
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PPOConfig(TrainingArguments):
-    """PPO settings: the keys (and defaults) of TRL 1.12's ``trl.experimental.ppo.PPOConfig``, so recipes written
+    """PPO settings: the keys (and defaults) of TRL 1.12's PPOConfig, so recipes written
     for it run unchanged, plus ``logits_chunk_size``.
 
     Batch sizes (episodes): ``batch_size = per_device_train_batch_size x gradient_accumulation_steps x processes``
@@ -112,6 +112,10 @@ class PPOConfig(TrainingArguments):
         super().__post_init__()
 
 
+class TrainingDivergedError(RuntimeError):
+    """A loss, reward or value became NaN or infinite; the message names the update and the last good checkpoint."""
+
+
 @dataclass
 class OnlineTrainerState(TrainerState):
     """`transformers.TrainerState` plus the episode counter (episodes trained so far)."""
@@ -154,7 +158,7 @@ def token_scores(model, query_responses: torch.Tensor, pad_token_id: int) -> tor
 def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
     """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]``.
 
-    Agrees with TRL 1.12's ``trl.experimental.utils.get_reward`` (``[1]`` of its result).
+    Agrees with TRL 1.12's ``get_reward`` (its experimental utilities; ``[1]`` of its result).
     """
     per_token = token_scores(model, query_responses, pad_token_id)
     last = pm.first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
@@ -465,7 +469,7 @@ class PPOEngine(Trainer):
             prompts = tok.batch_decode(queries, skip_special_tokens=True)
             completions = tok.batch_decode(post, skip_special_tokens=True)
             columns = self.reward_columns(rows.tolist()) if (self.reward_columns and rows is not None) else {}
-            total, fn_values = self.reward_functions(prompts, completions, update=update, **columns)
+            total, fn_values = self.reward_functions.compute(prompts, completions, update=update, **columns)
             scores = scores + total.to(scores.device, scores.dtype)
         ended = (eos_mask(post, self.eos_token_ids).any(1) if self.eos_token_ids is not None
                  else torch.zeros(len(post), dtype=torch.bool, device=post.device))

@@ -4,7 +4,7 @@ Shapes: ``batch`` rollouts, ``R`` response positions (tokens), ``V`` vocabulary 
 deterministic and holds no state; `rlhf_trl.ppo_engine` strings them together. The formulas are those of
 Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences"), Schulman et al. 2016 (GAE), Schulman
 et al. 2017 (PPO's clipped objectives) and Huang et al. 2024 ("The N+ Implementation Details of RLHF with PPO"),
-in the form TRL 1.12's ``trl/experimental/ppo/ppo_trainer.py`` computes them; the oracle test
+in the form TRL 1.12's PPOTrainer (``ppo_trainer.py`` of its experimental PPO package) computes them; the oracle test
 (tests/test_ppo_oracle.py) holds the engine to that trainer's numbers.
 
 Position convention (TRL 1.12's): ``sequence_lengths[i]`` is the index of the last real token of response ``i``

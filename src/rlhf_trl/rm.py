@@ -171,6 +171,6 @@ def evaluate_pairs(model, feats: dict, pad_token_id: int, batch_size: int = 16) 
 
 
 if __name__ == "__main__":
-    from .cli import run_stage
+    from .launch import run_stage
 
     run_stage("rm")

@@ -2,7 +2,7 @@
 
 The score of a sequence is the reward model's ``score`` head applied to the hidden state of its last real token
 (prompt ids + response ids + EOS, right-padded with a pad token distinct from EOS), as in TRL's
-``trl.experimental.utils.get_reward`` that PPOTrainer uses.
+``get_reward`` that TRL 1.12's PPOTrainer used (`rlhf_trl.ppo_engine.sequence_scores`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def truncate_at_eos(responses: torch.Tensor, eos_token_ids, pad_token_id: int) -
 
     ``[batch, response_len] -> [batch, response_len]``; the EOS itself is kept, so the reward model's score is read
     at the response's own EOS (the last non-pad token). Rows without EOS are unchanged. The list-valued form of
-    TRL's ``truncate_response`` (``trl.experimental.ppo.ppo_trainer``), which stops at one id only.
+    TRL 1.12's ``truncate_response`` (its PPOTrainer module), which stops at one id only.
     """
     hit = eos_mask(responses, eos_token_ids)
     first = torch.where(hit.any(1), hit.int().argmax(1), responses.shape[1])  # [batch]

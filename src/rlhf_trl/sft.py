@@ -135,6 +135,6 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
 
 
 if __name__ == "__main__":
-    from .cli import run_stage
+    from .launch import run_stage
 
     run_stage("sft")
