@@ -8,14 +8,14 @@ sequence classifier: a random score head, which is all a benchmark needs) and, f
 parameters with the tokenizer's vocabulary (so weights dominate, not logits). The base model is the "SFT" policy.
 
 Sections:
-  overhead   each stage on the demo model through rlhf_trl (``python -m rlhf_trl.cli <stage> --config
+  overhead   SFT and RM on the demo model through rlhf_trl (``python -m rlhf_trl.cli <stage> --config
              recipes/demo/<stage>.yaml ...``) and through benchmarks/plain_trl.py (the same steps in a plain TRL
              script), same recipe values and overrides (report_to none, save_strategy no, no eval, same max_steps /
              total_episodes), each run its own subprocess, in ABBA order (rlhf_trl, plain, plain, rlhf_trl, ...),
              median of --repeats (5; 1 with --quick). ``overhead_ratio`` = median wall (rlhf_trl) / median wall
              (plain); ``train_runtime_ratio`` the same for the time from train begin to train end.
-  breakdown  one in-process PPO run (`rlhf_trl.ppo.main`) on the demo model: `batch_generation`, `get_reward` and
-             no-grad `forward` of ``trl.experimental.ppo.ppo_trainer`` are wrapped with timers; each update is timed
+  breakdown  one in-process PPO run (`rlhf_trl.ppo.main`) on the demo model: the engine's ``generate_rollouts``
+             and ``PPOEngine.rollout`` (its no-grad forwards) are wrapped with timers; each update is timed
              from one ``on_step_end`` to the next. After each update a plain ``policy.generate`` on the same prompts
              (same policy object, generation config and chunk size = local_rollout_forward_batch_size) gives
              ``rollout_vs_generate``.
@@ -60,6 +60,10 @@ try:
 except ImportError:  # not installed: use the source tree
     sys.path.insert(0, str(REPO / "src"))
 
+# SFT and RM wrap TRL's trainers: their overhead is measured against plain TRL scripts. PPO is the project's own
+# engine since TRL 1.13 removed PPOTrainer; it is compared with TRL 1.12's PPOTrainer (from its own venv) on real
+# weights by benchmarks/bench_real.py, and held to its numbers by tests/test_ppo_oracle.py.
+OVERHEAD_STAGES = ("sft", "rm")
 TARGETS = {"overhead_ratio": 1.03, "rollout_vs_generate": 0.9, "ppo_base_weight_copies": 2.0,
            "ppo_model_copies": 2.0, "seconds_full": 900, "seconds_quick": 180}
 
@@ -209,7 +213,7 @@ def stage_args(stage: str, paths: dict, mode: dict) -> list[str]:
 
 def overhead(runner: Runner, paths: dict, mode: dict) -> dict:
     results = {}
-    for stage in ("sft", "rm", "ppo"):
+    for stage in OVERHEAD_STAGES:
         runs = {"rlhf_trl": [], "plain": []}
         for i in range(mode["repeats"]):
             order = ("rlhf_trl", "plain") if i % 2 == 0 else ("plain", "rlhf_trl")  # ABBA
@@ -240,21 +244,19 @@ def overhead(runner: Runner, paths: dict, mode: dict) -> dict:
 # -- PPO breakdown (in this process) ---------------------------------------------------------------------------------
 def ppo_breakdown(paths: dict, mode: dict, run_dir: Path) -> dict:
     import torch
-    import trl.experimental.ppo.ppo_trainer as ppo_trainer
     from transformers import TrainerCallback
 
-    from rlhf_trl import ppo
+    from rlhf_trl import ppo, ppo_engine
     from rlhf_trl.ppo import preserved_rng
 
-    names = ("batch_generation", "get_reward", "forward")
-    original = {n: getattr(ppo_trainer, n) for n in names}
+    original = {"generate_rollouts": ppo_engine.generate_rollouts, "rollout": ppo_engine.PPOEngine.rollout}
     cur = {"generation": 0.0, "scoring": 0.0, "gen_tokens": 0}
     shape = {}
     captured = {}
 
-    def timed_generation(model, queries, chunk, pad_token_id, generation_config):
+    def timed_generation(model, queries, pad_token_id, generation_config, chunk):
         t = time.perf_counter()
-        out = original["batch_generation"](model, queries, chunk, pad_token_id, generation_config)
+        out = original["generate_rollouts"](model, queries, pad_token_id, generation_config, chunk)
         cur["generation"] += time.perf_counter() - t
         query_responses = out[0]
         cur["gen_tokens"] += query_responses.shape[0] * (query_responses.shape[1] - queries.shape[1])
@@ -262,18 +264,10 @@ def ppo_breakdown(paths: dict, mode: dict, run_dir: Path) -> dict:
         captured.update(policy=model, queries=queries.clone(), chunk=chunk, pad=pad_token_id, config=generation_config)
         return out
 
-    def timed_get_reward(*args, **kwargs):
-        t = time.perf_counter()
-        out = original["get_reward"](*args, **kwargs)
-        cur["scoring"] += time.perf_counter() - t
-        return out
-
-    def timed_forward(*args, **kwargs):
-        if torch.is_grad_enabled():  # the optimisation passes: counted in "optimisation"
-            return original["forward"](*args, **kwargs)
-        t = time.perf_counter()  # the rollout's reference log-prob pass
-        out = original["forward"](*args, **kwargs)
-        cur["scoring"] += time.perf_counter() - t
+    def timed_rollout(self, *args, **kwargs):  # the rollout's no-grad forwards: its time minus generation's
+        t, before = time.perf_counter(), cur["generation"]
+        out = original["rollout"](self, *args, **kwargs)
+        cur["scoring"] += time.perf_counter() - t - (cur["generation"] - before)
         return out
 
     @torch.no_grad()
@@ -308,8 +302,7 @@ def ppo_breakdown(paths: dict, mode: dict, run_dir: Path) -> dict:
             updates.append(row)
             self.last = time.perf_counter()  # the comparison is not part of the next update's time
 
-    for n, fn in zip(names, (timed_generation, timed_get_reward, timed_forward)):
-        setattr(ppo_trainer, n, fn)
+    ppo_engine.generate_rollouts, ppo_engine.PPOEngine.rollout = timed_generation, timed_rollout
     try:
         result = ppo.main([
             "--config", str(RECIPES / "ppo.yaml"), "--dataset_name", paths["prompts"],
@@ -318,8 +311,7 @@ def ppo_breakdown(paths: dict, mode: dict, run_dir: Path) -> dict:
             "--total_episodes", str(DEMO_PPO_BATCH * mode["breakdown_updates"]),
         ], callbacks=[UpdateTimer()])
     finally:
-        for n in names:
-            setattr(ppo_trainer, n, original[n])
+        ppo_engine.generate_rollouts, ppo_engine.PPOEngine.rollout = original["generate_rollouts"], original["rollout"]
     args = result["trainer"].args
     del result
     shutil.rmtree(run_dir, ignore_errors=True)
