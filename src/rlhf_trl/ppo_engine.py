@@ -226,13 +226,16 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
     distribution (the processed logits ``generate`` returns: ``logits / temperature``). Same rollout as TRL 1.12's
     ``batch_generation``, without stacking the ``[b, R, vocab]`` logits.
     """
+    import copy
+
     context = queries.shape[1]
+    config = copy.deepcopy(generation_config)
+    config.return_dict_in_generate, config.output_scores = True, True  # the sampling logits give the log-probs
     pieces, logps = [], []
     for i in range(0, queries.shape[0], batch):
         query = queries[i:i + batch]
         mask = query != pad_token_id
-        out = policy.generate(input_ids=query.masked_fill(~mask, 0), attention_mask=mask,
-                              generation_config=generation_config, return_dict_in_generate=True, output_scores=True)
+        out = policy.generate(input_ids=query.masked_fill(~mask, 0), attention_mask=mask, generation_config=config)
         response = out.sequences[:, context:]
         lp = torch.stack([pm.selective_log_softmax(s[:, None, :], response[:, t:t + 1])[:, 0]
                           for t, s in enumerate(out.scores)], 1)
