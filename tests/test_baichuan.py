@@ -224,7 +224,7 @@ def classifier(bc_dir):
 
 
 def test_classifier_reads_the_last_non_pad_token(classifier, bc_tok):
-    from trl.experimental.utils import get_reward
+    from rlhf_trl.scoring import get_reward
 
     model, pad = classifier, bc_tok.pad_token_id
     assert isinstance(model, baichuan.BaichuanForSequenceClassification)

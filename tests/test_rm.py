@@ -30,7 +30,8 @@ def test_score_is_read_at_the_response_eos(tokenizer):
 def test_training_and_ppo_read_the_same_score(rm_run, tokenizer):
     """RewardTrainer's forward (HF last-non-pad logic) and PPO's get_reward path give the same scores."""
     from transformers import AutoModelForSequenceClassification
-    from trl.experimental.utils import get_reward
+
+    from rlhf_trl.scoring import get_reward
 
     model = AutoModelForSequenceClassification.from_pretrained(rm_run["merged"]).eval()
     t = Template()

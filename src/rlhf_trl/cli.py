@@ -11,7 +11,7 @@ import warnings
 STAGES = {
     "sft": "supervised fine-tuning (trl.SFTTrainer)",
     "rm": "reward model on chosen/rejected pairs (trl.RewardTrainer)",
-    "ppo": "PPO against the reward model (trl.experimental.ppo.PPOTrainer)",
+    "ppo": "PPO against the reward model (TRL 1.12's PPOTrainer)",
     "demo": "build the embedded demo and run SFT -> RM -> PPO on it",
     "demo-real": "SFT -> RM -> PPO -> eval on a real Qwen2.5 Instruct directory (--model DIR), sized for a CPU",
     "init-model": "build a random-init tiny Qwen2 with a tokenizer's vocabulary (offline smoke runs)",

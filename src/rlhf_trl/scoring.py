@@ -1,8 +1,8 @@
 """Reward-model scoring shared by RM evaluation, PPO and the demo.
 
 The score of a sequence is the reward model's ``score`` head applied to the hidden state of its last real token
-(prompt ids + response ids + EOS, right-padded with a pad token distinct from EOS), as in TRL's
-``trl.experimental.utils.get_reward`` that PPOTrainer uses.
+(prompt ids + response ids + EOS, right-padded with a pad token distinct from EOS), as in `get_reward`, the
+project's copy of the ``get_reward`` that TRL 1.12's PPOTrainer uses (TRL's experimental utils).
 """
 
 from __future__ import annotations
@@ -62,6 +62,45 @@ def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_
     return torch.cat(scores)
 
 
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """Position of the first ``True`` of each row, or the row length where a row has none: ``[..., n] -> [...]``.
+
+    Replaces TRL 1.12's ``first_true_indices`` (in its experimental ``utils`` module, which is not a stable API),
+    with the same result.
+    """
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def get_reward(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int):
+    """Reward-model logits of every position and the score of each query + response, read at the response's end.
+
+    ``query_responses``: ``[batch, context_length + response_len]``, the (left-padded) query ids followed by the
+    response ids, right-padded with ``pad_token_id`` after the response. Pad positions are masked out of attention,
+    position ids count the real tokens only, and the score is read at the last token before the response's first pad
+    (the EOS that ends it, for a response that stopped).
+
+    Returns ``(reward_logits [batch, seq_len, 1], scores [batch], sequence_lengths [batch])``.
+
+    Replaces TRL 1.12's ``get_reward`` (in its experimental ``utils`` module: the scoring of its PPOTrainer; TRL has
+    no stable equivalent): same arguments, masks and read-out, so the same scores. It reads the backbone's
+    ``last_hidden_state`` (as `score_sequences` does, and as TRL does from 1.13 on) where TRL 1.12 read
+    ``hidden_states[-1]`` of ``output_hidden_states=True``: the same tensor for transformers 5 decoders (both after
+    the final norm), without keeping every layer's hidden states.
+    """
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.cumsum(1) - attention_mask.long()  # exclusive cumsum
+    lm_backbone = getattr(model, model.base_model_prefix)
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    output = lm_backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         return_dict=True, use_cache=False)
+    reward_logits = model.score(output.last_hidden_state)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    rows = torch.arange(reward_logits.size(0), device=reward_logits.device)
+    return reward_logits, reward_logits[rows, sequence_lengths].squeeze(-1), sequence_lengths
+
+
 def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, rejected_len) -> dict:
     """Pairwise accuracy, mean margin and the length-only baseline for ``[num_pairs]`` score tensors.
 
@@ -90,7 +129,7 @@ def truncate_at_eos(responses: torch.Tensor, eos_token_ids, pad_token_id: int) -
 
     ``[batch, response_len] -> [batch, response_len]``; the EOS itself is kept, so the reward model's score is read
     at the response's own EOS (the last non-pad token). Rows without EOS are unchanged. The list-valued form of
-    TRL's ``truncate_response`` (``trl.experimental.ppo.ppo_trainer``), which stops at one id only.
+    TRL 1.12's ``truncate_response`` (its experimental PPO trainer module), which stops at one id only.
     """
     hit = eos_mask(responses, eos_token_ids)
     first = torch.where(hit.any(1), hit.int().argmax(1), responses.shape[1])  # [batch]
