@@ -408,6 +408,42 @@ def rm_run(sft_run, tmp_path_factory):
     return rm.run(data, args, ModelConfig(model_name_or_path=sft_run["merged"], dtype="float32", **LORA))
 
 
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_sft_loss_runs_the_normhead_forward(bc_dir, bc_tok, loss_type, tmp_path):
+    """NormHead normalizes its weight in forward and has no bias: TRL's own SFT loss reads ``lm_head.weight`` /
+    ``.bias`` directly (chunked_nll; the fused LM head of TRL >= 1.15), so the SFT stage computes it from the model's
+    logits (`rlhf_trl.sft.OwnHeadLossMixin`): the token-mean NLL (or DFT) over the completion tokens."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from rlhf_trl import sft
+    from rlhf_trl.data import sft_features
+
+    model = models.load_causal_lm(bc_dir, torch.float32, trust_remote_code=True)
+    assert type(model.get_output_embeddings()).__name__ == "NormHead"
+    rows = [{"question": p["question"], "answer": p["chosen"]} for p in PAIRS]
+    args = SFTConfig(output_dir=str(tmp_path), completion_only_loss=True, loss_type=loss_type, report_to="none",
+                     use_cpu=True, per_device_train_batch_size=len(rows), pad_token=bc_tok.pad_token)
+    trainer = sft.own_head_loss(SFTTrainer)(model=model, args=args, processing_class=bc_tok,
+                                            train_dataset=Dataset.from_dict(sft_features(rows, bc_tok, Template())))
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    labels = batch["labels"]
+    assert (labels == -100).any() and (labels != -100).any()  # prompt tokens masked
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    target = labels[:, 1:]
+    mask = target != -100
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    per_token = -logp if loss_type == "nll" else -logp * logp.exp()
+    assert torch.allclose(loss, per_token[mask].mean(), atol=1e-5)
+    if loss_type == "nll":
+        assert torch.allclose(loss, torch.nn.functional.cross_entropy(logits[mask], target[mask]), atol=1e-5)
+    assert trainer._metrics["eval"]["mean_token_accuracy"] and trainer._metrics["eval"]["entropy"]  # eval mode here
+    loss.backward()  # trains through the head's own forward
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+
+
 def test_sft_stage_fine_tunes_the_baichuan_causal_lm(bc_dir, sft_run):
     merged = sft_run["merged"]
     assert models.is_baichuan(merged) and os.path.isfile(os.path.join(merged, "tokenization_baichuan.py"))
