@@ -36,6 +36,13 @@ def write_jsonl(path, rows):
 RECIPES = str(REPO / "recipes" / "demo")
 
 
+def import_ppo():
+    """`rlhf_trl.ppo`, imported inside the tests that run PPO (test modules of several stages import it lazily)."""
+    from rlhf_trl import ppo
+
+    return ppo
+
+
 @pytest.fixture(scope="session")
 def sft_run(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
@@ -61,9 +68,8 @@ def rm_run(assets, sft_run, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ppo_run(assets, sft_run, rm_run, tmp_path_factory):
+    ppo = import_ppo()
     out = tmp_path_factory.mktemp("ppo")
-    from rlhf_trl import ppo
-
     return ppo.main([
         "--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
         "--sft_model_path", sft_run["merged"], "--reward_model_path", rm_run["merged"],

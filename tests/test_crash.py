@@ -9,9 +9,9 @@ import sys
 import time
 
 import pytest
-from conftest import RECIPES
+from conftest import RECIPES, import_ppo
 
-from rlhf_trl import ppo, rm, sft
+from rlhf_trl import rm, sft
 
 REQUIRED = {
     "sft": ["trainer_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt"],
@@ -70,6 +70,7 @@ def test_rm_survives_kill_9(assets, sft_run, tmp_path):
 
 
 def test_ppo_survives_kill_9(assets, sft_run, rm_run, tmp_path):
+    ppo = import_ppo()
     out = str(tmp_path / "ppo")
     argv = ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path",
             sft_run["merged"], "--reward_model_path", rm_run["merged"], "--output_dir", out,

@@ -281,8 +281,9 @@ def rm_run(sft_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ppo_run(sft_run, rm_run, tmp_path_factory):
-    from rlhf_trl import ppo
+    from conftest import import_ppo
 
+    ppo = import_ppo()
     return ppo.main([
         "--config", str(RECIPES / "ppo.yaml"), "--dataset_name", OAAST_RM,
         "--sft_model_path", sft_run["merged"], "--reward_model_path", rm_run["merged"],

@@ -6,12 +6,13 @@ import re
 
 import pytest
 import torch
+from conftest import import_ppo
 
-from rlhf_trl import ppo, rm, sft
+from rlhf_trl import rm, sft
 from rlhf_trl.config import parse_recipe
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-STAGES = {"sft": sft, "rm": rm, "ppo": ppo}
+STAGES = {"sft": lambda: sft, "rm": lambda: rm, "ppo": import_ppo}  # stage -> its module (PPO: imported when used)
 RECIPES = sorted(
     p for p in glob.glob(os.path.join(ROOT, "recipes", "**", "*.yaml"), recursive=True)
     if os.path.basename(p)[:-5] in STAGES
@@ -36,7 +37,7 @@ def test_recipe_parses(path):
     if not torch.cuda.is_available() and "bf16: true" in text:
         # TrainingArguments refuses bf16 without a GPU at parse time; every other key and type is still checked
         extra = ["--bf16", "false", "--use_cpu", "true"]
-    parsed = parse_recipe(STAGES[stage].recipe_types(), ["--config", path, *extra])
+    parsed = parse_recipe(STAGES[stage]().recipe_types(), ["--config", path, *extra])
     assert parsed[-1] == path
     assert parsed[0].dataset_name, "every recipe names its data"
     assert text.lstrip().startswith("#")
@@ -87,7 +88,7 @@ def test_quantized_recipes_train_through_lora(path, monkeypatch):
     assert recipe.get("dtype") == "bfloat16" and recipe.get("bnb_4bit_quant_type") == "nf4"
     assert "pip install -e '.[qlora]'" in header(path)
     stage = os.path.basename(path)[:-5]
-    parsed = parse_recipe(STAGES[stage].recipe_types(), ["--config", path, "--bf16", "false", "--use_cpu", "true"])
+    parsed = parse_recipe(STAGES[stage]().recipe_types(), ["--config", path, "--bf16", "false", "--use_cpu", "true"])
     model_args = next(p for p in parsed if type(p).__name__ == "ModelConfig")
     lora = {"use_peft": model_args.use_peft}
     if stage == "ppo":

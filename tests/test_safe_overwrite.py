@@ -7,9 +7,9 @@ import os
 import shutil
 
 import pytest
-from conftest import RECIPES
+from conftest import RECIPES, import_ppo
 
-from rlhf_trl import ppo, rm, sft
+from rlhf_trl import rm, sft
 from rlhf_trl.config import RecipeError
 from rlhf_trl.data import DataError
 from rlhf_trl.models import StageInputError
@@ -49,15 +49,15 @@ def stage_argv(stage, assets, sft_run, rm_run, out, data=None, **paths):
 
 
 @pytest.mark.parametrize("stage", ["sft", "rm", "ppo"])
-def test_bad_input_over_a_finished_run_leaves_it_byte_identical(stage, assets, sft_run, rm_run, ppo_run, tmp_path,
-                                                                 broken_file):
-    finished = {"sft": sft_run, "rm": rm_run, "ppo": ppo_run}[stage]["output_dir"]
+def test_bad_input_over_a_finished_run_leaves_it_byte_identical(stage, assets, sft_run, rm_run, tmp_path, broken_file,
+                                                                 request):
+    finished = request.getfixturevalue(f"{stage}_run")["output_dir"]  # ppo_run only for stage ppo
     out = tmp_path / "run"
     shutil.copytree(finished, out)
     if stage == "ppo":
         assert any(n.startswith("checkpoint-") for n in os.listdir(out))  # checkpoints at stake too
     before = tree_hashes(out)
-    main = {"sft": sft.main, "rm": rm.main, "ppo": ppo.main}[stage]
+    main = (import_ppo() if stage == "ppo" else {"sft": sft, "rm": rm}[stage]).main
 
     with pytest.raises(DataError, match=r"broken.jsonl: cannot be read as json"):  # a broken row
         main(stage_argv(stage, assets, sft_run, rm_run, out, data=broken_file))

@@ -93,14 +93,19 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
                            quantization_config=quantization)
     resize_for_tokenizer(model, tokenizer)
     head = model.get_output_embeddings()
-    if training_args.loss_type in (None, "chunked_nll") and not isinstance(head, torch.nn.Linear):
-        # TRL's chunked loss reads lm_head.weight / .bias directly: wrong for Baichuan2's NormHead
-        logger.warning("%s: output head %s is not nn.Linear; using loss_type 'nll'", model_path, type(head).__name__)
-        training_args.loss_type = "nll"
+    trainer_cls = SFTTrainer
+    if not isinstance(head, torch.nn.Linear):
+        # TRL computes the loss from lm_head.weight / .bias directly (1.12-1.14: loss_type chunked_nll; >= 1.15: always):
+        # wrong for Baichuan2's NormHead, which normalizes its weight in forward and has no bias
+        logger.warning("%s: output head %s is not nn.Linear; the SFT loss runs the model's own head (loss_type 'nll' "
+                       "or 'dft' from its logits)", model_path, type(head).__name__)
+        if training_args.loss_type in (None, "chunked_nll"):
+            training_args.loss_type = "nll"
+        trainer_cls = own_head_loss(SFTTrainer)
 
     # trainer, train (inputs proven: only now does anything of an earlier run go)
     begin_writing(training_args, run_args, resume)
-    trainer = with_atomic_checkpoints(SFTTrainer)(
+    trainer = with_atomic_checkpoints(trainer_cls)(
         model=model,
         args=training_args,
         train_dataset=train_ds,
@@ -132,6 +137,56 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         logger.info("SFT done: merged model at %s", merged)
     trainer.accelerator.wait_for_everyone()
     return {"output_dir": out, "merged": merged, "metrics": metrics}
+
+
+class OwnHeadLossMixin:
+    """SFT loss from the logits of the model's own forward, for output heads that are not ``nn.Linear``.
+
+    TRL's SFTTrainer multiplies the hidden states by ``lm_head.weight`` (+ ``lm_head.bias``) itself: TRL 1.12-1.14
+    with ``loss_type: chunked_nll`` (1.12's default; ``nll`` ran the model's forward), TRL >= 1.15 always (its fused LM
+    head, ``add_fused_lm_head``; ``chunked_nll`` became an alias of ``nll``, with no way back to the model's forward
+    but the deprecated ``compute_loss_func``, whose metrics still take the fused path). A head that transforms its
+    weight in ``forward`` (Baichuan2's ``NormHead`` normalizes each row; it has no ``bias``) breaks that. This
+    ``compute_loss`` runs the model's ordinary forward (the head's own ``forward``, full logits) and computes what TRL's
+    does from them, on every TRL version: the NLL (``loss_type: dft``: DFT, the NLL weighted by the detached token
+    probability) summed over the label tokens (labels ``!= -100``, shifted by one) and divided by
+    ``num_items_in_batch`` (the label tokens of the whole accumulated batch) or, without it, by this batch's count;
+    and TRL's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` metrics.
+    """
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        inputs.pop("_prediction_loss_only", None)  # TRL 1.12's prediction_step marker (read by its Liger path only)
+        labels = inputs["labels"]
+        outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
+        log_probs = torch.log_softmax(outputs.logits[:, :-1, :].float(), dim=-1)
+        target = labels[:, 1:]
+        mask = target != -100
+        token_log_probs = log_probs.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+        per_token = -token_log_probs
+        if self.args.loss_type == "dft":  # https://huggingface.co/papers/2508.05629
+            per_token = per_token * token_log_probs.exp().detach()
+        count = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        loss = per_token.sum() / torch.as_tensor(count, device=per_token.device).clamp(min=1)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())  # DDP averages the gradients
+
+        with torch.no_grad():
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+            correct = (log_probs.argmax(-1) == target) & mask
+            gather = self.accelerator.gather_for_metrics
+            n = gather(mask.sum()).sum()
+            self._metrics[mode]["entropy"].append((gather((entropy * mask).sum()).sum() / n).item() if n > 0 else 0.0)
+            self._metrics[mode]["mean_token_accuracy"].append((gather(correct.sum()).sum() / n).item() if n > 0 else 0.0)
+            if mode == "train" and "attention_mask" in inputs:
+                self._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item()
+            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        return (loss, outputs) if return_outputs else loss
+
+
+def own_head_loss(trainer_cls):
+    """``trainer_cls`` (`trl.SFTTrainer`) with `OwnHeadLossMixin`'s ``compute_loss``."""
+    return type(trainer_cls.__name__, (OwnHeadLossMixin, trainer_cls), {})
 
 
 if __name__ == "__main__":
