@@ -335,6 +335,91 @@ def test_offline_hub_id_fails_in_one_line_naming_hf_hub_offline(monkeypatch):
                              "forbids downloading it; unset HF_HUB_OFFLINE once to download it, or pass a local file")
 
 
+def _fast_message_rows(monkeypatch):
+    """Count the rows `read_records` converts through `_message_records` (the rest take the plain per-row path)."""
+    from rlhf_trl import data
+
+    seen = {"fast": 0, "plain": 0}
+    convert = data._message_records
+
+    def counting(*args):
+        records = convert(*args)
+        seen["fast"] += sum(r is not None for r in records)
+        seen["plain"] += sum(r is None for r in records)
+        return records
+
+    monkeypatch.setattr(data, "_message_records", counting)
+    monkeypatch.setattr(data, "BATCH_ROWS", 4)  # several Arrow batches: row numbers run on across them
+    return seen
+
+
+def _plain(path: str, kind: str, **kw):
+    """The plain per-row conversion: the rows as Python dicts (`load_rows`), then the record functions."""
+    from rlhf_trl.data import load_rows
+
+    convert = {"sft": sft_records, "prompts": prompt_records, "pairs": pair_records}[kind]
+    return convert(load_rows(path), DataArguments(dataset_name=path, **kw), path)
+
+
+def test_messages_fast_conversion_gives_the_plain_records(tmp_path, monkeypatch):
+    seen = _fast_message_rows(monkeypatch)
+    long = [{"role": ("user", "assistant")[k % 2], "content": f"turn {k}"} for k in range(70)]
+    rows = [{"messages": MESSAGES, "id": 0, "meta": {"source": "x"}},
+            {"messages": MESSAGES[1:3], "id": 1, "meta": {"source": "y"}},
+            {"messages": [{"role": "human", "content": "嗨"}, {"role": "gpt", "content": " 你好\n"},
+                          {"role": "user", "content": "trailing user turn"}], "id": 2, "meta": {"source": None}},
+            {"messages": long, "id": 3, "meta": {"source": "z"}},
+            {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                          {"role": "assistant", "content": "\u3000a"}], "id": 4, "meta": {"source": "v"}}] * 3
+    rows = [{**r, "messages": [dict(m, name="n") for m in r["messages"]]} for r in rows]  # a key more: still fast
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    for kind in ("sft", "prompts"):
+        got, want = read_records(DataArguments(dataset_name=path), kind), _plain(path, kind)
+        assert got == want and len(got) == len(rows)
+        assert [list(r) for r in got] == [list(r) for r in want]  # the same keys in the same order
+    assert seen == {"fast": 2 * len(rows), "plain": 0}
+    assert read_records(DataArguments(dataset_name=path), "prompts")[3]["columns"] == {"id": 3}  # scalar extras only
+    assert read_records(DataArguments(dataset_name=path, max_samples=5), "sft") == _plain(path, "sft")[:5]
+    # messages of mixed shapes ({from, value} among {role, content}; a key in some messages only): `datasets` reads
+    # the column as JSON and the plain path converts it
+    for odd in ({"from": "human", "value": "q"}, {"role": "user", "content": "q", "weight": 1}):
+        path = write_jsonl(tmp_path / "mixed.jsonl", rows[:5] + [{**rows[0], "messages": [odd, A]}] + rows[:3])
+        assert read_records(DataArguments(dataset_name=path), "sft") == _plain(path, "sft")
+
+
+U, A = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+BAD_MESSAGES = [  # the bad messages of row 9, its error, and whether `datasets` hands the column over as Arrow lists
+    ([{"role": "user", "content": None}, A], "message 0 (user) has an empty or non-string content", True),
+    ([U, {"role": "assistant", "content": "\u3000\n"}], "message 1 (assistant) has an empty or non-string content",
+     True),
+    ([U, {"role": "assistant", "content": ""}], "message 1 (assistant) has an empty or non-string content", True),
+    ([{"role": None, "content": "x"}, A], "message 0 has role None; use system, user or assistant", True),
+    ([U, {"role": "tool", "content": "x"}, A], "message 1 has role 'tool'; use system, user or assistant", True),
+    ([None, A], "message 0 must be a {role, content} object, got NoneType", True),
+    (None, "is null or missing in this row", True),
+    ([], "must be a non-empty list of {role, content} messages, got list", True),
+    ([U, {"role": "system", "content": "s"}, A],
+     "message 1 (system) is only allowed as the first message (turns alternate user / assistant)", True),
+    ([U], "needs a user turn followed by an assistant turn", True),
+    ([{"role": "user"}, A], "message 0 (user) has an empty or non-string content", False),
+    ([{"content": "x"}, A], "message 0 has role None; use system, user or assistant", False),
+]
+
+
+@pytest.mark.parametrize("messages, message, arrow", BAD_MESSAGES, ids=[str(b[0]) for b in BAD_MESSAGES])
+def test_messages_fast_conversion_keeps_the_plain_errors(tmp_path, monkeypatch, messages, message, arrow):
+    seen = _fast_message_rows(monkeypatch)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": MESSAGES}] * 9 + [{"messages": messages}]
+                       + [{"messages": MESSAGES}] * 3)
+    with pytest.raises(DataError) as err:
+        read_records(DataArguments(dataset_name=path), "sft")
+    assert one_line(err) == f"{path}, row 9, field 'messages': {message}"
+    with pytest.raises(DataError) as plain:
+        _plain(path, "sft")
+    assert str(plain.value) == str(err.value)
+    assert seen == ({"fast": 11, "plain": 1} if arrow else {"fast": 0, "plain": 0})
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 5-7. list-of-turns prompts, the doubled question, SFT truncate_prompt
 # ---------------------------------------------------------------------------------------------------------------

@@ -290,6 +290,15 @@ def iter_row_batches(dataset_name, split: str = "train", config: str | None = No
             a glob, the source holds no rows, or a hub dataset cannot be loaded (offline: the message names
             ``HF_HUB_OFFLINE``).
     """
+    for batch in _arrow_batches(dataset_name, split, config, batch_rows):
+        yield batch if batch.__class__ is list else batch.to_pylist()
+
+
+def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None):
+    """`iter_row_batches` before the conversion to Python: Arrow record batches of plain columns, or lists of row
+    dicts where `datasets` must decode columns (e.g. `Json` features of mixed-type columns) or index rows; at most
+    ``batch_rows`` (default `BATCH_ROWS`) rows each."""
+    batch_rows = batch_rows or BATCH_ROWS
     with _quiet_datasets():
         ds = _open_dataset(dataset_name, split, config)
     if len(ds) == 0:
@@ -297,10 +306,9 @@ def iter_row_batches(dataset_name, split: str = "train", config: str | None = No
     from datasets.features.features import require_decoding
 
     if getattr(ds, "_indices", None) is None and not any(require_decoding(f) for f in ds.features.values()):
-        for batch in ds.data.table.to_batches(max_chunksize=batch_rows):  # plain Arrow columns: fastest
-            yield batch.to_pylist()
+        yield from ds.data.table.to_batches(max_chunksize=batch_rows)  # plain Arrow columns: fastest
         return
-    for batch in ds.iter(batch_size=batch_rows):  # decoded columns (e.g. `Json` features of mixed-type columns)
+    for batch in ds.iter(batch_size=batch_rows):
         keys = list(batch)
         yield [dict(zip(keys, values)) for values in zip(*batch.values())]
 
@@ -924,7 +932,101 @@ def _prompt_fields(row: dict, fmt: str, args: DataArguments, source: str, i: int
     return _record(*_prompt(row, args, source, i, "prompts"))
 
 
-def _normalise(kind: str, batches: Iterable[list[dict]], args: DataArguments, source: str) -> list[dict]:
+_ROLE_CODES = {"system": 1, "user": 2, "assistant": 3}  # codes of `_message_records`' role signatures; 0: bad
+_ROLE_NAMES = {code: role for role, code in _ROLE_CODES.items()}
+
+
+def _is_message_column(schema, key: str) -> bool:
+    """Whether column ``key`` is a list of structs with string ``role`` and ``content`` fields (others may follow)."""
+    import pyarrow as pa
+
+    k = schema.get_field_index(key)
+    if k < 0:
+        return False
+    kind = schema.field(k).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
+        return False
+    struct = kind.value_type
+    return all(struct.get_field_index(name) >= 0 and (pa.types.is_string(struct.field(name).type)
+                                                       or pa.types.is_large_string(struct.field(name).type))
+               for name in ("role", "content"))
+
+
+def _message_plan(signature: bytes, end: str) -> tuple | None:
+    """Where a row's record comes from, for rows whose messages have the role codes ``signature`` (all valid):
+    ``(system, start, stop, question, answer)``, indices into the row's message contents (``system`` / ``answer``
+    None where absent; the history pairs are ``contents[start:stop]`` two by two). Found by running `_dialogue` itself
+    on the messages' indices in place of their texts, so the records built from it are the ones `_dialogue` gives.
+    None: `_dialogue` refuses these roles, or its result has another layout; such rows take the plain path."""
+    if not signature or 0 in signature:
+        return None
+    try:
+        system, history, question, answer = _dialogue([(_ROLE_NAMES[c], k) for k, c in enumerate(signature)],
+                                                      "", 0, "", end)
+    except DataError:
+        return None
+    start = question - 2 * len(history)
+    if history != [(k, k + 1) for k in range(start, question, 2)]:
+        return None
+    return system, start, question, question, answer
+
+
+def _message_records(column, end: str, plans: dict) -> list[dict | None]:
+    """SFT records (``end='assistant'``) or prompts (``'user'``; without ``"columns"``) of one Arrow batch of a
+    ``messages`` column (`_is_message_column`), each equal to what `_sft_row` / `_prompt_fields` give for the row, or
+    None for a row those must handle (a null or empty list, a null message, an unknown or null role, a null / empty / blank content, roles
+    `_dialogue` refuses): the plain path then reads it, with its exact errors.
+
+    Faster than converting the rows to Python first (`RecordBatch.to_pylist` builds a dict per message): the contents
+    come from the flat child array in one call, the roles as a byte per message (`_ROLE_CODES`), and each distinct
+    sequence of roles is resolved once (`_message_plan`, cached in ``plans``).
+    """
+    import numpy as np
+    import pyarrow.compute as pc
+
+    offsets = column.offsets.to_numpy()
+    first = int(offsets[0])
+    messages = column.values.slice(first, int(offsets[-1]) - first)
+    roles, contents = messages.field("role"), messages.field("content")
+    texts = contents.to_pylist()
+    coded = pc.dictionary_encode(roles)
+    codes = np.array([_ROLE_CODES.get(ROLES.get(r), 0) for r in coded.dictionary.to_pylist()] + [0], np.uint8)
+    codes = codes[pc.fill_null(coded.indices, len(codes) - 1).to_numpy()]  # a null role -> 0
+    if messages.null_count:
+        codes[~messages.is_valid().to_numpy(zero_copy_only=False)] = 0
+    if not all(texts) or any(map(str.isspace, texts)):  # a null / empty content (falsy), or a blank one
+        codes[[not t or t.isspace() for t in texts]] = 0
+    signatures = codes.tobytes()
+    bounds = (offsets - first).tolist()
+    out: list[dict | None] = []
+    append = out.append
+    for a, b in zip(bounds, bounds[1:]):
+        signature = signatures[a:b]
+        plan = plans.get(signature, False)
+        if plan is False:
+            plan = plans[signature] = _message_plan(signature, end)
+        if plan is None:
+            append(None)
+            continue
+        system, start, stop, question, answer = plan
+        c = texts[a:b]
+        history = list(zip(c[start:stop:2], c[start + 1:stop:2])) if start != stop else []
+        if answer is None:  # keys in `_record`'s order
+            rec = {"question": c[question], "history": history}
+            if system is not None:
+                rec["system"] = c[system]
+        elif system is None:
+            rec = {"question": c[question], "history": history, "answer": c[answer]}
+        else:
+            rec = {"question": c[question], "history": history, "answer": c[answer], "system": c[system]}
+        append(rec)
+    if column.null_count:
+        for k in np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False)).tolist():
+            out[k] = None
+    return out
+
+
+def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str) -> list[dict]:
     """Normalise batches of rows into records of ``kind`` ('sft' / 'pairs' / 'prompts'); row numbers run on across
     batches. The format is resolved from the first row (``dataset_format: auto``) and checked on every row."""
     if args.dataset_format not in FORMATS:
@@ -948,15 +1050,20 @@ def _no_gc():
             gc.enable()
 
 
-def _normalise_rows(kind: str, batches: Iterable[list[dict]], args: DataArguments, source: str) -> list[dict]:
+def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: str) -> list[dict]:
+    """`_normalise`. ``batches``: lists of row dicts, or Arrow record batches (`_arrow_batches`; one source's rows
+    share their columns), converted here: plainly (`RecordBatch.to_pylist`), or, for the message column of
+    ``messages`` rows read as SFT records or prompts, through `_message_records` (prompts get their other columns as
+    `_prompt_row` gives them)."""
     out: list[dict] = []
     counts = {"deduplicated": 0}
     fmt = None
     auto = args.dataset_format == "auto"
     i = 0
     for batch in batches:
-        if fmt is None and batch:
-            row = batch[0]
+        arrow = batch.__class__ is not list
+        if fmt is None and len(batch):
+            row = batch.slice(0, 1).to_pylist()[0] if arrow else batch[0]
             if not isinstance(row, dict):
                 raise DataError(source, f"must be an object, got {type(row).__name__}", i)
             fmt = detect_format(row, args) if auto else args.dataset_format
@@ -968,6 +1075,25 @@ def _normalise_rows(kind: str, batches: Iterable[list[dict]], args: DataArgument
                 add, one = out.extend, lambda r, f, a, s, n: _pair_rows(r, f, a, s, n, counts)
             else:
                 add, one = out.append, _sft_row if kind == "sft" else _prompt_row
+            # messages rows: SFT records and prompts come from the message column alone (`_sft_row`, `_prompt_row`)
+            fast_key = (args.messages_key or "messages") if fmt == "messages" and kind != "pairs" else None
+            plans: dict[bytes, tuple | None] = {}
+        if arrow:
+            if fast_key is not None and _is_message_column(batch.schema, fast_key):
+                records = _message_records(batch.column(fast_key), "assistant" if kind == "sft" else "user", plans)
+                extras = (batch.drop_columns([fast_key]).to_pylist()  # prompts: the other columns (`_prompt_row`)
+                          if kind == "prompts" and batch.num_columns > 1 else None)
+                for k, rec in enumerate(records):
+                    if rec is None:  # a row the fast conversion does not vouch for: the plain path (and its errors)
+                        rec = one(batch.slice(k, 1).to_pylist()[0], fmt, args, source, i)
+                    elif extras is not None:
+                        columns = prompt_columns(extras[k], fmt, args)
+                        if columns:
+                            rec["columns"] = columns
+                    add(rec)
+                    i += 1
+                continue
+            batch = batch.to_pylist()
         for row in batch:
             if i:
                 if not isinstance(row, dict):
@@ -1344,7 +1470,7 @@ def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts"]) 
     records = []
     for src in sources(args):
         name = source_name(src.dataset_name)
-        batches = iter_row_batches(src.dataset_name, src.dataset_split, src.dataset_config)
+        batches = _arrow_batches(src.dataset_name, src.dataset_split, src.dataset_config)
         counted = _counted(batches, src.max_samples)
         part = _normalise(kind, counted, src, name)
         logger.info("%s: %d rows -> %d %s records", name, counted.rows, len(part), kind)
@@ -1359,11 +1485,11 @@ class _counted:
         self.batches, self.limit, self.rows = batches, limit, 0
 
     def __iter__(self):
-        for batch in self.batches:
+        for batch in self.batches:  # lists of rows, or Arrow record batches (sliced alike)
             if self.limit is not None and self.rows + len(batch) > self.limit:
                 batch = batch[: self.limit - self.rows]
             self.rows += len(batch)
-            if batch:
+            if len(batch):
                 yield batch
             if self.limit is not None and self.rows >= self.limit:
                 return
