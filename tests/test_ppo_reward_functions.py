@@ -56,7 +56,7 @@ def test_function_reward_adds_to_the_reward_model(assets, sft_run, rm_run, tmp_p
 
 def test_reward_function_errors_stop_the_run_with_one_line(assets, sft_run, rm_run, tmp_path, capsys):
     """A function returning the wrong number of values stops PPO at update 1: exit 2, one line naming it."""
-    from rlhf_trl.launch import run_stage
+    from rlhf_trl.cli_launch import run_stage
 
     bad = tmp_path / "bad_rewards.py"
     bad.write_text("def short(prompts, completions, **kw):\n    return [0.0] * (len(completions) - 1)\n")
@@ -70,7 +70,7 @@ def test_reward_function_errors_stop_the_run_with_one_line(assets, sft_run, rm_r
 
 
 def test_no_reward_at_all_is_one_line(assets, sft_run, tmp_path, capsys):
-    from rlhf_trl.launch import run_stage
+    from rlhf_trl.cli_launch import run_stage
 
     with pytest.raises(SystemExit) as exit_info:
         run_stage("ppo", _ppo_args(assets, sft_run, tmp_path, "--reward_model_path", ""))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .launch import one_line, run_stage  # noqa: F401  (importable from here too)
+from .cli_launch import one_line, run_stage  # noqa: F401  (importable from here too)
 
 STAGES = {
     "sft": "supervised fine-tuning (trl.SFTTrainer)",

@@ -507,6 +507,6 @@ def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> d
 
 
 if __name__ == "__main__":
-    from .launch import run_stage
+    from .cli_launch import run_stage
 
     run_stage("eval")

@@ -158,6 +158,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from .launch import run_stage
+    from .cli_launch import run_stage
 
     run_stage("merge")

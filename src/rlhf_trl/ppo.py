@@ -816,6 +816,6 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
 
 
 if __name__ == "__main__":
-    from .launch import run_stage
+    from .cli_launch import run_stage
 
     run_stage("ppo")

@@ -171,6 +171,6 @@ def evaluate_pairs(model, feats: dict, pad_token_id: int, batch_size: int = 16) 
 
 
 if __name__ == "__main__":
-    from .launch import run_stage
+    from .cli_launch import run_stage
 
     run_stage("rm")

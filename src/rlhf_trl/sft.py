@@ -190,6 +190,6 @@ def own_head_loss(trainer_cls):
 
 
 if __name__ == "__main__":
-    from .launch import run_stage
+    from .cli_launch import run_stage
 
     run_stage("sft")
