@@ -180,19 +180,23 @@ def response_logprobs(policy, query_responses: torch.Tensor, context_length: int
     step = chunk_size if chunk_size and chunk_size > 0 else response.shape[1]
     divisor = temperature + 1e-7
 
-    def chunk_logprobs(h, ids):
-        return pm.selective_log_softmax(lm_head(h) / divisor, ids)
+    def chunk(h, ids):  # one LM-head pass gives the chunk's log-probs and (without gradient) its entropy
+        logits = lm_head(h) / divisor
+        logprob = pm.selective_log_softmax(logits, ids)
+        if not with_entropy:
+            return logprob, None
+        with torch.no_grad():
+            return logprob, pm.entropy_from_logits(logits)
 
     logprobs, entropies = [], []
     for start in range(0, response.shape[1], step):
         h, ids = hidden[:, start:start + step], response[:, start:start + step]
         if torch.is_grad_enabled() and h.requires_grad and step < response.shape[1]:
-            logprobs.append(torch.utils.checkpoint.checkpoint(chunk_logprobs, h, ids, use_reentrant=False))
+            logprob, entropy = torch.utils.checkpoint.checkpoint(chunk, h, ids, use_reentrant=False)
         else:
-            logprobs.append(chunk_logprobs(h, ids))
-        if with_entropy:
-            with torch.no_grad():
-                entropies.append(pm.entropy_from_logits(lm_head(h.detach()) / divisor))
+            logprob, entropy = chunk(h, ids)
+        logprobs.append(logprob)
+        entropies.append(entropy)
     out = torch.cat(logprobs, 1)
     return (out, torch.cat(entropies, 1)) if with_entropy else out
 
