@@ -111,8 +111,8 @@ def real_model():
 
 def engine_reward(model, query_responses, pad_token_id: int, context_length: int):
     """``(None, scores [batch], last [batch])`` in the shape of TRL 1.12's ``get_reward``, read the way the PPO
-    engine reads rewards (`rlhf_trl.ppo_engine.sequence_scores`); ``last`` is each row's last non-pad index."""
-    from rlhf_trl.ppo_engine import sequence_scores
+    engine reads rewards (`rlhf_trl.scoring.sequence_scores`); ``last`` is each row's last non-pad index."""
+    from rlhf_trl.scoring import sequence_scores
     from rlhf_trl.ppo_math import first_true_indices
 
     last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length

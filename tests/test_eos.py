@@ -93,7 +93,7 @@ def listed_sft(sft_run, tmp_path_factory):
 def test_ppo_honours_the_eos_list(assets, rm_run, listed_sft, tmp_path, monkeypatch):
     """PPO from a directory with an EOS list and sampling settings: runs without a flag, stops at either id, and
     the missing-EOS penalty falls only on responses without any EOS id; merged/ keeps the stock config."""
-    from rlhf_trl import ppo, ppo_engine
+    from rlhf_trl import ppo, ppo_engine, scoring
 
     sft_dir, second = listed_sft
     res = ppo.main(["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
@@ -120,5 +120,5 @@ def test_ppo_honours_the_eos_list(assets, rm_run, listed_sft, tmp_path, monkeypa
     ro = trainer.rollout(query, None, update=1)
     cut = torch.tensor([[20, eos, pad], [20, second, pad], [20, 21, 22]])
     assert ro["ended"].tolist() == [True, True, False] and ro["sequence_lengths"].tolist() == [1, 1, 2]
-    plain = ppo_engine.sequence_scores(trainer.reward_model, torch.cat((query, cut), 1), pad, 3)
+    plain = scoring.sequence_scores(trainer.reward_model, torch.cat((query, cut), 1), pad, 3)
     torch.testing.assert_close(ro["scores"], plain - torch.tensor([0.0, 0.0, 1.0]))

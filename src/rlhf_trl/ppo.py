@@ -174,7 +174,7 @@ class BaselineShiftedScore(torch.nn.Module):
     """Wraps a reward model's ``score`` head so that it returns ``score(hidden) - baseline``.
 
     The engine reads rewards as ``reward_model.score(hidden_states)`` at the last non-pad token
-    (`rlhf_trl.ppo_engine.sequence_scores`); replacing the head is how the baseline reaches it.
+    (`rlhf_trl.scoring.sequence_scores`); replacing the head is how the baseline reaches it.
     Input ``[batch, seq_len, hidden]``, output ``[batch, seq_len, 1]``.
     """
 
@@ -193,7 +193,7 @@ class SharedBaseRewardModel(torch.nn.Module):
 
     Built by ``share_reward_value_base: true``: the value model is ``get_peft_model(reward_model, LoRA SEQ_CLS)``,
     which wraps the reward model's modules in place, so without this the reward model would hold a second full
-    copy of the same weights. It has what `rlhf_trl.ppo_engine.sequence_scores` reads: ``base_model_prefix`` naming
+    copy of the same weights. It has what `rlhf_trl.scoring.sequence_scores` reads: ``base_model_prefix`` naming
     a backbone callable (``backbone(input_ids=[batch, seq_len], attention_mask=..., ...)`` run under
     ``value_model.disable_adapter()``) and ``score`` (``[batch, seq_len, hidden] -> [batch, seq_len, 1]``).
 

@@ -48,7 +48,7 @@ from torch import nn
 from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from . import ppo_math as pm
-from .scoring import eos_mask, truncate_at_eos
+from .scoring import eos_mask, model_inputs, sequence_scores, token_scores, truncate_at_eos
 
 logger = logging.getLogger(__name__)
 
@@ -135,36 +135,6 @@ def _lm_parts(model):
     return getattr(base, base.base_model_prefix), base.get_output_embeddings()
 
 
-def _classifier_parts(model):
-    """``(backbone, score_head)`` of a sequence classifier, a peft model on one, or `SharedBaseRewardModel`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, base.base_model_prefix), base.score
-
-
-def _inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
-    """Model inputs of left-padded prompt + right-padded response ids ``[b, T]``: pad masked, positions counted."""
-    mask = query_responses != pad_token_id
-    return {"input_ids": query_responses.masked_fill(~mask, 0), "attention_mask": mask,
-            "position_ids": mask.cumsum(1) - mask.long(), "use_cache": False}
-
-
-def token_scores(model, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """A sequence classifier's score head at every position: ``[b, T] -> [b, T]`` (reward units)."""
-    backbone, head = _classifier_parts(model)
-    hidden = backbone(**_inputs(query_responses, pad_token_id)).last_hidden_state
-    return head(hidden).squeeze(-1)
-
-
-def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]``.
-
-    Agrees with TRL 1.12's ``get_reward`` (its experimental utilities; ``[1]`` of its result).
-    """
-    per_token = token_scores(model, query_responses, pad_token_id)
-    last = pm.first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
-    return per_token[torch.arange(len(last), device=last.device), last]
-
-
 def response_logprobs(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                       temperature: float, chunk_size: int = 0, with_entropy: bool = False):
     """Log-probs of the response tokens under ``softmax(logits / temperature)``, optionally their entropy.
@@ -175,7 +145,7 @@ def response_logprobs(policy, query_responses: torch.Tensor, context_length: int
     chunk is checkpointed, so its logits are recomputed in the backward pass instead of kept.
     """
     backbone, lm_head = _lm_parts(policy)
-    hidden = backbone(**_inputs(query_responses, pad_token_id)).last_hidden_state[:, context_length - 1: -1]
+    hidden = backbone(**model_inputs(query_responses, pad_token_id)).last_hidden_state[:, context_length - 1: -1]
     response = query_responses[:, context_length:]
     step = chunk_size if chunk_size and chunk_size > 0 else response.shape[1]
     divisor = temperature + 1e-7

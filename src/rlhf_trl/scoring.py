@@ -2,7 +2,7 @@
 
 The score of a sequence is the reward model's ``score`` head applied to the hidden state of its last real token
 (prompt ids + response ids + EOS, right-padded with a pad token distinct from EOS), as in TRL's
-``get_reward`` that TRL 1.12's PPOTrainer used (`rlhf_trl.ppo_engine.sequence_scores`).
+``get_reward`` that TRL 1.12's PPOTrainer used (`rlhf_trl.scoring.sequence_scores`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,38 @@ def last_token_index(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor
     return (positions * real).argmax(dim=1)
 
 
+def _classifier_parts(model):
+    """``(backbone, score_head)`` of a sequence classifier, a peft model on one, or `SharedBaseRewardModel`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix), base.score
+
+
+def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
+    """Model inputs of left-padded prompt + right-padded response ids ``[b, T]``: pad masked, positions counted."""
+    mask = query_responses != pad_token_id
+    return {"input_ids": query_responses.masked_fill(~mask, 0), "attention_mask": mask,
+            "position_ids": mask.cumsum(1) - mask.long(), "use_cache": False}
+
+
+def token_scores(model, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """A sequence classifier's score head at every position: ``[b, T] -> [b, T]`` (reward units)."""
+    backbone, head = _classifier_parts(model)
+    hidden = backbone(**model_inputs(query_responses, pad_token_id)).last_hidden_state
+    return head(hidden).squeeze(-1)
+
+
+def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]``.
+
+    Agrees with TRL 1.12's ``get_reward`` (its experimental utilities; ``[1]`` of its result).
+    """
+    per_token = token_scores(model, query_responses, pad_token_id)
+    hit = query_responses[:, context_length:] == pad_token_id  # the last response token precedes its first pad
+    first_pad = torch.where(hit.any(1), hit.int().argmax(1), hit.shape[1])
+    last = first_pad - 1 + context_length
+    return per_token[torch.arange(len(last), device=last.device), last]
+
+
 @torch.no_grad()
 def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_size: int = 16) -> torch.Tensor:
     """Reward-model scores of token id sequences, ``[num_sequences]`` (float32, on CPU).
@@ -45,17 +77,10 @@ def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_
     device = next(model.parameters()).device
     # a PeftModel's LoRA layers sit inside the transformers model (get_base_model); getattr(peft_model, "model")
     # would be that whole model, whose output has no last_hidden_state
-    plain = model.get_base_model() if hasattr(model, "get_base_model") else model
     scores = []
     for i in range(0, len(sequences), batch_size):
         ids = pad_right(sequences[i : i + batch_size], pad_token_id).to(device)
-        mask = ids != pad_token_id
-        position_ids = mask.long().cumsum(1) - mask.long()
-        backbone = getattr(plain, plain.base_model_prefix)
-        hidden = backbone(
-            input_ids=ids.masked_fill(~mask, 0), attention_mask=mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-        logits = plain.score(hidden).squeeze(-1)  # [batch, seq_len]
+        logits = token_scores(model, ids, pad_token_id)  # [batch, seq_len]
         idx = last_token_index(ids, pad_token_id)
         scores.append(logits[torch.arange(len(idx), device=device), idx].float().cpu())
     model.train(was_training)
