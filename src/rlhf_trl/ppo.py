@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from datasets import Dataset
-from transformers import GenerationConfig
 
 from .checkpoints import AtomicCheckpointMixin, begin_writing, distributed_state, start_run
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
@@ -379,8 +378,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             return
         tok = self.processing_class
         pad = tok.pad_token_id
-        gen_config = GenerationConfig(max_new_tokens=self.args.response_length, temperature=0.01 + 1e-7, top_k=0,
-                                      top_p=1.0, do_sample=True, eos_token_id=self.eos_token_ids, pad_token_id=pad)
+        gen_config = sampling_generation_config(0.01 + 1e-7, self.args.response_length, self.eos_token_ids or [], pad)
+        if self.eos_token_ids is None:
+            gen_config.eos_token_id = None
         rows = []
         with preserved_rng():
             for batch in self.eval_dataloader:

@@ -48,6 +48,7 @@ from torch import nn
 from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from . import ppo_math as pm
+from .models import sampling_generation_config
 from .scoring import eos_mask, model_inputs, sequence_scores, token_scores, truncate_at_eos
 
 logger = logging.getLogger(__name__)
@@ -223,10 +224,12 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
 
 
 def sampling_config(args: PPOConfig, eos_ids: list[int] | None, pad_token_id: int) -> GenerationConfig:
-    """Sampling from ``softmax(logits / temperature)`` alone (top-k / top-p off), ``response_length`` new tokens,
-    stopping at any of ``eos_ids`` (None: never)."""
-    return GenerationConfig(max_new_tokens=args.response_length, temperature=args.temperature + 1e-7, top_k=0,
-                            top_p=1.0, do_sample=True, eos_token_id=eos_ids, pad_token_id=pad_token_id)
+    """Sampling from ``softmax(logits / temperature)`` alone (`rlhf_trl.models.sampling_generation_config`: every
+    biasing setting neutral), ``response_length`` new tokens, stopping at any of ``eos_ids`` (None: never)."""
+    config = sampling_generation_config(args.temperature + 1e-7, args.response_length, eos_ids or [], pad_token_id)
+    if eos_ids is None:
+        config.eos_token_id = None
+    return config
 
 
 def disable_dropout(model: nn.Module) -> None:
