@@ -386,3 +386,17 @@ def test_damaged_checkpoints_still_refuse_a_fresh_start(assets, tmp_path, capsys
     code, err = run_cli("sft", argv, capsys)
     assert code == 2 and len(err) == 1 and "checkpoints of an earlier, unfinished run (checkpoint-4)" in err[0], err
     assert tree_hashes(out) == before
+
+
+def test_eval_reads_the_logs_of_the_newest_intact_checkpoint(tmp_path, caplog):
+    from rlhf_trl.evaluate import read_stage_logs
+
+    make_checkpoint(tmp_path / "checkpoint-2")
+    newest = make_checkpoint(tmp_path / "checkpoint-4")
+    with open(os.path.join(newest, "trainer_state.json"), "r+b") as f:
+        f.write(b"{garbage")  # same size, no longer JSON
+    with caplog.at_level(logging.WARNING):
+        history, source = read_stage_logs(str(tmp_path))
+    assert source == str(tmp_path / "checkpoint-2" / "trainer_state.json")
+    assert history == [{"step": 1, "loss": 1.0}]
+    assert "checkpoint-4 is damaged (trainer_state.json cannot be read" in caplog.text

@@ -51,11 +51,9 @@ the parents of ``sft_model_path`` / ``reward_model_path`` when those end in ``me
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import logging
 import os
-import re
 
 import torch
 
@@ -200,7 +198,8 @@ def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
     """A stage's training log records and where they came from.
 
     The stage's whole ``log_history`` (``log_history.json``, written when a stage finishes), else that of the newest
-    ``checkpoint-N/trainer_state.json`` under ``stage_dir`` (an unfinished run), else ``[metrics.json]``, else
+    intact ``checkpoint-N/trainer_state.json`` under ``stage_dir`` (an unfinished run; damaged ones are skipped with a
+    warning), else ``[metrics.json]``, else
     ``[]``. Returns ``(records, source path or None)``.
     """
     if not stage_dir or not os.path.isdir(stage_dir):
@@ -211,17 +210,19 @@ def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
             history = json.load(f).get("log_history") or []
         if history:
             return history, path
-    ckpts = []
-    for path in glob.glob(os.path.join(stage_dir, "checkpoint-*", "trainer_state.json")):
-        m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.dirname(path)))
-        if m:
-            ckpts.append((int(m.group(1)), path))
-    if ckpts:
-        path = max(ckpts)[1]
+    from .checkpoints import checkpoint_problem, complete_checkpoints
+
+    for ckpt in reversed(complete_checkpoints(stage_dir)):  # newest intact one (`checkpoint_problem`)
+        problem = checkpoint_problem(ckpt)
+        if problem:
+            logger.warning("%s is damaged (%s); reading the logs of an older checkpoint", ckpt, problem)
+            continue
+        path = os.path.join(ckpt, "trainer_state.json")
         with open(path, encoding="utf-8") as f:
             history = json.load(f).get("log_history") or []
         if history:
             return history, path
+        break
     path = os.path.join(stage_dir, "metrics.json")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
