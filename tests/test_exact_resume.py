@@ -1,0 +1,71 @@
+"""Resume is bit-exact: a run killed right after a middle checkpoint and resumed in a fresh process ends with the
+uninterrupted run's weights, optimizer and scheduler state, RNG states, data position, KL coefficient, reward
+baseline, loop sums and log history (`exactness.assert_runs_equal`: ``torch.equal`` / ``==``, wall-time fields
+aside), for SFT, RM and PPO (plain, LoRA value model, shared reward / value base, ``reward_baseline: auto``, and two
+processes).
+
+The kill: ``RLHF_TRL_FAULT="<s>:1"`` (`rlhf_trl.faults`) SIGKILLs the run at the first file operation of its s-th
+checkpoint save, so checkpoint s-1 is the newest on disk, with everything the run wrote after it (PPO's sample table
+of the next update, TensorBoard events). One-process runs are forked from a `exactness.Zygote` (a fresh process
+each, without the import time); the two-process runs go through ``accelerate launch``.
+"""
+
+import os
+
+import pytest
+from exactness import Zygote, accelerate_launch, assert_runs_equal, checkpoints, stage_configs, tail
+
+pytestmark = pytest.mark.slow
+
+ONE_PROCESS = ["sft", "rm", "ppo", "ppo_value_lora", "ppo_shared_base", "ppo_baseline_auto"]
+RESUME_AFTER = {"sft": 1, "rm": 1, "ppo": 1, "ppo_value_lora": 2, "ppo_shared_base": 1, "ppo_baseline_auto": 2,
+                "ppo_2proc": 2}  # resume from the n-th checkpoint (PPO's 2nd: the end of a pass over the prompts)
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
+@pytest.fixture(scope="module")
+def configs(assets, sft_run, rm_run):
+    return stage_configs(assets, sft_run["merged"], rm_run["merged"])
+
+
+def run_and_resume(cfg, tmp_path, run) -> None:
+    """Uninterrupted run, killed run, resume; then compare. ``run(argv, log, env) -> returncode``."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    log = str(tmp_path / "log.txt")
+    assert run([*cfg.argv, "--output_dir", str(straight)], log, None) == 0, tail(log)
+    assert checkpoints(straight) == cfg.checkpoints
+    n = RESUME_AFTER[cfg.name]
+    code = run([*cfg.argv, "--output_dir", str(killed)], log, {"RLHF_TRL_FAULT": f"{n + 1}:1"})
+    assert code != 0, "the run was not killed"
+    assert checkpoints(killed) == cfg.checkpoints[:n]
+    assert run([*cfg.argv, "--output_dir", str(killed), "--resume_from_checkpoint", "true"], log, None) == 0, tail(log)
+    assert_runs_equal(straight, killed)
+
+
+@pytest.mark.parametrize("name", ONE_PROCESS)
+def test_one_process_resume_is_bit_exact(name, configs, zygote, tmp_path):
+    cfg = configs[name]
+
+    def run(argv, log, env):
+        return zygote.run(cfg.stage, argv, log, env)
+
+    run_and_resume(cfg, tmp_path, run)
+
+
+def test_two_process_ppo_resume_is_bit_exact(configs, tmp_path):
+    """Under ``accelerate launch`` (2 processes, gloo): each process restores its own RNG state and data position,
+    and the sampler's shared generator (accelerate gives the sampler one under several processes) is restored to
+    the state it had when the interrupted pass began: checkpoint-4 lies in the second pass over the prompts."""
+    cfg = configs["ppo_2proc"]
+
+    def run(argv, log, env):
+        return accelerate_launch(cfg.stage, argv, cfg.nproc, log, env)
+
+    run_and_resume(cfg, tmp_path, run)
+    assert os.path.exists(tmp_path / "killed" / "checkpoint-4" / "data_state_rank1.pt")
