@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import re
 import select
 import signal
@@ -206,9 +207,10 @@ class StageConfig:
 
 
 def stage_configs(assets: dict, sft_merged: str, rm_merged: str) -> dict[str, StageConfig]:
-    """The seven configurations: tiny runs of the demo assets, 5-8 steps, three checkpoints each, the second in the
-    middle of the run (SFT / RM: a checkpoint between two logging steps, so the loop's running loss sum matters;
-    PPO: adaptive KL control, sample tables, a checkpoint at the end of a pass over the prompts)."""
+    """The seven configurations: tiny runs of the demo assets, three checkpoints each, the second in the middle of
+    the run. SFT / RM: 8 steps of 2 accumulated micro-batches, 2 passes over the data, checkpoints between two
+    logging steps (so the loop's running loss sums matter). PPO: 3 updates, adaptive KL control, a sample table
+    every update, the 2nd checkpoint at the end of a pass over the prompts (2 processes: in the second pass)."""
     common = ["--save_strategy", "steps", "--report_to", "none", "--overwrite_output_dir", "true"]
     sft = ["--config", f"{RECIPES}/sft.yaml", "--dataset_name", assets["sft"], "--model_name_or_path",
            assets["base_model"], "--max_samples", "36", "--eval_split_size", "4", "--num_train_epochs", "2",
@@ -219,29 +221,47 @@ def stage_configs(assets: dict, sft_merged: str, rm_merged: str) -> dict[str, St
           "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--save_steps", "3",
           "--logging_steps", "2", *common]  # 36 pairs - 4 held out = 32 / 8 = 4 steps a pass, 8 steps
     ppo = ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path", sft_merged,
-           "--reward_model_path", rm_merged, "--max_samples", "40", "--eval_split_size", "8",
+           "--reward_model_path", rm_merged, "--max_samples", "24", "--eval_split_size", "8",
            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--per_device_eval_batch_size",
-           "4", "--total_episodes", "48", "--num_ppo_epochs", "2", "--response_length", "8",
+           "4", "--total_episodes", "24", "--num_ppo_epochs", "1", "--response_length", "8",
            "--local_rollout_forward_batch_size", "8", "--kl_target", "0.5", "--kl_horizon", "40",
-           "--log_samples_every", "2", "--save_steps", "2", "--logging_steps", "1", *common]
-    # 32 prompts / 8 = 4 updates a pass, 6 updates: checkpoint-4 ends the first pass
+           "--log_samples_every", "1", "--save_steps", "1", "--logging_steps", "1", *common]
+    # 16 prompts / 8 = 2 updates a pass, 3 updates: checkpoint-2 ends the first pass
     ppo2 = [*ppo]
-    ppo2[ppo2.index("--max_samples") + 1] = "64"
+    ppo2[ppo2.index("--max_samples") + 1] = "32"
     ppo2[ppo2.index("--eval_split_size") + 1] = "16"
-    ppo2[ppo2.index("--total_episodes") + 1] = "80"
-    # 2 processes: 48 prompts / 16 = 3 updates a pass, 5 updates: checkpoint-4 is in the second pass
+    ppo2[ppo2.index("--total_episodes") + 1] = "48"
+    # 2 processes: 16 prompts / 16 = 1 update a pass, 3 updates: checkpoint-2 is in the second pass (the sampler's
+    # generator, shared by the processes, has moved on)
     lora_value = ["--value_use_peft", "true", "--value_lora_r", "4"]
     configs = [
         StageConfig("sft", "sft", sft, [3, 6, 8]),
         StageConfig("rm", "rm", rm, [3, 6, 8]),
-        StageConfig("ppo", "ppo", ppo, [2, 4, 6]),
-        StageConfig("ppo_value_lora", "ppo", [*ppo, *lora_value], [2, 4, 6]),
-        StageConfig("ppo_shared_base", "ppo", [*ppo, *lora_value, "--share_reward_value_base", "true"], [2, 4, 6]),
+        StageConfig("ppo", "ppo", ppo, [1, 2, 3]),
+        StageConfig("ppo_value_lora", "ppo", [*ppo, *lora_value], [1, 2, 3]),
+        StageConfig("ppo_shared_base", "ppo", [*ppo, *lora_value, "--share_reward_value_base", "true"], [1, 2, 3]),
         StageConfig("ppo_baseline_auto", "ppo", [*ppo, "--reward_baseline", "auto", "--reward_baseline_batches", "1"],
-                    [2, 4, 6]),
-        StageConfig("ppo_2proc", "ppo", ppo2, [2, 4, 5], nproc=2),
+                    [1, 2, 3]),
+        StageConfig("ppo_2proc", "ppo", ppo2, [1, 2, 3], nproc=2),
     ]
     return {c.name: c for c in configs}
+
+
+def small_models(zygote: "Zygote", assets: dict, workdir) -> tuple[str, str]:
+    """``(sft_merged, rm_merged)``: a quick SFT (1 pass over 200 rows) and reward model (1 pass over 120 pairs) of
+    the demo assets, the inputs of the RM and PPO configurations (any trained models do)."""
+    workdir = Path(workdir)
+    log = str(workdir / "small_models.log")
+    common = ["--num_train_epochs", "1", "--report_to", "none", "--save_strategy", "no"]
+    code = zygote.run("sft", ["--config", f"{RECIPES}/sft.yaml", "--dataset_name", assets["sft"], "--model_name_or_path",
+                              assets["base_model"], "--max_samples", "200", "--output_dir", str(workdir / "sft"),
+                              *common], log)
+    assert code == 0, tail(log)
+    code = zygote.run("rm", ["--config", f"{RECIPES}/rm.yaml", "--dataset_name", assets["rm"], "--model_name_or_path",
+                             str(workdir / "sft" / "merged"), "--max_samples", "40", "--output_dir",
+                             str(workdir / "rm"), *common], log)
+    assert code == 0, tail(log)
+    return str(workdir / "sft" / "merged"), str(workdir / "rm" / "merged")
 
 
 def accelerate_launch(stage: str, argv: list[str], nproc: int, log: str, env: dict | None = None,
@@ -253,7 +273,7 @@ def accelerate_launch(stage: str, argv: list[str], nproc: int, log: str, env: di
             and not k.startswith("RLHF_TRL_FAULT")}
     full.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                 RLHF_TRL_DEBUG="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="true")
-    full["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), full.get("PYTHONPATH")) if p)
+    full["PYTHONPATH"] = os.pathsep.join(p for p in (source_dir(), full.get("PYTHONPATH")) if p)
     full.update(env or {})
     cmd = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--config_file", str(MULTI_CPU),
            "--num_processes", str(nproc), "--main_process_port", str(free_port()), "-m", "rlhf_trl.cli", stage, *argv]
@@ -267,19 +287,33 @@ def tree_digest(root) -> str:
     anything else): relative path and bytes. Two roots with the same digest resume identically."""
     h = hashlib.sha256()
     root = Path(root)
-    for folder, dirs, files in sorted(os.walk(root)):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".tmp-"))
-        for f in sorted(files):
-            p = Path(folder) / f
-            h.update(str(p.relative_to(root)).encode() + b"\0")
-            h.update(p.read_bytes() if not p.is_symlink() else os.readlink(p).encode())
-            h.update(b"\0")
+    paths = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".tmp-")]
+        paths += [Path(folder) / f for f in files]
+        paths += [Path(folder) / d for d in dirs]  # empty directories count too
+    for p in sorted(paths):
+        h.update(str(p.relative_to(root)).encode() + b"\0")
+        if p.is_symlink():
+            h.update(b"link:" + os.readlink(p).encode())
+        elif p.is_file():
+            h.update(b"file:" + p.read_bytes())
+        else:
+            h.update(b"dir")
+        h.update(b"\0")
     return h.hexdigest()
 
 
 # -- the fork server -----------------------------------------------------------------------------------------------
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
+
+
+def source_dir() -> str:
+    """The directory holding the ``rlhf_trl`` package this process imports (children run the same code)."""
+    import rlhf_trl
+
+    return str(Path(rlhf_trl.__file__).resolve().parents[1])
 
 
 def _zygote_main() -> None:  # pragma: no cover (runs in the zygote process)
@@ -344,7 +378,7 @@ class Zygote:
         base = {k: v for k, v in os.environ.items() if not k.startswith("RLHF_TRL_FAULT")}
         base.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                     PYTHONUNBUFFERED="1", RLHF_TRL_DEBUG="1")
-        base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), str(TESTS), base.get("PYTHONPATH")) if p)
+        base["PYTHONPATH"] = os.pathsep.join(p for p in (source_dir(), str(TESTS), base.get("PYTHONPATH")) if p)
         base.update(env or {})
         self.proc = subprocess.Popen([sys.executable, "-c", "import exactness; exactness._zygote_main()"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=base, cwd=REPO, bufsize=0)
@@ -510,10 +544,12 @@ def _install_sweep(spec: dict) -> None:  # pragma: no cover (runs in a zygote ch
                     _write_file(work / f"port-{i}", str(port))
                 else:
                     port = int(_wait_file(work / f"port-{i}"))
+            python_rng = random.getstate()
             pid = os.fork()
             if pid == 0:
                 code = SURVIVED
                 try:
+                    random.setstate(python_rng)  # `random` reseeds itself in a forked child; the save records it
                     os.environ["RLHF_TRL_FAULT"] = f"{spec['save']}:{op}:{action}"
                     os.environ.pop("RLHF_TRL_FAULT_LOG", None)
                     if world > 1:

@@ -13,13 +13,14 @@ each, without the import time); the two-process runs go through ``accelerate lau
 import os
 
 import pytest
-from exactness import Zygote, accelerate_launch, assert_runs_equal, checkpoints, stage_configs, tail
+from exactness import Zygote, accelerate_launch, assert_runs_equal, checkpoints, small_models, stage_configs, tail
 
 pytestmark = pytest.mark.slow
 
 ONE_PROCESS = ["sft", "rm", "ppo", "ppo_value_lora", "ppo_shared_base", "ppo_baseline_auto"]
-RESUME_AFTER = {"sft": 1, "rm": 1, "ppo": 1, "ppo_value_lora": 2, "ppo_shared_base": 1, "ppo_baseline_auto": 2,
-                "ppo_2proc": 2}  # resume from the n-th checkpoint (PPO's 2nd: the end of a pass over the prompts)
+RESUME_AFTER = {"sft": 1, "rm": 2, "ppo": 1, "ppo_value_lora": 2, "ppo_shared_base": 1, "ppo_baseline_auto": 2,
+                "ppo_2proc": 2}  # resume from the n-th checkpoint (PPO's 2nd: the end of a pass over the prompts; 2
+# processes: in the second pass)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def zygote():
 
 
 @pytest.fixture(scope="module")
-def configs(assets, sft_run, rm_run):
-    return stage_configs(assets, sft_run["merged"], rm_run["merged"])
+def configs(assets, zygote, tmp_path_factory):
+    return stage_configs(assets, *small_models(zygote, assets, tmp_path_factory.mktemp("small_models")))
 
 
 def run_and_resume(cfg, tmp_path, run) -> None:
@@ -61,11 +62,11 @@ def test_one_process_resume_is_bit_exact(name, configs, zygote, tmp_path):
 def test_two_process_ppo_resume_is_bit_exact(configs, tmp_path):
     """Under ``accelerate launch`` (2 processes, gloo): each process restores its own RNG state and data position,
     and the sampler's shared generator (accelerate gives the sampler one under several processes) is restored to
-    the state it had when the interrupted pass began: checkpoint-4 lies in the second pass over the prompts."""
+    the state it had when the interrupted pass began: checkpoint-2 lies in the second pass over the prompts."""
     cfg = configs["ppo_2proc"]
 
     def run(argv, log, env):
         return accelerate_launch(cfg.stage, argv, cfg.nproc, log, env)
 
     run_and_resume(cfg, tmp_path, run)
-    assert os.path.exists(tmp_path / "killed" / "checkpoint-4" / "data_state_rank1.pt")
+    assert os.path.exists(tmp_path / "killed" / "checkpoint-2" / "data_state_rank1.pt")

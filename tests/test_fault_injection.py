@@ -60,6 +60,7 @@ from exactness import (
     captured_launch_env,
     checkpoints,
     read_fault_log,
+    small_models,
     stage_configs,
     tail,
 )
@@ -71,8 +72,8 @@ SAVE = 2  # the checkpoint save whose every file operation is a kill point
 
 
 @pytest.fixture(scope="module")
-def configs(assets, sft_run, rm_run):
-    return stage_configs(assets, sft_run["merged"], rm_run["merged"])
+def configs(assets, zygote, tmp_path_factory):
+    return stage_configs(assets, *small_models(zygote, assets, tmp_path_factory.mktemp("small_models")))
 
 
 @pytest.fixture(scope="module")
