@@ -13,7 +13,17 @@ each, without the import time); the two-process runs go through ``accelerate lau
 import os
 
 import pytest
-from exactness import Zygote, accelerate_launch, assert_runs_equal, checkpoints, small_models, stage_configs, tail
+from exactness import (
+    Zygote,
+    accelerate_launch,
+    assert_runs_equal,
+    assert_same,
+    checkpoints,
+    comparable,
+    small_models,
+    stage_configs,
+    tail,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -70,3 +80,22 @@ def test_two_process_ppo_resume_is_bit_exact(configs, tmp_path):
 
     run_and_resume(cfg, tmp_path, run)
     assert os.path.exists(tmp_path / "killed" / "checkpoint-2" / "data_state_rank1.pt")
+
+
+def test_sample_tables_do_not_change_training(configs, zygote, tmp_path):
+    """PPO with a sample table every update ends with the weights, optimizer state and log history of the same run
+    without sample tables. (A sample table loops over one eval batch and leaves the loop early; the loader left
+    mid-iteration stayed accelerate's active loader, whose end decides when accumulated gradients are applied, so
+    the update that ends a pass over the prompts stepped the optimizer differently after a sample table.)"""
+    cfg = configs["ppo"]
+    log = str(tmp_path / "log.txt")
+    argv = [*cfg.argv]
+    argv[argv.index("--log_samples_every") + 1] = "0"
+    with_tables, without = tmp_path / "with", tmp_path / "without"
+    assert zygote.run(cfg.stage, [*cfg.argv, "--output_dir", str(with_tables)], log) == 0, tail(log)
+    assert zygote.run(cfg.stage, [*argv, "--output_dir", str(without)], log) == 0, tail(log)
+    assert (with_tables / "samples.jsonl").exists() and not (without / "samples.jsonl").exists()
+    last = f"checkpoint-{cfg.checkpoints[-1]}"
+    for rel in ("adapter/adapter_model.safetensors", "value_model/model.safetensors", f"{last}/optimizer.pt",
+                f"{last}/scheduler.pt", f"{last}/data_state.pt", f"{last}/trainer_state.json", "log_history.json"):
+        assert_same(comparable(with_tables / rel), comparable(without / rel), rel)

@@ -158,10 +158,22 @@ def test_kill_at_every_file_operation_then_resume_exactly(name, configs, request
         assert run([*cfg.argv, "--output_dir", str(resumed), "--resume_from_checkpoint", "true"], log) == ok, \
             (where, tail(log))
         assert_runs_equal(reference, resumed)
-    print(f"{name}: K={k_count} kill points ({', '.join(f'{k}:{n}' for k, n in zip(*_counts(kinds)))}), "
-          f"{len(states)} distinct on-disk states: " + "; ".join(f"[{', '.join(w)}]" for w in states.values()))
+    counts = ", ".join(f"{kind} {kinds.count(kind)}" for kind in sorted(set(kinds)))
+    print(f"\n{name}: K={k_count} kill points ({counts}); {len(states)} distinct on-disk states: "
+          + "; ".join(_spans(w) for w in states.values()))
 
 
-def _counts(kinds):
-    names = sorted(set(kinds))
-    return names, [kinds.count(n) for n in names]
+def _spans(points: list[str]) -> str:
+    """``["1:kill", "2:kill", "3:kill", "6:torn"]`` -> ``"kill 1-3, torn 6"``."""
+    out = []
+    for action in ("kill", "torn"):
+        ops = sorted(int(p.split(":")[0]) for p in points if p.endswith(":" + action))
+        runs: list[list[int]] = []
+        for op in ops:
+            if runs and op == runs[-1][1] + 1:
+                runs[-1][1] = op
+            else:
+                runs.append([op, op])
+        if runs:
+            out.append(f"{action} " + ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs))
+    return " + ".join(out)

@@ -406,7 +406,11 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
     def generate_completions(self, sampling: bool = False):
         """Sample one eval batch (near-greedy, temperature 0.01), score it and log query / response / score / reward.
 
-        Runs under `preserved_rng`, so sample tables never change the training run.
+        Runs under `preserved_rng`, and hands accelerate's gradient state back to the prompt loader (``end()`` of
+        the eval loader when the loop is left early: a loader left mid-iteration stays accelerate's active loader,
+        and the optimizer's accumulation syncs early at the end of the active loader's pass, so a sample table used to
+        change how the next update that ends a pass over the prompts steps the optimizer, and a resumed run, which
+        had not sampled yet, stepped differently). Sample tables never change the training run.
         """
         if self.eval_dataloader is None:
             return
@@ -416,8 +420,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         if self.eos_token_ids is None:
             gen_config.eos_token_id = None
         rows = []
-        with preserved_rng():
-            for batch in self.eval_dataloader:
+        loader = self.eval_dataloader
+        with preserved_rng(), _ended(loader):
+            for batch in loader:
                 query = batch["input_ids"]
                 context = query.shape[1]
                 with self.generation_policy() as policy:
@@ -535,6 +540,17 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             drop_later_samples(self.args.output_dir, done)
         logger.info("resuming from %s at update %d of %d (episode %d)", ckpt, done, total, self.state.episode)
         return done
+
+
+@contextmanager
+def _ended(loader):
+    """Run a loop over the accelerate-prepared ``loader``, then take it off accelerate's gradient state (its
+    ``end()``, which a loop left with ``break`` never reaches; harmless after a complete pass)."""
+    try:
+        yield
+    finally:
+        if hasattr(loader, "end"):
+            loader.end()
 
 
 def drop_later_samples(output_dir: str, step: int) -> None:
