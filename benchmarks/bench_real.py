@@ -14,6 +14,7 @@ Variants, each one PPO run in its own process (so that peak RSS is its own), sam
                    run from its own venv with trl==1.12.0 (``--trl112_venv``, default .venv-trl112, built on first
                    use), since the project itself follows current TRL
   rlhf_trl         ``rlhf-trl ppo`` (the project's PPO engine) in TRL's layout (full value model, as TRL does)
+  rlhf_trl_offload the same with ``offload_reward_model: true`` (the reward model's weights on disk between rollouts)
   rlhf_trl_lean    ``rlhf-trl ppo`` with ``value_use_peft`` + ``share_reward_value_base`` (one copy of weights for
                    reward and value model)
 
@@ -33,7 +34,9 @@ scores of every step of every row, scoring the reference pass, optimisation the 
 --size small (default): 4 episodes x 32 new tokens (per_device_train_batch_size 4), 1 PPO epoch: ~70 s per update
 here. --size large: 8 episodes x 64 new tokens, run with micro-batches of 2 (per_device_train_batch_size 2 x
 gradient_accumulation_steps 4) and rollout forward chunks of 2 so that it fits in 24 GB (TRL at micro-batch 8 took
-19.9 GB and 643 s per update). Run it on an otherwise idle machine.
+19.9 GB and 643 s per update). --size issue: the PPO-loop issue's own setting, 8 episodes x 64 new tokens in one
+micro-batch of 8 and one rollout chunk of 8 (about 20 GB for TRL: nothing else may run). Run it on an otherwise idle
+machine.
 """
 
 from __future__ import annotations
@@ -63,8 +66,12 @@ SIZES = {
                   response_length=32),
     "large": dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, local_rollout_forward_batch_size=2,
                   response_length=64),
+    "issue": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, local_rollout_forward_batch_size=8,
+                  response_length=64),
 }
-VARIANTS = ("plain_trl", "rlhf_trl", "rlhf_trl_lean")
+VARIANTS = ("plain_trl", "rlhf_trl", "rlhf_trl_offload", "rlhf_trl_lean")
+EXTRA = {"rlhf_trl": [], "rlhf_trl_offload": ["--offload_reward_model", "true"],
+         "rlhf_trl_lean": ["--value_use_peft", "true", "--share_reward_value_base", "true"]}
 GB = 1e9
 
 
@@ -224,7 +231,7 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
     else:
         from rlhf_trl import ppo
 
-        extra = ["--value_use_peft", "true", "--share_reward_value_base", "true"] if variant == "rlhf_trl_lean" else []
+        extra = EXTRA[variant]
         argv = ["--config", str(REPO / "recipes" / "qwen2.5-0.5b-cpu" / "ppo.yaml"), "--dataset_format", "prompt",
                 "--value_use_peft", "false", "--share_reward_value_base", "false", "--reward_baseline", "0.0",
                 "--log_samples_every", "0", *extra]

@@ -7,6 +7,8 @@ import logging
 import os
 import shutil
 
+from . import faults
+
 logger = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".tmp-"
@@ -37,25 +39,63 @@ class AtomicCheckpointMixin:
         root = self.args.output_dir
         name = f"checkpoint-{self.state.global_step}"
         staging = os.path.join(root, f"{STAGING_PREFIX}{name}")
-        if self.args.should_save:
-            shutil.rmtree(staging, ignore_errors=True)
-        self.accelerator.wait_for_everyone()  # no process writes into staging before it is cleared
-        self.args.output_dir = staging
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.output_dir = root
-        ckpt = os.path.join(staging, name)
-        self.checkpoint_extras(ckpt)
-        self.accelerator.wait_for_everyone()  # every process's files are in staging
-        if self.args.should_save:
-            final = os.path.join(root, name)
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(ckpt, final)
-            shutil.rmtree(staging, ignore_errors=True)
-            rotate_checkpoints(root, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False)
+        with faults.checkpoint_save():
+            try:
+                if self.args.should_save and os.path.exists(staging):
+                    faults.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
+                self.accelerator.wait_for_everyone()  # no process writes into staging before it is cleared
+                self.args.output_dir = staging
+                try:
+                    super()._save_checkpoint(model, trial)
+                finally:
+                    self.args.output_dir = root
+                ckpt = os.path.join(staging, name)
+                self.checkpoint_extras(ckpt)
+                self.accelerator.wait_for_everyone()  # every process's files are in staging
+                if self.args.should_save:
+                    publish_checkpoint(ckpt, os.path.join(root, name))
+                    faults.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
+                    faults.file_op("rotate", root, lambda: rotate_checkpoints(
+                        root, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False))
+            except OSError as exc:
+                if self.args.should_save:
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise CheckpointWriteError(name, root, exc) from exc
         self.accelerator.wait_for_everyone()  # checkpoint-N is in place for every process
+
+
+class CheckpointWriteError(OSError):
+    """Writing ``checkpoint-N`` failed (full disk, read-only ``output_dir``, ...): its staging directory was removed,
+    no ``checkpoint-N`` was published, the earlier checkpoints are untouched. The message is one line naming the path
+    the file system refused."""
+
+    def __init__(self, name: str, root: str, cause: OSError):
+        where = cause.filename or root
+        earlier = complete_checkpoints(root)
+        kept = f"the newest complete checkpoint is {os.path.basename(earlier[-1])}" if earlier else "no checkpoint yet"
+        self.message = (f"cannot write {name} in '{root}': {cause.strerror or cause} ('{where}'); nothing of it was "
+                        f"published, {kept}")
+        super().__init__(cause.errno, self.message, where)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def publish_checkpoint(staged: str, final: str) -> None:
+    """Make the complete checkpoint ``staged`` visible as ``final``: fsync its files and directories, rename, fsync
+    the parent (`faults.publish`). A ``final`` of the same step already there (saved again) is moved aside first and
+    removed afterwards, so some complete ``checkpoint-N`` exists at every moment (as ``final`` or ``final.old``).
+
+    Raises:
+        OSError: a write, fsync or rename failed.
+    """
+    old = None
+    if os.path.exists(final):
+        old = final + ".old"
+        faults.file_op("rename", old, lambda: os.rename(final, old))
+    faults.publish(staged, final)
+    if old is not None:
+        faults.file_op("remove", old, lambda: shutil.rmtree(old, ignore_errors=True))
 
 
 def with_atomic_checkpoints(trainer_cls):
@@ -64,10 +104,14 @@ def with_atomic_checkpoints(trainer_cls):
 
 
 def remove_staging(output_dir: str) -> None:
-    """Delete ``.tmp-checkpoint-*`` leftovers of a killed run (never complete checkpoints)."""
+    """Delete ``.tmp-checkpoint-*`` leftovers of a killed run (never complete checkpoints) and its
+    ``.tmp-offload-*`` weight files (``offload_reward_model``)."""
     for path in glob.glob(os.path.join(output_dir, f"{STAGING_PREFIX}checkpoint-*")):
         logger.info("removing the unfinished checkpoint %s of an interrupted run", path)
         shutil.rmtree(path, ignore_errors=True)
+    for path in glob.glob(os.path.join(output_dir, f"{STAGING_PREFIX}offload-*")):
+        logger.info("removing the offloaded weights %s of an interrupted run", path)
+        os.remove(path)
 
 
 def start_run(training_args, run_args=None):

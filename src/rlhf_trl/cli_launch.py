@@ -42,8 +42,11 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     """Run one stage's ``main(argv)``.
 
     Bad input (recipe, data, missing or unsafe model files) prints one line on stderr and exits with status 2; a
-    diverged PPO run exits with status 3. ``RLHF_TRL_DEBUG=1`` re-raises with the traceback.
+    diverged PPO run exits with status 3; a checkpoint the file system refused to take (full disk, read-only
+    ``output_dir``: `checkpoints.CheckpointWriteError`) exits with status 4, naming the path. ``RLHF_TRL_DEBUG=1``
+    re-raises with the traceback.
     """
+    from .checkpoints import CheckpointWriteError
     from .config import RecipeError
     from .data import DataError
     from .models import StageInputError
@@ -70,6 +73,11 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     except diverged as exc:
         print(f"rlhf-trl {stage}: training stopped: {exc}", file=sys.stderr)
         sys.exit(3)
+    except CheckpointWriteError as exc:
+        if os.environ.get("RLHF_TRL_DEBUG"):
+            raise
+        print(f"rlhf-trl {stage}: error: {one_line(exc)}", file=sys.stderr)
+        sys.exit(4)
     if stage == "demo" and "summary" in result:
         print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
         return 0

@@ -480,8 +480,11 @@ def atomic_dir(final_path: str):
     """Write a directory under a temporary name next to ``final_path`` and rename it into place on success.
 
     A crash leaves no half-written ``final_path``; an existing ``final_path`` is replaced only after the new one
-    is complete.
+    is complete, and the new one's files and directories are fsynced before the rename that publishes it
+    (`faults.publish`).
     """
+    from .faults import file_op, publish
+
     parent = os.path.dirname(os.path.abspath(final_path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.tmp-", dir=parent)
@@ -495,11 +498,11 @@ def atomic_dir(final_path: str):
         raise
     if os.path.exists(final_path):
         old = tmp + ".old"
-        os.rename(final_path, old)
-        os.rename(tmp, final_path)
-        shutil.rmtree(old, ignore_errors=True)
+        file_op("rename", old, lambda: os.rename(final_path, old))
+        publish(tmp, final_path)
+        file_op("remove", old, lambda: shutil.rmtree(old, ignore_errors=True))
     else:
-        os.rename(tmp, final_path)
+        publish(tmp, final_path)
 
 
 def save_pretrained_atomic(model, tokenizer, path: str, extra: dict | None = None) -> str:

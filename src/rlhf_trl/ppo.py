@@ -430,9 +430,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                 response = query_response[:, context:]
                 if self.eos_token_ids is not None:
                     response = truncate_at_eos(response, self.eos_token_ids, pad)
-                with torch.no_grad():
-                    if self.reward_model is not None:
-                        reward = sequence_scores(self.reward_model, torch.cat((query, response), 1), pad, context)
+                with torch.no_grad(), self.reward_weights() as reward_model:
+                    if reward_model is not None:
+                        reward = sequence_scores(reward_model, torch.cat((query, response), 1), pad, context)
                     else:
                         reward = torch.zeros(len(query))
                 for q, r, s in zip(
@@ -737,6 +737,9 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         if training_args.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
             raise ValueError("share_reward_value_base: true is not supported under DeepSpeed (it shards the reward "
                              "and value models separately); set it to false")
+        if training_args.offload_reward_model:
+            raise ValueError("offload_reward_model: the reward model shares weights with the value model "
+                             "(share_reward_value_base); set `offload_reward_model: false`")
     baseline_arg = str(ppo_args.reward_baseline).strip().lower()
     if baseline_arg != "auto":
         try:

@@ -107,6 +107,10 @@ class PPOConfig(TrainingArguments):
         default=True, metadata={"help": "ZeRO-3: gather the policy's weights for generation."})
     logits_chunk_size: int = field(
         default=32, metadata={"help": "Response positions whose vocabulary logits are formed at once (0: all)."})
+    offload_reward_model: bool = field(
+        default=False, metadata={"help": "Keep the reward model's weights on disk (output_dir/.tmp-offload-*) "
+                                         "between rollouts: one model less in memory during the PPO epochs, one read "
+                                         "of its weights per update."})
 
     def __post_init__(self):
         self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
@@ -237,6 +241,58 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0
+
+
+OFFLOAD_PREFIX = ".tmp-offload-"
+
+
+class OffloadedWeights:
+    """A frozen module whose parameters live in a safetensors file between uses (``offload_reward_model``).
+
+    The parameters are written once to ``path`` and their storage is released (each becomes an empty tensor); inside
+    ``with offloaded.loaded():`` they are read back, bit for bit, and released again on exit. Buffers (rotary
+    frequencies, ...) stay in memory. Shared (tied) parameters are stored once.
+
+    Raises:
+        ValueError: a parameter that is not a plain floating-point tensor (a quantized model).
+    """
+
+    def __init__(self, module: nn.Module, path: str):
+        from safetensors.torch import save_file
+
+        self.module, self.path = module, path
+        self.params = dict(module.named_parameters())  # remove_duplicate: a tied parameter once
+        bad = [n for n, p in self.params.items() if type(p) is not nn.Parameter or not p.is_floating_point()]
+        if bad:
+            raise ValueError(f"offload_reward_model: the reward model has quantized or non-float weights ({bad[0]}); "
+                             "set `offload_reward_model: false`")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        save_file({n: p.detach().contiguous() for n, p in self.params.items()}, path)
+        self.release()
+
+    def release(self) -> None:
+        for p in self.params.values():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    @contextmanager
+    def loaded(self):
+        self.read()
+        try:
+            yield self.module
+        finally:
+            self.release()
+
+    def read(self) -> None:
+        from safetensors import safe_open
+
+        with safe_open(self.path, framework="pt", device="cpu") as f:
+            for name, p in self.params.items():
+                p.data = f.get_tensor(name).to(p.device)
+
+    def restore(self) -> None:
+        """Read the weights back for good and delete the file (the module is an ordinary module again)."""
+        self.read()
+        os.remove(self.path)
 
 
 class PPOEngine(Trainer):
@@ -374,8 +430,30 @@ class PPOEngine(Trainer):
             for name in ("reward_model", "ref_model"):
                 if getattr(self, name) is not None:
                     setattr(self, name, getattr(self, name).to(accelerator.device))
+        # one process, no wrapper: policy and value losses back-propagated one after the other (`losses`)
+        self.split_backward = isinstance(self.model, PolicyAndValue)
+        self.reward_offload = None
+        if args.offload_reward_model and self.reward_model is not None:
+            if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+                raise ValueError("offload_reward_model works without DeepSpeed / FSDP (they shard or offload "
+                                 "themselves); set `offload_reward_model: false`")
+            if any(p is q for p in self.reward_model.parameters() for q in self.value_model.parameters()):
+                raise ValueError("offload_reward_model: the reward model shares weights with the value model "
+                                 "(share_reward_value_base); set `offload_reward_model: false`")
+            self.reward_offload = OffloadedWeights(self.reward_model, os.path.join(
+                args.output_dir, f"{OFFLOAD_PREFIX}reward-model-{accelerator.process_index}.safetensors"))
 
     # -- pieces of one update -----------------------------------------------------------------------------------
+    @contextmanager
+    def reward_weights(self):
+        """The reward model (None without one), its weights read back from disk for the block when
+        ``offload_reward_model`` keeps them there."""
+        if self.reward_offload is None:
+            yield self.reward_model
+        else:
+            with self.reward_offload.loaded() as model:
+                yield model
+
     @property
     def unwrapped(self) -> PolicyAndValue:
         return self.accelerator.unwrap_model(self.model)
@@ -412,6 +490,24 @@ class PPOEngine(Trainer):
             yield self.unwrapped.policy
 
     @torch.no_grad()
+    def score_rollouts(self, query_responses: torch.Tensor, context: int, step: int, reward_model, out: dict) -> None:
+        """Step 2 of an update, ``step`` rows at a time: appends to ``out`` the reference log-probs and values
+        ``[step, R]``, the responses cut after their first EOS id and the reward model's scores ``[step]``."""
+        args, pad = self.args, self.processing_class.pad_token_id
+        for i in range(0, query_responses.shape[0], step):
+            qr = query_responses[i:i + step]
+            response = qr[:, context:]
+            with self.reference() as ref:
+                out["ref_logprobs"].append(response_logprobs(ref, qr, context, pad, args.temperature,
+                                                             args.logits_chunk_size))
+            post = response if self.eos_token_ids is None else truncate_at_eos(response, self.eos_token_ids, pad)
+            out["postprocessed"].append(post)
+            out["values"].append(token_scores(self.unwrapped.value_model, qr, pad)[:, context - 1: -1])
+            if reward_model is not None:
+                out["scores"].append(sequence_scores(reward_model, torch.cat((qr[:, :context], post), 1), pad,
+                                                     context))
+
+    @torch.no_grad()
     def rollout(self, queries: torch.Tensor, rows: torch.Tensor | None, update: int) -> dict:
         """Steps 1-2 of an update for left-padded prompts ``queries [b, Q]``.
 
@@ -428,18 +524,8 @@ class PPOEngine(Trainer):
             query_responses, logprobs = generate_rollouts(
                 policy, queries, pad, sampling_config(args, self.eos_token_ids, pad), step)
         out = {k: [] for k in ("ref_logprobs", "values", "scores", "postprocessed")}
-        for i in range(0, queries.shape[0], step):
-            qr = query_responses[i:i + step]
-            response = qr[:, context:]
-            with self.reference() as ref:
-                out["ref_logprobs"].append(response_logprobs(ref, qr, context, pad, args.temperature,
-                                                             args.logits_chunk_size))
-            post = response if self.eos_token_ids is None else truncate_at_eos(response, self.eos_token_ids, pad)
-            out["postprocessed"].append(post)
-            out["values"].append(token_scores(self.unwrapped.value_model, qr, pad)[:, context - 1: -1])
-            if self.reward_model is not None:
-                out["scores"].append(sequence_scores(self.reward_model, torch.cat((qr[:, :context], post), 1), pad,
-                                                     context))
+        with self.reward_weights() as reward_model:
+            self.score_rollouts(query_responses, context, step, reward_model, out)
         responses = query_responses[:, context:]
         post = torch.cat(out["postprocessed"])
         sequence_lengths = pm.first_true_indices(post == pad) - 1
@@ -494,16 +580,7 @@ class PPOEngine(Trainer):
                 for k, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
                     idx = mini[micro_start:micro_start + args.per_device_train_batch_size]
                     with acc.accumulate(self.model):
-                        new_logprobs, entropy, vpred = self.model(ro["query_responses"][idx], context,
-                                                                  self.processing_class.pad_token_id,
-                                                                  args.temperature, args.logits_chunk_size)
-                        new_logprobs = new_logprobs.masked_fill(adv["padding_mask"][idx], pm.INVALID_LOGPROB)
-                        vpred = vpred.masked_fill(adv["padding_mask_p1"][idx], 0)
-                        vf = pm.value_loss(vpred, adv["values"][idx], adv["returns"][idx],
-                                           ~adv["padding_mask_p1"][idx], args.cliprange_value)
-                        pg = pm.policy_loss(new_logprobs, adv["logprobs"][idx], adv["advantages"][idx],
-                                            ~adv["padding_mask"][idx], args.cliprange)
-                        acc.backward(pg["loss"] + args.vf_coef * vf["loss"])
+                        pg, vf, entropy = self.losses(ro, adv, idx, context)
                         self.optimizer.step()
                         self.optimizer.zero_grad()
                     at = (epoch, mb, k)
@@ -511,8 +588,51 @@ class PPOEngine(Trainer):
                     stats["pg_loss"][at], stats["vf_loss"][at] = pg["loss"].detach(), vf["loss"].detach()
                     stats["vf_clipfrac"][at], stats["ratio"][at] = vf["clipfrac"], pg["ratio"]
                     stats["entropy"][at] = entropy.mean()
-                    del new_logprobs, entropy, vpred, vf, pg
+                    del entropy, vf, pg
         return stats
+
+    def losses(self, ro: dict, adv: dict, idx, context: int) -> tuple[dict, dict, torch.Tensor]:
+        """Forward and backward of one micro-batch ``idx``: the clipped policy loss plus ``vf_coef`` x the clipped
+        value loss (`ppo_math.policy_loss`, `ppo_math.value_loss`); returns their statistics and the entropy
+        ``[b, R]``.
+
+        In one process (no DDP / DeepSpeed / FSDP wrapper) the two losses, which share no parameters, are
+        back-propagated one after the other: the policy's activations are freed before the value model's forward,
+        so only one model's activations are alive at a time, and every gradient is the same sum as TRL's single
+        backward of ``pg_loss + vf_coef * vf_loss``. Wrapped models take TRL's single forward and backward through
+        the wrapper (DDP synchronises once per backward)."""
+        args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
+        ids = ro["query_responses"][idx]
+
+        def policy_loss(new_logprobs):
+            new_logprobs = new_logprobs.masked_fill(adv["padding_mask"][idx], pm.INVALID_LOGPROB)
+            return pm.policy_loss(new_logprobs, adv["logprobs"][idx], adv["advantages"][idx],
+                                  ~adv["padding_mask"][idx], args.cliprange)
+
+        def value_loss(vpred):
+            vpred = vpred.masked_fill(adv["padding_mask_p1"][idx], 0)
+            return pm.value_loss(vpred, adv["values"][idx], adv["returns"][idx], ~adv["padding_mask_p1"][idx],
+                                 args.cliprange_value)
+
+        if self.split_backward:  # not wrapped: one model's activations at a time
+            # what `accelerate` does to a prepared model's forward under mixed precision: autocast, fp32 outputs
+            fp32 = (lambda t: t.float()) if acc.native_amp else (lambda t: t)
+            with acc.autocast():
+                new_logprobs, entropy = response_logprobs(self.model.policy, ids, context, pad, args.temperature,
+                                                          args.logits_chunk_size, with_entropy=True)
+            pg = policy_loss(fp32(new_logprobs))
+            entropy = fp32(entropy)
+            acc.backward(pg["loss"])
+            del new_logprobs
+            with acc.autocast():
+                vpred = token_scores(self.model.value_model, ids, pad)[:, context - 1: -1]
+            vf = value_loss(fp32(vpred))
+            acc.backward(args.vf_coef * vf["loss"])
+            return pg, vf, entropy
+        new_logprobs, entropy, vpred = self.model(ids, context, pad, args.temperature, args.logits_chunk_size)
+        pg, vf = policy_loss(new_logprobs), value_loss(vpred)
+        acc.backward(pg["loss"] + args.vf_coef * vf["loss"])
+        return pg, vf, entropy
 
     def update_metrics(self, ro: dict, adv: dict, stats: dict, start_time: float) -> dict:
         """The logged statistics of one update (TRL 1.12's names), averaged over processes."""
@@ -592,6 +712,9 @@ class PPOEngine(Trainer):
             if self.control.should_save:
                 self._save_checkpoint(self.model, trial=None)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
+        if self.reward_offload is not None:  # training is over: the reward model is an ordinary module again
+            self.reward_offload.restore()
+            self.reward_offload = None
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)

@@ -1,0 +1,183 @@
+"""Test-only fault injection for checkpoint saves, and the fsync helpers that make a published checkpoint durable.
+
+Nothing here is active unless an environment variable asks for it (the tests set them on subprocesses):
+
+- ``RLHF_TRL_FAULT="<save>:<op>[:<action>]"``: in this process's ``<save>``-th checkpoint save (1-based, counting
+  `checkpoint_save` blocks, i.e. ``AtomicCheckpointMixin._save_checkpoint`` calls), at its ``<op>``-th file operation
+  (1-based), do ``<action>``:
+
+  - ``kill`` (default): SIGKILL this process before the operation;
+  - ``torn``: for a write, do the write, cut the file to half its bytes, then SIGKILL (a torn write); other
+    operations: as ``kill``;
+  - ``enospc`` / ``erofs``: raise ``OSError`` (no space left on device / read-only file system) naming the path
+    instead of doing the operation (a full disk or a read-only ``output_dir`` during a save).
+
+  Only the process of rank 0 (``RANK`` / ``LOCAL_RANK`` unset or 0) acts, unless ``RLHF_TRL_FAULT_RANK`` names another.
+- ``RLHF_TRL_FAULT_LOG=<file>``: every file operation of every checkpoint save of every process is appended to the
+  file as one line ``<rank> <save> <op> <kind> <path>`` (kinds: ``write``, ``fsync``, ``rename``, ``remove``,
+  ``rotate``): run once uninterrupted to learn a save's kill points.
+
+Counted file operations: ``torch.save``, safetensors' file serialisation (``safetensors.torch.save_file`` and every
+caller that imported it), Python ``open()`` for writing, and the operations `AtomicCheckpointMixin` itself makes
+through `fsync_tree`, `publish` and `file_op` (fsync of each file and directory, the rename that publishes
+``checkpoint-N``, the fsync of ``output_dir``, removing the staging directory, rotating old checkpoints). Writes made
+by native code that bypasses these (the tokenizers library's ``tokenizer.json``) are not counted; they land in the
+staging directory like the rest and are fsynced (counted) before the rename.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import os
+import signal
+from contextlib import contextmanager
+
+FAULT_ENV = "RLHF_TRL_FAULT"
+FAULT_LOG_ENV = "RLHF_TRL_FAULT_LOG"
+FAULT_RANK_ENV = "RLHF_TRL_FAULT_RANK"
+ACTIONS = ("kill", "torn", "enospc", "erofs")
+
+_saves = 0  # checkpoint saves started by this process
+_ops = 0  # file operations of the current save
+_active = False
+
+
+def reset() -> None:
+    """Start counting checkpoint saves from zero again (for tests that run several stages in one process)."""
+    global _saves, _ops
+    _saves, _ops = 0, 0
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+
+
+def _fault() -> tuple[int, int, str] | None:
+    """The parsed ``RLHF_TRL_FAULT`` for this process, or None.
+
+    Raises:
+        ValueError: a malformed value (``<save>:<op>[:<action>]`` with positive integers and a known action).
+    """
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    if _rank() != int(os.environ.get(FAULT_RANK_ENV, "0")):
+        return None
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts[:2]) or (
+            len(parts) == 3 and parts[2] not in ACTIONS):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected <save>:<op>[:{'|'.join(ACTIONS)}]")
+    return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "kill"
+
+
+def file_op(kind: str, path: str, do=None):
+    """Count one file operation of a checkpoint save and run ``do()`` (if given), honouring ``RLHF_TRL_FAULT``.
+
+    Outside `checkpoint_save` (or with no fault variables set) this only runs ``do()``.
+
+    Returns:
+        what ``do()`` returns.
+
+    Raises:
+        OSError: the injected ``enospc`` / ``erofs`` fault at this operation (errno ENOSPC / EROFS, naming ``path``).
+    """
+    global _ops
+    if not _active:
+        return do() if do is not None else None
+    _ops += 1
+    log = os.environ.get(FAULT_LOG_ENV)
+    if log:
+        with _real_open(log, "a", encoding="utf-8") as f:
+            f.write(f"{_rank()} {_saves} {_ops} {kind} {path}\n")
+    fault = _fault()
+    if fault is None or fault[:2] != (_saves, _ops):
+        return do() if do is not None else None
+    action = fault[2]
+    if action in ("enospc", "erofs"):
+        code = errno.ENOSPC if action == "enospc" else errno.EROFS
+        raise OSError(code, os.strerror(code), path)
+    if action == "torn" and kind == "write" and do is not None:
+        do()
+        if os.path.isfile(path):
+            with _real_open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_real_open = builtins.open
+
+
+def _counting_open(file, mode="r", *args, **kwargs):
+    if _active and isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+"):
+        return file_op("write", os.fspath(file), lambda: _real_open(file, mode, *args, **kwargs))
+    return _real_open(file, mode, *args, **kwargs)
+
+
+@contextmanager
+def checkpoint_save():
+    """Mark one checkpoint save: while inside, file operations are counted (and faults injected) as described in
+    the module docstring. Without ``RLHF_TRL_FAULT`` / ``RLHF_TRL_FAULT_LOG`` in the environment this does nothing."""
+    global _saves, _ops, _active
+    if not (os.environ.get(FAULT_ENV) or os.environ.get(FAULT_LOG_ENV)) or _active:
+        yield
+        return
+    import safetensors.torch
+    import torch
+
+    real_save, real_serialize = torch.save, safetensors.torch.serialize_file
+
+    def counting_save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+            return file_op("write", os.fspath(f), lambda: real_save(obj, f, *args, **kwargs))
+        return real_save(obj, f, *args, **kwargs)
+
+    def counting_serialize(tensors, filename, *args, **kwargs):
+        return file_op("write", os.fspath(filename), lambda: real_serialize(tensors, filename, *args, **kwargs))
+
+    _saves, _ops, _active = _saves + 1, 0, True
+    torch.save, safetensors.torch.serialize_file, builtins.open = counting_save, counting_serialize, _counting_open
+    try:
+        yield
+    finally:
+        torch.save, safetensors.torch.serialize_file, builtins.open = real_save, real_serialize, _real_open
+        _active = False
+
+
+# -- durability: fsync before publishing ----------------------------------------------------------------------------
+def fsync_path(path: str) -> None:
+    """fsync one file or directory (a counted file operation inside `checkpoint_save`).
+
+    Raises:
+        OSError: the file system refused (e.g. EIO), or an injected fault.
+    """
+    def do():
+        flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0)
+        fd = os.open(path, flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    file_op("fsync", path, do)
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file under ``root``, then every directory bottom-up (``root`` last), so that a rename that
+    publishes ``root`` afterwards never exposes data still only in the page cache."""
+    for folder, _dirs, files in sorted(os.walk(root, topdown=False)):
+        for name in sorted(files):
+            fsync_path(os.path.join(folder, name))
+        fsync_path(folder)
+
+
+def publish(staged: str, final: str) -> None:
+    """fsync ``staged`` (files and directories), rename it to ``final`` and fsync the parent directory, so that
+    after a crash ``final`` is either absent or complete on disk. ``final`` must not exist.
+
+    Raises:
+        OSError: a write, fsync or rename failed (full disk, read-only file system, ...).
+    """
+    fsync_tree(staged)
+    file_op("rename", final, lambda: os.rename(staged, final))
+    fsync_path(os.path.dirname(os.path.abspath(final)))
