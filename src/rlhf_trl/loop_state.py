@@ -47,6 +47,7 @@ class LoopStateMixin:
         }
 
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
+        """Write ``loop_state.json`` (every process's sums, gathered to the main process, which writes)."""
         super().checkpoint_extras(checkpoint_dir)
         state = self._loop_state()
         if self.accelerator.num_processes > 1:
@@ -61,6 +62,7 @@ class LoopStateMixin:
             write_json(os.path.join(checkpoint_dir, LOOP_STATE_NAME), {"processes": states})
 
     def _run_epoch(self, *args, **kwargs):
+        """The Trainer's pass over the data; the first pass of a resumed run starts with the saved sums."""
         ckpt = kwargs.get("resume_from_checkpoint")
         if ckpt is not None and not self._loop_state_restored and kwargs["epoch"] == kwargs["epochs_trained"]:
             self._restore_loop_state(ckpt)
@@ -97,6 +99,7 @@ class LoopStateMixin:
                 self._metrics[mode] = defaultdict(list, values)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
+        """The Trainer's log; a resumed run's final ``train_loss`` is the whole run's mean, as without the resume."""
         if "train_loss" in logs and getattr(self, "_resumed_loss_total", False):
             # the Trainer divides by the steps of this call only; the restored total covers the whole run
             logs["train_loss"] = self._total_loss_scalar / max(self.state.global_step, 0.001)
