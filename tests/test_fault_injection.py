@@ -47,8 +47,8 @@ torn writes (trees outside staging), measured (`pytest -s` prints them):
 
 Every kill before the rename that publishes the checkpoint leaves the same tree outside staging (the save writes
 only under ``.tmp-checkpoint-N``), every later one the same tree with the new checkpoint. Measured: the whole file
-in 5 min 6 s on 2 cores (7 min 38 s while other jobs shared them; ppo_2proc ~110 s, the other PPO configurations
-42-58 s, SFT and RM ~33 s each, building the assets and small models ~45 s).
+in 5 min 6 s on 2 cores (ppo_2proc 83 s, the other PPO configurations 36-38 s each, SFT and RM 18-20 s each,
+building the assets and the small models 22 s); 7 min 38 s while other jobs shared the cores.
 """
 
 import json
