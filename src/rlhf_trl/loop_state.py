@@ -56,10 +56,9 @@ class LoopStateMixin:
             states = gather_object([state])
         else:
             states = [state]
-        if self.args.should_save:
-            from .models import write_json
-
-            write_json(os.path.join(checkpoint_dir, LOOP_STATE_NAME), {"processes": states})
+        if self.args.should_save:  # straight into the staged checkpoint (published whole by its rename)
+            with open(os.path.join(checkpoint_dir, LOOP_STATE_NAME), "w", encoding="utf-8") as f:
+                json.dump({"processes": states}, f, indent=2)
 
     def _run_epoch(self, *args, **kwargs):
         """The Trainer's pass over the data; the first pass of a resumed run starts with the saved sums."""
