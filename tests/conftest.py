@@ -36,6 +36,52 @@ def write_jsonl(path, rows):
 RECIPES = str(REPO / "recipes" / "demo")
 
 
+def tree_hashes(root) -> dict:
+    """sha256 of every file under ``root`` and the set of directories, by relative path (nothing written or deleted
+    under ``root`` <=> equal before and after)."""
+    import hashlib
+
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        rel = os.path.relpath(folder, root)
+        out[rel + "/"] = sorted(dirs + files)
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                out[os.path.join(rel, name)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def with_chat_template(src: str, dst, eos_list: bool, template: str = CHATML) -> str:
+    """A copy of a model directory whose tokenizer has ``template`` (default ChatML: turns end with <|im_end|>);
+    with ``eos_list`` its generation_config lists <|im_end|> as a second EOS."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg_path = os.path.join(dst, "tokenizer_config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = template
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, ensure_ascii=False)
+    if eos_list:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(dst))
+        gen_path = os.path.join(dst, "generation_config.json")
+        gen = {}
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                gen = json.load(f)
+        gen["eos_token_id"] = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+        with open(gen_path, "w") as f:
+            json.dump(gen, f)
+    return str(dst)
+
+
 def import_ppo():
     """`rlhf_trl.ppo`, imported inside the tests that run PPO (test modules of several stages import it lazily)."""
     from rlhf_trl import ppo

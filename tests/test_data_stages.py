@@ -5,48 +5,18 @@ one-line CLI errors; the recipe keys in ``--help``."""
 import gzip
 import json
 import os
-import shutil
 
 import pytest
-from conftest import RECIPES
+from conftest import CHATML, RECIPES, with_chat_template
 
 from rlhf_trl import demo_task
 from rlhf_trl.cli import run_stage
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
 
 def write_gz(path, rows):
     with gzip.open(path, "wt", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     return str(path)
-
-
-def with_chat_template(src: str, dst, eos_list: bool) -> str:
-    """A copy of a model directory whose tokenizer has a ChatML template (turns end with <|im_end|>); with
-    ``eos_list`` its generation_config lists <|im_end|> as a second EOS."""
-    shutil.copytree(src, dst)
-    cfg_path = os.path.join(dst, "tokenizer_config.json")
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    cfg["chat_template"] = CHATML
-    with open(cfg_path, "w", encoding="utf-8") as f:
-        json.dump(cfg, f, ensure_ascii=False)
-    if eos_list:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(dst))
-        gen_path = os.path.join(dst, "generation_config.json")
-        gen = {}
-        if os.path.isfile(gen_path):
-            with open(gen_path) as f:
-                gen = json.load(f)
-        gen["eos_token_id"] = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
-        with open(gen_path, "w") as f:
-            json.dump(gen, f)
-    return str(dst)
 
 
 def run_cli_error(stage, argv, capsys):

@@ -1,24 +1,38 @@
-"""Malformed input: a non-zero exit, one clear line naming the file (and row and field for data), no traceback,
-and no output directory left behind. Each case runs the CLI's stage entry point in-process."""
+"""Malformed input to every command (sft, rm, ppo, eval, merge): exit status 2, one clear line naming the file (and
+row and field for data) or the recipe key, no traceback, nothing written and nothing deleted. Each case runs the
+CLI entry point (`rlhf_trl.cli.main`) in-process; `test_every_command_in_a_real_process` runs one per command
+through ``python -m rlhf_trl``."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import RECIPES, write_jsonl
+from conftest import CHATML, RECIPES, tree_hashes, with_chat_template, write_jsonl
 
+from rlhf_trl.cli import main as cli_main
 from rlhf_trl.cli import run_stage
 
 
 def run_cli(stage, argv, capsys):
-    """Run the CLI entry point; return the exit status and the lines it printed about the failure."""
+    """Run the CLI entry point (``rlhf-trl <stage> ...``); return the exit status and the lines it printed about the
+    failure (no traceback, no argparse usage text)."""
     with pytest.raises(SystemExit) as exc:
-        run_stage(stage, argv)
+        cli_main([stage, *argv])
     err = capsys.readouterr().err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "usage:" not in err, err
     return exc.value.code, [line for line in err.splitlines() if line.startswith("rlhf-trl")]
+
+
+def expect_one_line(stage, argv, capsys, fragments) -> str:
+    """Exit status 2 and exactly one ``rlhf-trl <stage>: error: ...`` line holding every fragment; returns it."""
+    code, err = run_cli(stage, argv, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"rlhf-trl {stage}: error: "), (code, err)
+    for fragment in fragments:
+        assert fragment in err[0], (fragment, err[0])
+    return err[0]
 
 
 def sft_argv(assets, out, data, *extra):
@@ -285,3 +299,347 @@ def test_stage_help_names_the_command_and_the_recipe_flag(capsys):
     out = capsys.readouterr().out
     assert exc.value.code == 0
     assert out.startswith("usage: rlhf-trl ppo --config RECIPE.yaml") and "--share_reward_value_base" in out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# PPO prompt files. Models are only checked to exist before the prompts are read, so the tiny base model stands in
+# for the SFT and the reward model: no case needs a trained model.
+# ------------------------------------------------------------------------------------------------------------------
+def ppo_argv(assets, out, data, *extra, model=None):
+    return ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", str(data), "--sft_model_path",
+            model or assets["base_model"], "--reward_model_path", assets["base_model"], "--output_dir", str(out),
+            *extra]
+
+
+Q = {"instruction": "你觉得咖啡怎么样？"}
+AUTO = ["--dataset_format", "auto"]
+
+# (name, rows or raw text (None: no file), extra args, fragments after "rlhf-trl ppo: error: <data file>")
+PPO_DATA_CASES = [
+    ("broken_json_line", '{"instruction": "q"}\n\n{"instruction": \n', [],
+     [", row 1: cannot be read as json: line 3 is not valid JSON (Expecting value at column 17)"]),
+    ("line_not_an_object", '{"instruction": "q"}\n["q"]\n', [],
+     [", row 1: cannot be read as json: line 2 is a JSON list, not an object"]),
+    ("missing_prompt_column", [{"text": "q"}] * 2, [],
+     [", row 0, field 'instruction': missing column (columns: ['text']); map it in the recipe"]),
+    ("null_prompt", [Q, {"topic": "咖啡"}], [], [", row 1, field 'instruction': is null or missing in this row"]),
+    ("empty_prompt", [Q, {"instruction": ""}], [], [", row 1, field 'instruction': is empty"]),
+    ("prompt_not_a_string", [Q, {"instruction": 42}], [], [", row 1, field 'instruction': must be a string, got int"]),
+    ("prompt_is_an_object", [Q, {"instruction": {"text": "q"}}], [],
+     [", row 1, field 'instruction': must be a string, got dict"]),
+    ("input_not_a_string", [Q, {**Q, "input": 3}], [], [", row 1, field 'input': must be a string, got int"]),
+    ("empty_file", "", [], [": holds no rows (the file is empty)"]),
+    ("file_not_found", None, [], [": file not found"]),
+    ("prompt_turn_out_of_range", [{"instruction": ["q1", "q2"]}], ["--prompt_turn", "5"],
+     [", row 0, field 'instruction': prompt_turn=5 is out of range for 2 turns"]),
+    ("empty_turn", [{"instruction": ["q1", " "]}], ["--prompt_turn", "1"],
+     [", row 0, field 'instruction': holds an empty turn"]),
+    ("messages_unknown_role", [{"messages": [{"role": "bot", "content": "hi"}, {"role": "user", "content": "q"}]}],
+     AUTO, [", row 0, field 'messages': message 0 has role 'bot'; use system, user or assistant"]),
+    ("messages_without_user_turn",
+     [{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}], AUTO,
+     [", row 0, field 'messages': needs a user turn"]),
+    ("messages_system_not_first", [{"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
+                                                 {"role": "user", "content": "q2"}]}], AUTO,
+     [", row 0, field 'messages': message 1 (system) is only allowed as the first message"]),
+    ("sharegpt_without_user_turn", [{"conversations": [{"from": "gpt", "value": "a"}]}], AUTO,
+     [", row 0, field 'conversations': must end with a user turn"]),
+    ("bad_history", [{**Q, "history": "not a list"}], [],
+     [", row 0, field 'history': must be a list of [question, answer] string pairs"]),
+]
+
+
+@pytest.mark.parametrize("name, rows, extra, fragments", PPO_DATA_CASES, ids=[c[0] for c in PPO_DATA_CASES])
+def test_bad_ppo_prompts(assets, tmp_path, capsys, name, rows, extra, fragments):
+    data = tmp_path / "bad.jsonl"
+    if isinstance(rows, str):
+        data.write_text(rows, encoding="utf-8")
+    elif rows is not None:
+        write_jsonl(data, rows)
+    out = tmp_path / "out"
+    before = tree_hashes(tmp_path)
+    expect_one_line("ppo", ppo_argv(assets, out, data, *extra), capsys,
+                    [f"rlhf-trl ppo: error: {data}{fragments[0]}", *fragments[1:]])
+    assert not out.exists() and tree_hashes(tmp_path) == before  # nothing written, nothing deleted
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# PPO recipe values and reward functions, over a finished PPO run with overwrite_output_dir: true (the earlier run
+# must stay byte-identical: these fail before anything of it goes)
+# ------------------------------------------------------------------------------------------------------------------
+GT = "rlhf_trl.demo_task:ground_truth_reward"
+
+PPO_RECIPE_CASES = [
+    ("reward_funcs_module_missing", ["--reward_funcs", "no_such_module_xyz:score"],
+     ["reward_funcs[0] 'no_such_module_xyz:score': cannot import module 'no_such_module_xyz': "
+      "ModuleNotFoundError: No module named 'no_such_module_xyz'"]),
+    ("reward_funcs_function_missing", ["--reward_funcs", "rlhf_trl.demo_task:no_such_function"],
+     ["reward_funcs[0] 'rlhf_trl.demo_task:no_such_function': module 'rlhf_trl.demo_task' has no attribute "
+      "'no_such_function'"]),
+    ("reward_funcs_not_callable", ["--reward_funcs", "rlhf_trl.demo_task:TOPICS"],
+     ["reward_funcs[0] 'rlhf_trl.demo_task:TOPICS': 'TOPICS' is a list, not callable"]),
+    ("reward_funcs_bad_entry", ["--reward_funcs", "rlhf_trl.demo_task.ground_truth_reward"],
+     ["reward_funcs[0]: 'rlhf_trl.demo_task.ground_truth_reward' is not 'package.module:function' or "
+      "'path/to/file.py:function'"]),
+    ("reward_funcs_file_missing", ["--reward_funcs", "{tmp}/missing_rewards.py:score"],
+     ["reward_funcs[0] '{tmp}/missing_rewards.py:score': file not found: {tmp}/missing_rewards.py"]),
+    ("reward_funcs_file_fails_to_import", ["--reward_funcs", "{tmp}/broken_rewards.py:score"],
+     ["reward_funcs[0] '{tmp}/broken_rewards.py:score': cannot import file {tmp}/broken_rewards.py: "
+      "RuntimeError: needs a GPU"]),
+    ("reward_funcs_without_completions", ["--reward_funcs", "{tmp}/rewards.py:no_completions"],
+     ["reward_funcs[0] '{tmp}/rewards.py:no_completions': takes no 'completions' argument"]),
+    ("reward_weights_count", ["--reward_funcs", GT, "--reward_weights", "1.0", "2.0"],
+     ["reward_weights: 2 weight(s) for 1 reward_funcs (one per function, in order)"]),
+    ("reward_weights_not_finite", ["--reward_funcs", GT, "--reward_weights", "nan"],
+     [f"reward_weights[0]: nan (for '{GT}') is not finite"]),
+    ("reward_weights_not_a_number", ["--reward_funcs", GT, "--reward_weights", "heavy"],
+     ["command line: argument --reward_weights/--reward-weights: invalid float value: 'heavy'"]),
+    ("reward_weights_without_funcs", ["--reward_weights", "0.5"], ["reward_weights: 1 weight(s) but no reward_funcs"]),
+    ("reward_funcs_without_value_model", ["--reward_model_path", "", "--reward_funcs", GT],
+     ["value_model_path: without a reward model the value model needs its own initialization"]),
+    ("num_mini_batches_not_dividing", ["--num_mini_batches", "3"],
+     ["per_device_train_batch_size x gradient_accumulation_steps (rollouts per process and update) / "
+      "num_mini_batches: 32 is not a multiple of 3"]),
+    ("kl_target_negative", ["--kl_target", "-1"], ["kl_target and kl_horizon must be positive, got -1.0 and 10000"]),
+    ("max_prompt_length_zero", ["--max_prompt_length", "0"], ["max_prompt_length must be >= 1"]),
+    ("bad_dataset_format", ["--dataset_format", "xml"], ["dataset_format must be one of", "got 'xml'"]),
+]
+
+
+@pytest.fixture
+def finished_ppo(ppo_run, tmp_path):
+    """A copy of a finished PPO run (checkpoints, logs, merged models)."""
+    out = tmp_path / "ppo"
+    shutil.copytree(ppo_run["output_dir"], out)
+    assert any(n.startswith("checkpoint-") for n in os.listdir(out)) and (out / "merged").is_dir()
+    return out
+
+
+@pytest.mark.parametrize("name, extra, fragments", PPO_RECIPE_CASES, ids=[c[0] for c in PPO_RECIPE_CASES])
+def test_bad_ppo_recipe_over_a_finished_run(assets, finished_ppo, tmp_path, capsys, name, extra, fragments):
+    (tmp_path / "broken_rewards.py").write_text("raise RuntimeError('needs a GPU')\n")
+    (tmp_path / "rewards.py").write_text("def no_completions(prompts):\n    return [0.0] * len(prompts)\n")
+    extra = [e.replace("{tmp}", str(tmp_path)) for e in extra]
+    before = tree_hashes(tmp_path)
+    expect_one_line("ppo", ppo_argv(assets, finished_ppo, assets["prompts"], "--overwrite_output_dir", "true", *extra),
+                    capsys, [f.replace("{tmp}", str(tmp_path)) for f in fragments])
+    assert tree_hashes(tmp_path) == before  # the earlier run (and everything else) byte-identical
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# chat templates
+# ------------------------------------------------------------------------------------------------------------------
+NO_SPECIAL_END = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant: {% endif %}")
+SYNTAX_ERROR = "{% for m in messages %}{{ m['content'] }"
+NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+             + CHATML)
+
+# (name, stage, template or None (the tokenizer has none), eos_list, extra args, fragments; "{model}": its dir)
+CHAT_CASES = [
+    ("ppo_tokenizer_without_template", "ppo", None, False, ["--chat_template", "true"],
+     ["chat_template: true, but the tokenizer at '{model}' has no chat template; set chat_template: false"]),
+    ("rm_turn_ends_without_special_token", "rm", NO_SPECIAL_END, False, ["--chat_template", "true"],
+     ["the chat template of '{model}' ends an assistant turn with '\\n', which holds no special token"]),
+    ("sft_template_syntax_error", "sft", SYNTAX_ERROR, False, ["--chat_template", "true"],
+     ["the chat template of '{model}' fails on a user turn and an assistant turn: TemplateSyntaxError: ",
+      "fix its chat_template or set chat_template: false"]),
+    ("ppo_template_raises_on_a_system_turn", "ppo", NO_SYSTEM, True,
+     ["--chat_template", "true", "--system_prompt", "简短回答。"],
+     ["the chat template of '{model}' fails on the prompt '", "TemplateError: System role not supported"]),
+    ("ppo_end_of_turn_is_no_eos", "ppo", CHATML, False, ["--chat_template", "true"],
+     ["the chat template of '{model}' ends assistant turns with '<|im_end|>'",
+      "nor in eos_token_id of {model}/generation_config.json"]),
+    ("sft_chat_template_with_a_text_template", "sft", CHATML, True,
+     ["--chat_template", "true", "--prompt_template", "Q: {question}\nA: "],
+     ["chat_template: true renders turns with the tokenizer's chat template; remove prompt_template"]),
+    ("ppo_system_prompt_without_chat_template", "ppo", None, False, ["--system_prompt", "简短回答。"],
+     ["system_prompt needs chat_template: true"]),
+]
+
+
+@pytest.mark.parametrize("name, stage, template, eos_list, extra, fragments", CHAT_CASES,
+                         ids=[c[0] for c in CHAT_CASES])
+def test_bad_chat_template(assets, tmp_path, capsys, name, stage, template, eos_list, extra, fragments):
+    model = assets["base_model"]
+    if template is not None:
+        model = with_chat_template(assets["base_model"], tmp_path / "model", eos_list, template)
+    out = tmp_path / "out"
+    if stage == "ppo":
+        argv = ppo_argv(assets, out, assets["prompts"], *extra, model=model)
+    else:
+        argv = (sft_argv if stage == "sft" else rm_argv)(assets, out, assets[stage], "--model_name_or_path", model,
+                                                         *extra)
+    before = tree_hashes(tmp_path)
+    expect_one_line(stage, argv, capsys, [f.replace("{model}", model) for f in fragments])
+    assert not out.exists() and tree_hashes(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# rlhf-trl eval: over a finished PPO run, which must stay byte-identical
+# ------------------------------------------------------------------------------------------------------------------
+def eval_argv(assets, sft_run, rm_run, out, *extra):
+    return ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path",
+            sft_run["merged"], "--reward_model_path", rm_run["merged"], "--output_dir", str(out), *extra]
+
+
+# (name, extra args, fragments; "{tmp}": the test's directory)
+EVAL_CASES = [
+    ("missing_ppo_run", ["--output_dir", "{tmp}/no_run"],
+     ["PPO policy not found at '{tmp}/no_run/merged'; run `make ppo RECIPE=" + f"{RECIPES}/ppo.yaml` first"]),
+    ("missing_sft_model", ["--sft_model_path", "{tmp}/sft/merged"],
+     ["SFT model not found at '{tmp}/sft/merged'; run `make sft RECIPE=" + f"{RECIPES}/sft.yaml` first"]),
+    ("missing_reward_model", ["--reward_model_path", "{tmp}/rm/merged"],
+     ["reward model not found at '{tmp}/rm/merged'; run `make rm RECIPE=" + f"{RECIPES}/rm.yaml` first"]),
+    ("num_prompts_not_a_number", ["--num_prompts", "many"],
+     ["command line: argument --num_prompts: invalid int value: 'many'"]),
+    ("num_prompts_zero", ["--num_prompts", "0"], ["num_prompts must be >= 1 (or unset: every held-out prompt), got 0"]),
+    ("num_prompts_negative", ["--num_prompts", "-3"], ["num_prompts must be >= 1", "got -3"]),
+    ("samples_per_prompt_zero", ["--samples_per_prompt", "0"], ["samples_per_prompt must be >= 1, got 0"]),
+    ("bad_prompt_file", ["--dataset_name", "{tmp}/prompts.jsonl"],
+     ["{tmp}/prompts.jsonl, row 1, field 'instruction': is null or missing in this row"]),
+    ("prompt_file_missing", ["--dataset_name", "{tmp}/nope.jsonl"], ["{tmp}/nope.jsonl: file not found"]),
+    ("recipe_not_found", ["--config", "{tmp}/nope.yaml"], ["recipe not found: {tmp}/nope.yaml"]),
+    ("unknown_argument", ["--num_promts", "3"],
+     ["command line: unknown argument(s) ['--num_promts', '3']; check the spelling against --help"]),
+    ("bad_recipe_value", ["--temperature", "warm"], ["command line: argument --temperature: invalid float value"]),
+]
+
+
+@pytest.mark.parametrize("name, extra, fragments", EVAL_CASES, ids=[c[0] for c in EVAL_CASES])
+def test_bad_eval_input(assets, sft_run, rm_run, finished_ppo, tmp_path, capsys, name, extra, fragments):
+    write_jsonl(tmp_path / "prompts.jsonl", [Q, {"topic": "咖啡"}])
+    def fill(text):
+        return text.replace("{tmp}", str(tmp_path))
+
+    before = tree_hashes(tmp_path)
+    expect_one_line("eval", eval_argv(assets, sft_run, rm_run, finished_ppo, *map(fill, extra)), capsys,
+                    [fill(f) for f in fragments])
+    assert tree_hashes(tmp_path) == before  # no eval.json / report.md in the run, nothing else created
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# rlhf-trl merge: a copy of the RM stage's LoRA adapter, its base a copy of the tiny base model
+# ------------------------------------------------------------------------------------------------------------------
+def edit_json(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    for key in [k for k, v in changes.items() if v is None]:
+        del data[key]
+    path.write_text(json.dumps(data))
+
+
+# (name, extra args after --adapter, setup(adapter, base, tmp), fragments; "{adapter}", "{base}", "{tmp}" filled in)
+MERGE_CASES = [
+    ("adapter_missing", ["--adapter", "{tmp}/none", "--output", "{tmp}/out"], None,
+     ["--adapter: no LoRA adapter at '{tmp}/none' (directory not found)"]),
+    ("not_an_adapter", ["--adapter", "{base}", "--output", "{tmp}/out"], None,
+     ["--adapter: '{base}' is a model directory, not a LoRA adapter (no adapter_config.json)"]),
+    ("adapter_weights_missing", ["--output", "{tmp}/out"], lambda a, b, t: os.remove(a / "adapter_model.safetensors"),
+     ["--adapter: '{adapter}' holds no adapter weights (adapter_model.safetensors or adapter_model.bin)"]),
+    ("adapter_config_not_json", ["--output", "{tmp}/out"],
+     lambda a, b, t: (a / "adapter_config.json").write_text("{\"r\": 16,"),
+     ["{adapter}/adapter_config.json: not valid JSON: "]),
+    ("unsupported_task_type", ["--output", "{tmp}/out"],
+     lambda a, b, t: edit_json(a / "adapter_config.json", task_type="TOKEN_CLS"),
+     ["{adapter}: adapter task_type 'TOKEN_CLS' is not supported; expected one of ['CAUSAL_LM', 'SEQ_CLS']"]),
+    ("not_lora", ["--output", "{tmp}/out"], lambda a, b, t: edit_json(a / "adapter_config.json", peft_type="IA3"),
+     ["{adapter}: peft_type 'IA3' is not a LoRA adapter"]),
+    ("no_base_named", ["--output", "{tmp}/out"],
+     lambda a, b, t: edit_json(a / "adapter_config.json", base_model_name_or_path=None),
+     ["{adapter}/adapter_config.json names no base_model_name_or_path; pass --base DIR"]),
+    ("base_in_config_missing", ["--output", "{tmp}/out"],
+     lambda a, b, t: edit_json(a / "adapter_config.json", base_model_name_or_path=str(t / "gone")),
+     ["base model (base_model_name_or_path of {adapter}/adapter_config.json) not found at '{tmp}/gone'"]),
+    ("base_option_missing", ["--output", "{tmp}/out", "--base", "{tmp}/gone"], None,
+     ["base model (--base) not found at '{tmp}/gone'"]),
+    ("output_is_the_adapter", ["--output", "{adapter}"], None,
+     ["--output '{adapter}' is the adapter directory '{adapter}'; merging replaces --output"]),
+    ("output_holds_the_adapter", ["--output", "{tmp}"], None,
+     ["--output '{tmp}' holds the adapter directory '{adapter}'"]),
+    ("output_is_the_base", ["--output", "{base}"], None,
+     ["--output '{base}' is the base model directory '{base}'"]),
+    ("output_holds_other_files", ["--output", "{tmp}/notes"],
+     lambda a, b, t: (t / "notes").mkdir() or (t / "notes" / "todo.txt").write_text("keep me\n"),
+     ["--output '{tmp}/notes' holds files and no model (config.json); merging replaces --output"]),
+    ("output_missing", [], None, ["command line: the following arguments are required: --output"]),
+    ("bad_dtype", ["--output", "{tmp}/out", "--dtype", "float8"],
+     None, ["command line: argument --dtype: invalid choice: 'float8'"]),
+]
+
+
+@pytest.mark.parametrize("name, extra, setup, fragments", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
+def test_bad_merge_input(assets, rm_run, tmp_path, capsys, name, extra, setup, fragments):
+    adapter, base = tmp_path / "adapter", tmp_path / "base"
+    shutil.copytree(os.path.join(rm_run["output_dir"], "adapter"), adapter)
+    shutil.copytree(assets["base_model"], base)
+    edit_json(adapter / "adapter_config.json", base_model_name_or_path=str(base))
+    if setup is not None:
+        setup(adapter, base, tmp_path)
+    sub = {"{adapter}": str(adapter), "{base}": str(base), "{tmp}": str(tmp_path)}
+
+    def fill(text):
+        for key, value in sub.items():
+            text = text.replace(key, value)
+        return text
+
+    argv = [fill(a) for a in extra]
+    if "--adapter" not in argv:
+        argv = ["--adapter", str(adapter), *argv]
+    before = tree_hashes(tmp_path)
+    expect_one_line("merge", argv, capsys, [fill(f) for f in fragments])
+    assert tree_hashes(tmp_path) == before  # no output, and the adapter and base untouched
+
+
+def test_merge_output_may_be_new_or_an_earlier_merged_model(assets, tmp_path):
+    """The refusals above leave the ordinary re-run alone: an --output holding an earlier merged model is accepted
+    (and replaced, atomically), as is a new directory."""
+    from rlhf_trl.merge import check_output
+
+    out = tmp_path / "merged"
+    shutil.copytree(assets["base_model"], out)
+    check_output(str(out), str(tmp_path / "adapter"), assets["base_model"])  # no error
+    check_output(str(tmp_path / "new"), str(tmp_path / "adapter"), assets["base_model"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# one case per command through a real process
+# ------------------------------------------------------------------------------------------------------------------
+def real_process_case(command, assets, tmp_path):
+    """(argv after the command, the expected error line) of a cheap bad input to ``command``."""
+    if command == "rm":
+        data = tmp_path / "pairs.jsonl"
+        data.write_text('{"prompt": "q", "chosen": "a", "rejected": "b"}\n{"prompt": "q", "chosen": \n')
+        return (rm_argv(assets, tmp_path / "out", data),
+                f"rlhf-trl rm: error: {data}, row 1: cannot be read as json: line 2 is not valid JSON (Expecting value "
+                "at column 27)")
+    if command == "ppo":
+        return (ppo_argv(assets, tmp_path / "out", assets["prompts"], "--reward_funcs", "no_such_module_xyz:score"),
+                "rlhf-trl ppo: error: reward_funcs[0] 'no_such_module_xyz:score': cannot import module "
+                "'no_such_module_xyz': ModuleNotFoundError: No module named 'no_such_module_xyz'")
+    if command == "eval":
+        model = assets["base_model"]
+        return (["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path", model,
+                 "--reward_model_path", model, "--output_dir", str(tmp_path / "out")],
+                f"rlhf-trl eval: error: PPO policy not found at '{tmp_path / 'out' / 'merged'}'; run `make ppo "
+                f"RECIPE={RECIPES}/ppo.yaml` first")
+    adapter = tmp_path / "adapter"  # merge: an adapter asked to be its own output
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "task_type": "CAUSAL_LM", "peft_type": "LORA", "base_model_name_or_path": assets["base_model"]}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    return (["--adapter", str(adapter), "--output", str(adapter)],
+            f"rlhf-trl merge: error: --output '{adapter}' is the adapter directory '{adapter}'; merging replaces "
+            "--output, so choose a new directory")
+
+
+@pytest.mark.parametrize("command", ["rm", "ppo", "eval", "merge"])
+def test_every_command_in_a_real_process(assets, tmp_path, command):
+    argv, expected = real_process_case(command, assets, tmp_path)
+    before = tree_hashes(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "rlhf_trl", command, *argv], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("rlhf-trl")] == [expected], proc.stderr[-2000:]
+    assert tree_hashes(tmp_path) == before

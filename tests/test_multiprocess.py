@@ -105,9 +105,14 @@ def assert_written_once(root: str, proc: subprocess.CompletedProcess, stage: str
         elif name.endswith(".jsonl"):
             for line in open(path, encoding="utf-8"):
                 json.loads(line)
-    ranks = sorted(f for f in os.listdir(os.path.join(root, f"checkpoint-{checkpoints(root)[-1]}"))
-                   if f.startswith("rng_state"))
+    last = os.path.join(root, f"checkpoint-{checkpoints(root)[-1]}")
+    ranks = sorted(f for f in os.listdir(last) if f.startswith("rng_state"))
     assert ranks == (["rng_state.pth"] if nproc == 1 else [f"rng_state_{r}.pth" for r in range(nproc)])
+    # the manifest, written by the main process after every process's files, lists every process's RNG state
+    from rlhf_trl.checkpoints import MANIFEST, checkpoint_problem
+
+    assert set(ranks) <= set(json.load(open(os.path.join(last, MANIFEST)))["files"])
+    assert checkpoint_problem(last) is None
     assert proc.stdout.count(f"rlhf-trl {stage}: done") == 1, proc.stdout[-2000:]
 
 

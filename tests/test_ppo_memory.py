@@ -15,6 +15,8 @@ from transformers import TrainerCallback
 
 from rlhf_trl import ppo_engine
 
+pytestmark = pytest.mark.slow  # whole runs of a stage (minutes on 2 cores)
+
 COMMON = ["--total_episodes", "16", "--save_strategy", "no", "--num_ppo_epochs", "2", "--num_mini_batches", "2"]
 TIMING = ("eps",)
 

@@ -2,29 +2,16 @@
 model and a bad recipe value leave every file of the earlier run byte-identical (the earlier run's checkpoints, logs
 and reports go only once the new run has read its data and loaded its models: `checkpoints.begin_writing`)."""
 
-import hashlib
 import os
 import shutil
 
 import pytest
-from conftest import RECIPES, import_ppo
+from conftest import RECIPES, import_ppo, tree_hashes
 
 from rlhf_trl import rm, sft
 from rlhf_trl.config import RecipeError
 from rlhf_trl.data import DataError
 from rlhf_trl.models import StageInputError
-
-
-def tree_hashes(root) -> dict:
-    """sha256 of every file under ``root`` and the set of directories, by relative path."""
-    out = {}
-    for folder, dirs, files in os.walk(root):
-        rel = os.path.relpath(folder, root)
-        out[rel + "/"] = sorted(dirs + files)
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                out[os.path.join(rel, name)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 @pytest.fixture
@@ -59,7 +46,7 @@ def test_bad_input_over_a_finished_run_leaves_it_byte_identical(stage, assets, s
     before = tree_hashes(out)
     main = (import_ppo() if stage == "ppo" else {"sft": sft, "rm": rm}[stage]).main
 
-    with pytest.raises(DataError, match=r"broken.jsonl: cannot be read as json"):  # a broken row
+    with pytest.raises(DataError, match=r"broken.jsonl, row 1: cannot be read as json: line 2 is not valid JSON"):
         main(stage_argv(stage, assets, sft_run, rm_run, out, data=broken_file))
     assert tree_hashes(out) == before
     with pytest.raises(StageInputError, match="not found at '/nonexistent/model'"):  # a missing model

@@ -17,7 +17,7 @@ import pytest
 from conftest import RECIPES
 
 from rlhf_trl import faults, sft
-from rlhf_trl.checkpoints import CheckpointWriteError
+from rlhf_trl.checkpoints import CheckpointWriteError, checkpoint_problem
 
 
 def tree(root):
@@ -91,7 +91,9 @@ def test_write_failure_during_a_save_loses_nothing(assets, tmp_path, capsys, sav
     kept, clean = tree(out / "checkpoint-1"), dict(save_ops["checkpoint-1"])
     for run in (kept, clean):
         run.pop("training_args.bin")  # holds the output_dir
+        run.pop("manifest.json")  # lists training_args.bin's size
     assert kept == clean  # the previous checkpoint is byte-identical to an undisturbed run's
+    assert checkpoint_problem(str(out / "checkpoint-1")) is None  # and intact by its manifest
 
     monkeypatch.delenv(faults.FAULT_ENV)
     faults.reset()

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import shutil
+import struct
+import zipfile
 
 from . import faults
 
 logger = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".tmp-"
+MANIFEST = "manifest.json"  # in every checkpoint-N: its files and their sizes (`write_manifest`)
+DAMAGED_PREFIX = "damaged-"  # damaged-checkpoint-N: set aside by a resume from an older one (`set_aside_damaged`)
 
 
 class AtomicCheckpointMixin:
@@ -24,6 +29,9 @@ class AtomicCheckpointMixin:
     Under several processes (``accelerate launch``) every process calls ``_save_checkpoint`` (the trainer's save
     runs collective operations and each process writes its own ``rng_state_<rank>.pth``); only the main process
     clears the staging directory, writes the extras and renames, between barriers.
+
+    The last file written before the rename is ``manifest.json`` (`write_manifest`: every file's relative path and
+    size, all processes' files included), against which `checkpoint_problem` checks a checkpoint before a resume.
     """
 
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
@@ -53,6 +61,7 @@ class AtomicCheckpointMixin:
                 self.checkpoint_extras(ckpt)
                 self.accelerator.wait_for_everyone()  # every process's files are in staging
                 if self.args.should_save:
+                    write_manifest(ckpt)  # last: after every process's files (the barrier above), before publishing
                     publish_checkpoint(ckpt, os.path.join(root, name))
                     faults.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
                     faults.file_op("rotate", root, lambda: rotate_checkpoints(
@@ -117,8 +126,9 @@ def remove_staging(output_dir: str) -> None:
 def start_run(training_args, run_args=None):
     """Checks every stage makes before it reads its inputs; nothing of an earlier run is changed here.
 
-    Resolves ``resume_from_checkpoint`` (``true`` -> the newest complete checkpoint), refuses to overwrite a finished
-    run unless ``overwrite_output_dir``, refuses to start afresh next to an unfinished run's checkpoints unless
+    Resolves ``resume_from_checkpoint`` (``true`` -> the newest intact checkpoint, damaged newer ones named in a
+    warning: `rlhf_trl.models.resolve_resume`, `checkpoint_problem`), refuses to overwrite a finished run unless
+    ``overwrite_output_dir``, refuses to start afresh next to an unfinished run's checkpoints (damaged or not) unless
     ``overwrite_output_dir``, and removes ``.tmp-checkpoint-*`` leftovers of a killed run (never a complete
     checkpoint). The earlier run's checkpoints, logs and reports are removed later, by `begin_writing`, once the new
     run has read and tokenized its data and loaded its models: bad input leaves them as they were.
@@ -127,8 +137,8 @@ def start_run(training_args, run_args=None):
         ``(run_args, resume)``: the run arguments (defaults if None) and the checkpoint to resume from, or None.
 
     Raises:
-        StageInputError: resume requested but no checkpoint; RecipeError: a finished run, or an unfinished run's
-        checkpoints, in the way.
+        StageInputError: resume requested but no checkpoint, no intact one, or the named one damaged; RecipeError: a
+        finished run, or an unfinished run's checkpoints (damaged or not), in the way.
     """
     from .config import RecipeError, RunArguments, check_output_dir
     from .models import resolve_resume
@@ -153,10 +163,14 @@ def start_run(training_args, run_args=None):
 def begin_writing(training_args, run_args, resume) -> None:
     """Call when the run has proven its inputs (recipe parsed, data read and tokenized, models loaded), right before
     it starts to write: with ``overwrite_output_dir`` and no resume, the earlier run's checkpoints, logs and reports
-    go now (`remove_earlier_run`), not before, so a run that fails on its inputs changes nothing on disk."""
+    go now (`remove_earlier_run`), not before, so a run that fails on its inputs changes nothing on disk. A resume
+    from an older checkpoint than the newest (the newer ones damaged) sets the damaged ones aside now
+    (`set_aside_damaged`)."""
     state = distributed_state(training_args)
     if state.is_main_process and run_args.overwrite_output_dir and not resume:
         remove_earlier_run(training_args.output_dir)
+    elif state.is_main_process and resume:
+        set_aside_damaged(training_args.output_dir, resume)
     state.wait_for_everyone()
 
 
@@ -177,9 +191,11 @@ def complete_checkpoints(output_dir: str) -> list[str]:
 
 
 def remove_earlier_run(output_dir: str) -> None:
-    """``overwrite_output_dir`` without resume: delete the earlier run's checkpoints, logs and reports, so that
-    ``resume_from_checkpoint=true``, the TensorBoard curves and ``rlhf-trl eval`` only ever see this run's."""
-    stale = complete_checkpoints(output_dir) + [
+    """``overwrite_output_dir`` without resume: delete the earlier run's checkpoints (damaged ones set aside
+    included), logs and reports, so that ``resume_from_checkpoint=true``, the TensorBoard curves and ``rlhf-trl eval``
+    only ever see this run's."""
+    damaged = sorted(glob.glob(os.path.join(output_dir, f"{DAMAGED_PREFIX}checkpoint-*")))
+    stale = complete_checkpoints(output_dir) + damaged + [
         p for p in (os.path.join(output_dir, name) for name in RUN_ARTIFACTS) if os.path.exists(p)
     ]
     if stale:
@@ -269,3 +285,209 @@ def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, bas
     if not main:
         return None
     return (load_causal_lm if kind == "causal_lm" else load_sequence_classifier)(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# damaged checkpoints: a manifest at save time, an intactness check before a resume
+# ---------------------------------------------------------------------------------------------------------------------
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses larger headers
+
+
+def write_manifest(checkpoint_dir: str) -> None:
+    """Write ``manifest.json`` into ``checkpoint_dir``: ``{"format": 1, "files": {relative path: size in bytes}}`` for
+    every file under it (sub-directories such as PPO's ``value_model/`` and ``merged/`` included; no hashes: a
+    checkpoint can hold GBs). Written last, by the main process, after the barrier that follows every process's
+    writes, so it lists every process's files (``rng_state_<rank>.pth``, ``data_state_rank<r>.pt``); fsynced with
+    the rest by `publish_checkpoint`."""
+    files = {}
+    for folder, dirs, names in os.walk(checkpoint_dir):
+        dirs.sort()
+        for name in sorted(names):
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, checkpoint_dir).replace(os.sep, "/")
+            if rel != MANIFEST:
+                files[rel] = os.path.getsize(path)
+    with open(os.path.join(checkpoint_dir, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump({"format": 1, "files": files}, f, indent=1)
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """None when the checkpoint directory ``path`` looks intact; otherwise a short reason naming the first damaged file
+    (``optimizer.pt is missing``, ``model.safetensors is truncated (1234 of 5678 bytes)``, ``trainer_state.json cannot
+    be read: ...``). Reads file headers only: cheap on multi-GB checkpoints.
+
+    What is checked:
+
+    - with ``manifest.json`` (`write_manifest`; checkpoints written by this project): every file it lists exists with
+      the listed size. An unreadable manifest is itself the problem;
+    - without one (checkpoints of older runs): the files a Trainer checkpoint must have exist: ``trainer_state.json``,
+      the optimizer state (``optimizer.pt``; FSDP ``optimizer.bin`` / ``optimizer_0/``, DeepSpeed ``global_step*/``),
+      ``scheduler.pt`` (not under DeepSpeed) and model weights (``model.safetensors``, ``adapter_model.safetensors``,
+      an index, ``pytorch_model*``, or DeepSpeed's ``global_step*/``);
+    - in both cases, every file under ``path``: each ``*.json`` parses (and the shards a ``*.index.json`` names exist);
+      each ``*.safetensors`` has a consistent header (8-byte little-endian header length, a JSON header whose largest
+      ``data_offsets`` end + 8 + header length == the file size); each ``*.pt`` / ``*.pth`` / ``*.bin`` torch file is
+      a readable zip archive (its central directory, at the end, is read; the data are not: a truncation shows there,
+      and the manifest's sizes catch the rest). Legacy (non-zip) torch pickles are accepted unread.
+
+    Never raises for a damaged checkpoint; an unreadable file is reported as the problem.
+    """
+    if not os.path.isdir(path):
+        return "is not a directory"
+    manifest = os.path.join(path, MANIFEST)
+    listed: dict[str, int] = {}
+    if os.path.exists(manifest):
+        try:
+            with open(manifest, "rb") as f:
+                listed = json.loads(f.read())["files"]
+            if not isinstance(listed, dict) or not all(isinstance(v, int) for v in listed.values()):
+                raise ValueError("'files' is not a mapping of paths to sizes")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"{MANIFEST} cannot be read: {_short(exc)}"
+        for rel in sorted(listed):
+            if not os.path.isfile(os.path.join(path, rel)):
+                return f"{rel} is missing"
+    else:
+        problem = _required_files_problem(path)
+        if problem:
+            return problem
+    on_disk = []
+    for folder, dirs, names in os.walk(path):
+        dirs.sort()
+        on_disk += [os.path.relpath(os.path.join(folder, n), path).replace(os.sep, "/") for n in sorted(names)]
+    for rel in on_disk:
+        if rel != MANIFEST:
+            problem = _file_problem(path, rel, listed.get(rel))
+            if problem:
+                return problem
+    return None
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _required_files_problem(path: str) -> str | None:
+    """The must-have files of a Trainer checkpoint without a manifest (see `checkpoint_problem`)."""
+    names = set(os.listdir(path))
+    deepspeed = any(n.startswith("global_step") and os.path.isdir(os.path.join(path, n)) for n in names)
+    if "trainer_state.json" not in names:
+        return "trainer_state.json is missing"
+    if not (names & {"optimizer.pt", "optimizer.bin", "optimizer_0"} or deepspeed):
+        return "optimizer.pt is missing"
+    if "scheduler.pt" not in names and not deepspeed:
+        return "scheduler.pt is missing"
+    weights = ("model.safetensors", "adapter_model.safetensors", "model.safetensors.index.json", "adapter_model.bin",
+               "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not (names & set(weights) or deepspeed or any(n.startswith("pytorch_model_fsdp") for n in names)):
+        return "model weights are missing (no model.safetensors or adapter_model.safetensors)"
+    return None
+
+
+def _file_problem(root: str, rel: str, expected: int | None) -> str | None:
+    """What is wrong with the file ``rel`` under ``root`` (``expected``: its size in the manifest, if listed)."""
+    full = os.path.join(root, rel)
+    try:
+        size = os.path.getsize(full)
+        if rel.endswith(".json"):  # parsed first: a garbled state file is named as unreadable, whatever its size
+            with open(full, "rb") as f:
+                data = json.loads(f.read())
+            if rel.endswith(".index.json") and isinstance(data, dict) and isinstance(data.get("weight_map"), dict):
+                folder = os.path.dirname(full)
+                for shard in sorted(set(map(str, data["weight_map"].values()))):
+                    if not os.path.isfile(os.path.join(folder, shard)):
+                        return f"{os.path.join(os.path.dirname(rel), shard)} is missing (listed in {rel})"
+        if expected is not None and size < expected:
+            return f"{rel} is truncated ({size} of {expected} bytes)"
+        if expected is not None and size != expected:
+            return f"{rel} has {size} bytes, {MANIFEST} lists {expected}"
+        if rel.endswith(".safetensors"):
+            return _safetensors_problem(full, rel, size)
+        if rel.endswith(TORCH_SUFFIXES):
+            return _torch_file_problem(full, rel, size)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"{rel} cannot be read: {_short(exc)}"
+    return None
+
+
+def _safetensors_problem(full: str, rel: str, size: int) -> str | None:
+    """A ``*.safetensors`` file whose size differs from what its header describes (truncated, or garbage added)."""
+    with open(full, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{rel} is truncated ({size} bytes, no complete header)"
+        (length,) = struct.unpack("<Q", head)
+        if length > SAFETENSORS_MAX_HEADER:
+            return f"{rel} cannot be read: header length {length} is not plausible"
+        if 8 + length > size:
+            return f"{rel} is truncated ({size} bytes, inside its {length}-byte header)"
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        return f"{rel} cannot be read: its header is not a JSON object"
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            return f"{rel} cannot be read: tensor {name!r} has no valid data_offsets"
+        end = max(end, offsets[1])
+    expected = 8 + length + end
+    if size < expected:
+        return f"{rel} is truncated ({size} of {expected} bytes)"
+    if size > expected:
+        return f"{rel} has {size} bytes, its header describes {expected}"
+    return None
+
+
+def _torch_file_problem(full: str, rel: str, size: int) -> str | None:
+    """A ``torch.save`` file (``*.pt`` / ``*.pth`` / ``*.bin``) that is not a readable zip archive."""
+    if size == 0:
+        return f"{rel} is empty"
+    with open(full, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x80\x02":  # torch's legacy (pre-1.6) pickle format: no cheap check
+        return None
+    if magic != b"PK":
+        return f"{rel} cannot be read: not a torch file (no zip archive)"
+    try:
+        with zipfile.ZipFile(full) as archive:
+            archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        return f"{rel} cannot be read: incomplete zip archive ({_short(exc)})"
+    return None
+
+
+def checkpoint_step(path: str) -> int | None:
+    """N of a ``checkpoint-N`` directory path, else None."""
+    name = os.path.basename(os.path.normpath(path))
+    suffix = name[len("checkpoint-"):]
+    return int(suffix) if name.startswith("checkpoint-") and suffix.isdigit() else None
+
+
+def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
+    """Rename every damaged ``checkpoint-N`` in ``output_dir`` newer than ``resume`` to ``damaged-checkpoint-N``
+    (kept for inspection; a fresh run with ``overwrite_output_dir`` removes it). Main process, once the run writes.
+
+    Left in place, a damaged newer checkpoint would count as the newest in ``save_total_limit``'s rotation, which
+    always keeps the newest and deletes older ones: the checkpoints this run writes could go while the damaged one
+    stays. Returns the new paths.
+    """
+    step = checkpoint_step(resume)
+    if step is None:
+        return []
+    moved = []
+    for path in complete_checkpoints(output_dir):
+        problem = checkpoint_problem(path) if checkpoint_step(path) > step else None
+        if problem is None:
+            continue
+        target = os.path.join(output_dir, DAMAGED_PREFIX + os.path.basename(path))
+        if os.path.exists(target):
+            shutil.rmtree(target)
+        os.rename(path, target)
+        logger.warning("moved the damaged %s (%s) aside to %s; this run continues from %s", os.path.basename(path),
+                       problem, os.path.basename(target), os.path.basename(resume))
+        moved.append(target)
+    return moved

@@ -47,6 +47,18 @@ def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
         )
 
 
+def one_line_arguments(parser):
+    """Make an `argparse` parser of a command (``rlhf-trl merge`` / ``eval``) raise `RecipeError` on a bad or missing
+    argument (``command line: <argparse's message>``: one line, exit status 2 through the CLI) instead of printing
+    its usage and exiting. Returns ``parser``."""
+
+    def error(message: str):
+        raise RecipeError(f"command line: {message}")
+
+    parser.error = error
+    return parser
+
+
 def recipe_path(argv: list[str]) -> str | None:
     """The value of ``--config`` in ``argv``, if any."""
     if "--config" in argv:

@@ -404,6 +404,9 @@ def _open_dataset(dataset_name, split: str, config: str | None):
         try:
             return datasets.load_dataset(loader, data_files=files, split="train")
         except Exception as exc:  # datasets wraps parser errors in several exception types
+            if loader == "json":
+                for f in files:  # name the file and the row where Python's own parser stops
+                    _check_json_file(f, kind)
             raise DataError(source_name(dataset_name), f"cannot be read as {kind}: {_root_cause(exc)}") from None
     try:
         return datasets.load_dataset(dataset_name, config, split=split)
@@ -415,6 +418,57 @@ def _open_dataset(dataset_name, split: str, config: str | None):
                                           f"it; unset {flag} once to download it, or pass a local file") from None
         where = f"config {config!r}, split {split!r}" if config else f"split {split!r}"
         raise DataError(dataset_name, f"cannot be loaded from the hub ({where}): {cause}") from None
+
+
+_OPENERS = {"": open, ".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # .zst / .lz4: not re-read here
+
+
+def _check_json_file(path: str, kind: str) -> None:
+    """Re-read a JSON / JSON Lines file that `datasets` could not parse, with Python's parser, to say where it breaks.
+
+    A file whose first character is ``[`` is one JSON document (the message names its line and column); any other is
+    JSON Lines: one object per non-blank line, row ``k`` being the ``k``-th such line (0-based, as in every
+    `DataError`). Returns quietly when the file parses or cannot be re-read here (the caller then reports `datasets`'
+    own error).
+
+    Raises:
+        DataError: the file, the row (JSON Lines) and what is wrong with it, or a file without any row.
+    """
+    import importlib
+    import json
+
+    opener = _OPENERS.get(_split_ext(path)[1])
+    if opener is None:
+        return
+    if isinstance(opener, str):
+        opener = importlib.import_module(opener).open
+    try:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
+            head = f.read(4096).lstrip()[:1]
+            f.seek(0)
+            if head == "[":
+                try:
+                    json.load(f)
+                except json.JSONDecodeError as exc:
+                    raise DataError(path, f"cannot be read as {kind}: not valid JSON: {exc}") from None
+                return
+            row = 0
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as exc:
+                    raise DataError(path, f"cannot be read as {kind}: line {line_number} is not valid JSON "
+                                          f"({exc.msg} at column {exc.colno})", row) from None
+                if not isinstance(value, dict):
+                    raise DataError(path, f"cannot be read as {kind}: line {line_number} is a JSON "
+                                          f"{type(value).__name__}, not an object", row)
+                row += 1
+            if row == 0:
+                raise DataError(path, "holds no rows (the file is empty)")
+    except (OSError, UnicodeDecodeError, EOFError):
+        return
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -1176,6 +1230,22 @@ def _require_chat_template(tokenizer) -> None:
                          "template; set chat_template: false (text templates) or use a tokenizer that has one")
 
 
+def _render_chat(tokenizer, messages: list[dict], what: str, **kwargs) -> str:
+    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)``.
+
+    Raises:
+        ValueError: the template does not compile or fails to render (a Jinja syntax error, an undefined name, the
+            template's own ``raise_exception``); one line naming the tokenizer and ``what`` was rendered.
+    """
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except TemplateError as exc:
+        raise ValueError(f"the chat template of '{_tokenizer_name(tokenizer)}' fails on {what}: "
+                         f"{type(exc).__name__}: {exc}; fix its chat_template or set chat_template: false") from None
+
+
 _END_OF_TURN: dict[int, tuple[Any, int]] = {}  # id(tokenizer) -> (weakref to it, end-of-turn id)
 _PROBE = "\u2063probe\u2063"
 
@@ -1188,8 +1258,8 @@ def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
     loaded from; `rlhf_trl.models.eos_token_ids`, from generation_config.json), since rollouts stop there.
 
     Raises:
-        ValueError: no chat template, no special token after an assistant turn, or an end-of-turn token that is no
-            EOS id (one line).
+        ValueError: no chat template, one that does not compile or render (`_render_chat`), no special token after
+            an assistant turn, or an end-of-turn token that is no EOS id (one line).
     """
     _require_chat_template(tokenizer)
     cached = _END_OF_TURN.get(id(tokenizer))
@@ -1197,8 +1267,8 @@ def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
         return cached[1]
     from .models import eos_token_ids
 
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}], tokenize=False)
+    rendered = _render_chat(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}],
+                            "a user turn and an assistant turn")
     tail = rendered[rendered.rindex(_PROBE) + len(_PROBE):] if _PROBE in rendered else ""
     special = set(tokenizer.all_special_ids) | {
         i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
@@ -1241,13 +1311,15 @@ def encode_prompt(tokenizer, template: Template, question: str, history=None, sy
     special-token strings inside message contents become special tokens there).
 
     Raises:
-        ValueError: chat mode with a tokenizer without a chat template.
+        ValueError: chat mode with a tokenizer without a chat template, or a template that fails on these messages
+            (`_render_chat`).
     """
     if not template.chat:
         return _encode_text(tokenizer, template.format_prompt(question, history, text))
     _require_chat_template(tokenizer)
-    rendered = tokenizer.apply_chat_template(template.messages(question, history, system), tokenize=False,
-                                             add_generation_prompt=True)
+    short = question if len(question) <= 40 else question[:37] + "..."
+    rendered = _render_chat(tokenizer, template.messages(question, history, system), f"the prompt {short!r}",
+                            add_generation_prompt=True)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
@@ -1397,8 +1469,11 @@ def prompt_features(records: list[dict], tokenizer, template: Template, max_prom
     Left padding is applied by the collator (the tokenizer's ``padding_side`` must be ``'left'``).
 
     Raises:
-        ValueError: chat mode problems (`chat_end_of_turn_id`: rollouts must stop at the template's end-of-turn).
+        ValueError: ``max_prompt_length`` < 1; chat mode problems (`chat_end_of_turn_id`: rollouts must stop at the
+            template's end-of-turn).
     """
+    if max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {max_prompt_length}")
     _check_records(records, tokenizer, template, source)
     ids = [_prompt_ids(tokenizer, template, r)[-max_prompt_length:] for r in records]
     return {"input_ids": ids}

@@ -51,11 +51,9 @@ the parents of ``sft_model_path`` / ``reward_model_path`` when those end in ``me
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import logging
 import os
-import re
 
 import torch
 
@@ -200,7 +198,8 @@ def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
     """A stage's training log records and where they came from.
 
     The stage's whole ``log_history`` (``log_history.json``, written when a stage finishes), else that of the newest
-    ``checkpoint-N/trainer_state.json`` under ``stage_dir`` (an unfinished run), else ``[metrics.json]``, else
+    intact ``checkpoint-N/trainer_state.json`` under ``stage_dir`` (an unfinished run; damaged ones are skipped with a
+    warning), else ``[metrics.json]``, else
     ``[]``. Returns ``(records, source path or None)``.
     """
     if not stage_dir or not os.path.isdir(stage_dir):
@@ -211,17 +210,19 @@ def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
             history = json.load(f).get("log_history") or []
         if history:
             return history, path
-    ckpts = []
-    for path in glob.glob(os.path.join(stage_dir, "checkpoint-*", "trainer_state.json")):
-        m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.dirname(path)))
-        if m:
-            ckpts.append((int(m.group(1)), path))
-    if ckpts:
-        path = max(ckpts)[1]
+    from .checkpoints import checkpoint_problem, complete_checkpoints
+
+    for ckpt in reversed(complete_checkpoints(stage_dir)):  # newest intact one (`checkpoint_problem`)
+        problem = checkpoint_problem(ckpt)
+        if problem:
+            logger.warning("%s is damaged (%s); reading the logs of an older checkpoint", ckpt, problem)
+            continue
+        path = os.path.join(ckpt, "trainer_state.json")
         with open(path, encoding="utf-8") as f:
             history = json.load(f).get("log_history") or []
         if history:
             return history, path
+        break
     path = os.path.join(stage_dir, "metrics.json")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
@@ -375,8 +376,9 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
         The content of ``eval.json`` plus ``report`` (path) and ``plots`` (stage -> PNG path).
 
     Raises:
-        StageInputError: a model is missing. DataError: bad prompt rows. ValueError: no held-out prompt, or
-        ``samples_per_prompt`` < 1.
+        StageInputError: a model is missing. DataError: bad prompt rows. ValueError: no held-out prompt, bad template
+        settings (`rlhf_trl.data.Template`), ``num_prompts`` or ``samples_per_prompt`` < 1. All before anything is
+        loaded or written.
     """
     from .data import Template, prompt_features, read_records, split_records
     from .models import (
@@ -391,19 +393,21 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
 
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1 (or unset: every held-out prompt), got {num_prompts}")
     out_dir = training_args.output_dir
     hints = hints or {}
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", hints.get("sft"))
     rm_path = require_model_dir(training_args.reward_model_path, "reward model", hints.get("rm"))
     ppo_path = require_model_dir(os.path.join(out_dir, "merged"), "PPO policy", hints.get("ppo", "make ppo"))
 
+    template = Template.from_args(data_args)
     records = read_records(data_args, "prompts")
     _, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
     if num_prompts is not None:
         eval_records = eval_records[:num_prompts]
     if not eval_records:
-        raise ValueError("no held-out prompts to evaluate on; raise eval_split_size or num_prompts")
-    template = Template.from_args(data_args)
+        raise ValueError("no held-out prompts to evaluate on; raise eval_split_size")
     tokenizer = load_tokenizer(sft_path, padding_side="left", trust_remote_code=trust_remote_code)
     prompt_ids = prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length)["input_ids"]
     prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
@@ -481,17 +485,17 @@ def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> d
 
     ``ppo_logs``: the PPO trainer's ``log_history`` when the caller has it (default: read from the newest
     checkpoint). Returns ``{"output_dir", "metrics", "report", ...}`` (``metrics``: the figures). Errors: see
-    `evaluate`; a bad recipe raises `RecipeError`.
+    `evaluate`; a bad recipe or command-line argument raises `RecipeError`.
     """
     import sys
 
-    from .config import parse_recipe, sibling_recipe
+    from .config import one_line_arguments, parse_recipe, sibling_recipe
     from .ppo import recipe_types
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="rlhf-trl eval", description=__doc__,
-                                formatter_class=argparse.RawTextHelpFormatter,
-                                epilog="Any other --key value is a PPO recipe override (see rlhf-trl ppo --help).")
+    p = one_line_arguments(argparse.ArgumentParser(
+        prog="rlhf-trl eval", description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+        epilog="Any other --key value is a PPO recipe override (see rlhf-trl ppo --help)."))
     p.add_argument("--config", help="the PPO recipe (recipes/<run>/ppo.yaml)")
     p.add_argument("--num_prompts", type=int, default=None, help="first N held-out prompts (default: all)")
     p.add_argument("--samples_per_prompt", type=int, default=4, help="responses per prompt and policy")

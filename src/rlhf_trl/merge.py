@@ -23,25 +23,37 @@ logger = logging.getLogger(__name__)
 
 TASK_KINDS = {"CAUSAL_LM": "causal_lm", "SEQ_CLS": "sequence_classifier"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def read_adapter_config(adapter_dir: str) -> dict:
     """``adapter_config.json`` of a peft adapter directory, as a dict.
 
     Raises:
-        StageInputError: ``adapter_dir`` holds no ``adapter_config.json``.
-        ValueError: the file is not valid JSON.
+        StageInputError: ``adapter_dir`` does not exist, holds no ``adapter_config.json`` or no adapter weights
+            (`ADAPTER_WEIGHTS`).
+        ValueError: the file is not valid JSON, or not a JSON object.
     """
     from .models import StageInputError
 
+    if not os.path.isdir(adapter_dir):
+        raise StageInputError(f"--adapter: no LoRA adapter at '{adapter_dir}' (directory not found)")
     path = os.path.join(adapter_dir, "adapter_config.json")
     if not os.path.isfile(path):
-        raise StageInputError(f"no LoRA adapter at '{adapter_dir}' (adapter_config.json not found)")
+        if os.path.isfile(os.path.join(adapter_dir, "config.json")):
+            raise StageInputError(f"--adapter: '{adapter_dir}' is a model directory, not a LoRA adapter (no "
+                                  "adapter_config.json)")
+        raise StageInputError(f"--adapter: no LoRA adapter at '{adapter_dir}' (adapter_config.json not found)")
+    if not any(os.path.isfile(os.path.join(adapter_dir, name)) for name in ADAPTER_WEIGHTS):
+        raise StageInputError(f"--adapter: '{adapter_dir}' holds no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            config = json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: must be a JSON object, got {type(config).__name__}")
+    return config
 
 
 def resolve_base(adapter_dir: str, config: dict, base: str | None = None) -> str:
@@ -63,6 +75,33 @@ def resolve_base(adapter_dir: str, config: dict, base: str | None = None) -> str
     return name
 
 
+def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
+    """Refuse an ``--output`` whose replacement would delete an input or unrelated files: the adapter or base
+    directory itself, a directory holding either, a file, or a non-empty directory that is not a model directory
+    (no ``config.json``; an earlier merge's output is replaced).
+
+    Raises:
+        RecipeError: one line naming ``--output`` and what it would replace.
+    """
+    from .config import RecipeError
+
+    out = os.path.realpath(output_dir)
+    for what, path in (("adapter", adapter_dir), ("base model", base)):
+        if not os.path.isdir(path):
+            continue  # a hub id
+        real = os.path.realpath(path)
+        if real == out or real.startswith(out.rstrip(os.sep) + os.sep):
+            inside = "is" if real == out else "holds"
+            raise RecipeError(f"--output '{output_dir}' {inside} the {what} directory '{path}'; merging replaces "
+                              "--output, so choose a new directory")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise RecipeError(f"--output '{output_dir}' is a file; choose a new directory")
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not os.path.isfile(
+            os.path.join(output_dir, "config.json")):
+        raise RecipeError(f"--output '{output_dir}' holds files and no model (config.json); merging replaces --output, "
+                          "so choose a new or empty directory")
+
+
 def has_tokenizer(path: str) -> bool:
     """True when the directory ``path`` holds tokenizer files."""
     return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
@@ -74,7 +113,9 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
 
     Args:
         adapter_dir: a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
-        output_dir: where the merged model, tokenizer and ``README.md`` go (replaced atomically if it exists).
+        output_dir: where the merged model, tokenizer and ``README.md`` go: a new or empty directory, or an earlier
+            merged model (replaced atomically); never the adapter or base directory or one holding them
+            (`check_output`).
         base: the base model; default: the adapter config's ``base_model_name_or_path``.
         dtype: ``from_pretrained`` dtype of the base (None: the checkpoint's default).
 
@@ -82,8 +123,13 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
         The merged plain `transformers` model (eval mode).
 
     Raises:
-        StageInputError: the adapter or the base model is missing.
-        ValueError: a task type other than CAUSAL_LM / SEQ_CLS, or no base can be determined.
+        StageInputError: the adapter (its config or weights) or the base model is missing.
+        RecipeError: ``output_dir`` would replace the adapter, the base or files that are not a model
+            (`check_output`).
+        ValueError: an adapter config that is not valid JSON, a task type other than CAUSAL_LM / SEQ_CLS, a
+            non-LoRA adapter, or no base can be determined.
+
+    Every check runs before anything is loaded or written.
     """
     from peft import PeftModel
 
@@ -100,7 +146,10 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
         )
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{adapter_dir}: peft_type {config.get('peft_type')!r} is not a LoRA adapter")
-    base_path = require_model_dir(resolve_base(adapter_dir, config, base), "base model", None, allow_pickle)
+    source = "--base" if base else f"base_model_name_or_path of {adapter_dir}/adapter_config.json"
+    what = f"base model ({source})"
+    base_path = require_model_dir(resolve_base(adapter_dir, config, base), what, None, allow_pickle)
+    check_output(output_dir, adapter_dir, base_path)
     tokenizer_src = adapter_dir if has_tokenizer(adapter_dir) else base_path
     tokenizer = load_tokenizer(tokenizer_src, trust_remote_code=trust_remote_code)
     loader = load_causal_lm if task_type == "CAUSAL_LM" else load_sequence_classifier
@@ -138,17 +187,21 @@ def model_card(adapter_dir: str, base_path: str, task_type: str, tokenizer_src: 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``rlhf-trl merge --adapter DIR --output DIR [--base DIR] [--dtype D]``. Returns ``{"output_dir", "merged"}``."""
+    """``rlhf-trl merge --adapter DIR --output DIR [--base DIR] [--dtype D]``. Returns ``{"output_dir", "merged"}``.
+
+    Errors: see `merge_adapter`; a missing or bad argument raises `RecipeError` (``command line: ...``)."""
     import sys
 
+    from .config import one_line_arguments
     from .models import torch_dtype
 
-    p = argparse.ArgumentParser(prog="rlhf-trl merge", description=__doc__,
-                                formatter_class=argparse.RawTextHelpFormatter)
+    p = one_line_arguments(argparse.ArgumentParser(prog="rlhf-trl merge", description=__doc__,
+                                                   formatter_class=argparse.RawTextHelpFormatter))
     p.add_argument("--adapter", required=True, help="peft LoRA adapter directory")
     p.add_argument("--output", required=True, help="directory for the merged model")
     p.add_argument("--base", default=None, help="base model (default: the adapter's base_model_name_or_path)")
-    p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: the base's)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "auto"],
+                   help="dtype of the base as loaded (default: the base's)")
     p.add_argument("--trust_remote_code", action="store_true", help="run model code of the base (Baichuan)")
     p.add_argument("--allow_pickle_weights", action="store_true", help="load *.bin weights when no safetensors")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)

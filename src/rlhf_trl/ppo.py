@@ -78,6 +78,7 @@ from .ppo_engine import (
     PPOConfig,
     PPOEngine,
     TrainingDivergedError,
+    check_config,
     generate_rollouts,
     sampling_config,
     sequence_scores,
@@ -691,11 +692,17 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         StageInputError: the SFT or reward model is missing (the hint names the stage to run first).
         DataError: bad rows.
         ValueError: fewer eval prompts than ``per_device_eval_batch_size``; biasing generation settings; a bad
-            ``reward_baseline``; ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft`` or ``value_use_peft`` false,
-            without bitsandbytes (on the CPU: without its working CPU backend, or 8 bits), or with
-            ``save_merged_checkpoints``; ``share_reward_value_base``
-            without ``value_use_peft``, with a ``value_model_path`` or under DeepSpeed.
+            ``reward_baseline``, ``num_mini_batches`` (`rlhf_trl.ppo_engine.check_config`), ``kl_target`` /
+            ``kl_horizon`` or ``max_prompt_length`` (`rlhf_trl.data.prompt_features`); ``reward_funcs`` /
+            ``reward_weights`` that do not load (`rlhf_trl.rewards.load_reward_functions`); chat-template problems
+            (`rlhf_trl.data.chat_end_of_turn_id`); ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft`` or
+            ``value_use_peft`` false, without bitsandbytes (on the CPU: without its working CPU backend, or 8 bits),
+            or with ``save_merged_checkpoints``; ``share_reward_value_base`` without ``value_use_peft``, with a
+            ``value_model_path`` or under DeepSpeed.
         TrainingDivergedError: a non-finite loss, reward or value.
+
+    Every input error is raised before anything is written: an earlier run's files go only once the data is read
+    and the models are loaded (`rlhf_trl.checkpoints.begin_writing`).
 
     With ``share_reward_value_base`` the value model is merged in place at the end, so the returned trainer's
     ``reward_model`` is None.
@@ -712,7 +719,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     pickle_ok = run_args.allow_pickle_weights
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", sft_hint, pickle_ok)
     reward_functions = None
-    if ppo_args.reward_funcs:
+    if ppo_args.reward_funcs or ppo_args.reward_weights:  # weights alone are an error, not ignored
         from .rewards import load_reward_functions, reward_columns
 
         reward_functions = load_reward_functions(ppo_args.reward_funcs, ppo_args.reward_weights)
@@ -740,6 +747,10 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
         if training_args.offload_reward_model:
             raise ValueError("offload_reward_model: the reward model shares weights with the value model "
                              "(share_reward_value_base); set `offload_reward_model: false`")
+    check_config(training_args)  # batch sizes: before the data, so a bad value leaves an earlier run as it was
+    if ppo_args.kl_target is not None and (ppo_args.kl_target <= 0 or ppo_args.kl_horizon <= 0):
+        raise ValueError(f"kl_target and kl_horizon must be positive, got {ppo_args.kl_target} and "
+                         f"{ppo_args.kl_horizon}")
     baseline_arg = str(ppo_args.reward_baseline).strip().lower()
     if baseline_arg != "auto":
         try:

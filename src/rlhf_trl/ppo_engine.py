@@ -134,6 +134,24 @@ def _exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
+def check_config(args: "PPOConfig") -> None:
+    """The batch-size checks of `PPOEngine` that need no model: `rlhf_trl.ppo.run` makes them before it reads its
+    data, so a bad value fails before anything of an earlier run goes.
+
+    Raises:
+        ValueError: ``num_mini_batches`` < 1 or not dividing each process's rollouts per update
+            (``per_device_train_batch_size x gradient_accumulation_steps``), or ``whiten_rewards`` with fewer than 8
+            rollouts per process mini-batch (one line naming the keys).
+    """
+    if args.num_mini_batches < 1:
+        raise ValueError(f"num_mini_batches must be >= 1, got {args.num_mini_batches}")
+    local = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    local_mini = _exact_div(local, args.num_mini_batches, "per_device_train_batch_size x gradient_accumulation_steps "
+                                                          "(rollouts per process and update) / num_mini_batches")
+    if args.whiten_rewards and local_mini < 8:
+        raise ValueError(f"whiten_rewards needs >= 8 rollouts per process mini-batch, got {local_mini}")
+
+
 def _lm_parts(model):
     """``(backbone, lm_head)`` of a causal LM (or a peft model on one): hidden states, then vocabulary logits."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -336,6 +354,7 @@ class PPOEngine(Trainer):
             raise ValueError(f"stop_token must be 'eos' or unset, got {args.stop_token!r}")
         if args.kl_estimator not in ("k1", "k3"):
             raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {args.kl_estimator!r}")
+        check_config(args)
         self.args = args
         self.processing_class = processing_class
         self.policy_model = model
