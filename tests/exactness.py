@@ -15,7 +15,8 @@ bits), everything else with ``==`` (a float NaN equals NaN). Compared:
 Left out, by name: `WALL_TIME_FIELDS` in any log entry or metrics file, `PATH_KEYS` of the recipe files (the two
 runs write to different directories), ``training_args.bin`` (a pickle of the arguments, paths included; its values
 are ``run_config.yaml``'s) and ``runs/`` (TensorBoard event files: wall-clock stamps); the order of `SET_VALUED`
-lists in ``adapter_config.json`` (peft writes these sets in the string-hash order of the process).
+lists in ``adapter_config.json`` (peft writes these sets in the string-hash order of the process); in a checkpoint's
+``manifest.json`` the sizes of `SIZE_VARIES` files (their contents hold paths or wall times).
 
 `Zygote`: a process that imports torch, transformers, TRL and the stages once, then forks a child per request to
 run a stage (``rlhf-trl <stage> ARGS``) with extra environment variables, and reports how the child ended
@@ -52,6 +53,8 @@ WALL_TIME_FIELDS = frozenset({
 PATH_KEYS = frozenset({"output_dir", "logging_dir", "resume_from_checkpoint"})
 NOT_COMPARED = frozenset({"training_args.bin"})
 SET_VALUED = ("target_modules", "modules_to_save")  # adapter_config.json: sets, compared as sets
+# manifest.json (a checkpoint's files and sizes): sizes not compared for these (paths, wall time inside)
+SIZE_VARIES = frozenset({"training_args.bin", "trainer_state.json", "run_config.yaml"})
 SKIPPED_DIRS = frozenset({"runs"})
 CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 
@@ -124,6 +127,10 @@ def comparable(path: Path):
         return {"log_history": drop_wall_time(data["log_history"])}
     if name == "metrics.json":
         return drop_wall_time(json.loads(path.read_text(encoding="utf-8")))
+    if name == "manifest.json":  # sizes of the files whose compared content leaves out paths or wall time vary
+        data = json.loads(path.read_text(encoding="utf-8"))
+        data["files"] = {f: (None if os.path.basename(f) in SIZE_VARIES else n) for f, n in data["files"].items()}
+        return data
     if name == "adapter_config.json":  # peft writes target_modules, a set, in the process's string-hash order
         data = json.loads(path.read_text(encoding="utf-8"))
         for key in SET_VALUED:
