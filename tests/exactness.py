@@ -15,8 +15,10 @@ bits), everything else with ``==`` (a float NaN equals NaN). Compared:
 Left out, by name: `WALL_TIME_FIELDS` in any log entry or metrics file, `PATH_KEYS` of the recipe files (the two
 runs write to different directories), ``training_args.bin`` (a pickle of the arguments, paths included; its values
 are ``run_config.yaml``'s) and ``runs/`` (TensorBoard event files: wall-clock stamps); the order of `SET_VALUED`
-lists in ``adapter_config.json`` (peft writes these sets in the string-hash order of the process); in a checkpoint's
-``manifest.json`` the sizes of `SIZE_VARIES` files (their contents hold paths or wall times).
+lists in ``adapter_config.json`` (peft writes these sets in the string-hash order of the process); the file sizes in
+a checkpoint's ``manifest.json`` (its list of files is compared): besides the files holding paths or wall times,
+a pickle's bytes depend on which equal objects it shares (a resumed run's PPO ``data_state.pt`` holds a saved RNG
+state next to a fresh one and is 64 bytes longer than the uninterrupted run's, with the same values).
 
 `Zygote`: a process that imports torch, transformers, TRL and the stages once, then forks a child per request to
 run a stage (``rlhf-trl <stage> ARGS``) with extra environment variables, and reports how the child ended
@@ -53,8 +55,6 @@ WALL_TIME_FIELDS = frozenset({
 PATH_KEYS = frozenset({"output_dir", "logging_dir", "resume_from_checkpoint"})
 NOT_COMPARED = frozenset({"training_args.bin"})
 SET_VALUED = ("target_modules", "modules_to_save")  # adapter_config.json: sets, compared as sets
-# manifest.json (a checkpoint's files and sizes): sizes not compared for these (paths, wall time inside)
-SIZE_VARIES = frozenset({"training_args.bin", "trainer_state.json", "run_config.yaml"})
 SKIPPED_DIRS = frozenset({"runs"})
 CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 
@@ -127,9 +127,9 @@ def comparable(path: Path):
         return {"log_history": drop_wall_time(data["log_history"])}
     if name == "metrics.json":
         return drop_wall_time(json.loads(path.read_text(encoding="utf-8")))
-    if name == "manifest.json":  # sizes of the files whose compared content leaves out paths or wall time vary
+    if name == "manifest.json":  # the files it lists (their sizes: see the module docstring)
         data = json.loads(path.read_text(encoding="utf-8"))
-        data["files"] = {f: (None if os.path.basename(f) in SIZE_VARIES else n) for f, n in data["files"].items()}
+        data["files"] = sorted(data["files"])
         return data
     if name == "adapter_config.json":  # peft writes target_modules, a set, in the process's string-hash order
         data = json.loads(path.read_text(encoding="utf-8"))
