@@ -71,6 +71,7 @@ from .models import (
     save_pretrained_atomic,
     torch_dtype,
     write_json,
+    write_jsonl,
 )
 from .ppo_engine import (
     OnlineTrainerState,
@@ -273,26 +274,57 @@ def preserved_rng():
 class ResumableLoader:
     """Wraps PPOTrainer's prompt dataloader so the data position can be saved and restored exactly.
 
-    It records the RNG state at which each pass over the data started (the shuffle is drawn from it) and how many
-    batches of that pass were consumed. Resuming replays the shuffle from that state, skips the consumed batches,
-    then restores the RNG state of the checkpoint.
+    It records the RNG state at which each pass over the data started (the shuffle is drawn from it: the global torch
+    RNG in one process; under several processes accelerate gives the sampler its own generator, synchronized from
+    process 0 at the start of each pass, whose state is recorded too) and how many batches of that pass were consumed.
+    Resuming replays the shuffle from those states, skips the consumed batches, then restores the RNG state of the
+    checkpoint.
+
+    Raises (on the first pass after `resume_from`):
+        ValueError: the saved data position holds another number of sampler generators than this data loader has.
     """
 
     def __init__(self, loader):
         self.loader = loader
         self.epoch_rng: dict | None = None
+        self.epoch_generators: list[torch.Tensor] | None = None
         self.consumed = 0
-        self._resume: tuple[dict, int, dict] | None = None
+        self._resume: tuple[dict, list[torch.Tensor] | None, int, dict] | None = None
 
     def __len__(self):
         return len(self.loader)
 
+    def _generators(self) -> list[torch.Generator]:
+        """The sampler's own generators (none in one process: it draws from the global torch RNG)."""
+        found = []
+        candidates = [getattr(self.loader, "synchronized_generator", None)]
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        for holder in (getattr(self.loader, "sampler", None), getattr(batch_sampler, "sampler", None),
+                       getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)):
+            candidates.append(getattr(holder, "generator", None))
+        for gen in candidates:
+            if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+                found.append(gen)
+        return found
+
     def __iter__(self):
         if self._resume is not None:
-            epoch_rng, consumed, now = self._resume
+            epoch_rng, epoch_generators, consumed, now = self._resume
             self._resume = None
             set_rng_state(epoch_rng)
-            self.epoch_rng, self.consumed = epoch_rng, 0
+            generators = self._generators()
+            if epoch_generators is None:  # a checkpoint written before sampler generators were saved
+                if generators:
+                    logger.warning("the checkpoint's data position lacks the sampler's generator state: the data "
+                                   "order of this pass may differ from the interrupted run's")
+            elif len(generators) != len(epoch_generators):
+                raise ValueError(f"the checkpoint's data position holds {len(epoch_generators)} sampler generator "
+                                 f"states, this run's data loader has {len(generators)} (another number of "
+                                 "processes?)")
+            else:
+                for gen, state in zip(generators, epoch_generators):
+                    gen.set_state(state)
+            self.epoch_rng, self.epoch_generators, self.consumed = epoch_rng, epoch_generators, 0
             it = iter(self.loader)
             for _ in range(consumed):
                 next(it)
@@ -300,16 +332,18 @@ class ResumableLoader:
             set_rng_state(now)
         else:
             self.epoch_rng, self.consumed = rng_state(), 0
+            self.epoch_generators = [g.get_state() for g in self._generators()]
             it = iter(self.loader)
         for batch in it:
             self.consumed += 1
             yield batch
 
     def state(self) -> dict:
-        return {"epoch_rng": self.epoch_rng, "consumed": self.consumed, "now": rng_state()}
+        return {"epoch_rng": self.epoch_rng, "epoch_generators": self.epoch_generators, "consumed": self.consumed,
+                "now": rng_state()}
 
     def resume_from(self, state: dict) -> None:
-        self._resume = (state["epoch_rng"], state["consumed"], state["now"])
+        self._resume = (state["epoch_rng"], state.get("epoch_generators"), state["consumed"], state["now"])
 
 
 class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
@@ -373,7 +407,11 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
     def generate_completions(self, sampling: bool = False):
         """Sample one eval batch (near-greedy, temperature 0.01), score it and log query / response / score / reward.
 
-        Runs under `preserved_rng`, so sample tables never change the training run.
+        Runs under `preserved_rng`, and hands accelerate's gradient state back to the prompt loader (``end()`` of
+        the eval loader when the loop is left early: a loader left mid-iteration stays accelerate's active loader,
+        and the optimizer's accumulation syncs early at the end of the active loader's pass, so a sample table used to
+        change how the next update that ends a pass over the prompts steps the optimizer, and a resumed run, which
+        had not sampled yet, stepped differently). Sample tables never change the training run.
         """
         if self.eval_dataloader is None:
             return
@@ -383,8 +421,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         if self.eos_token_ids is None:
             gen_config.eos_token_id = None
         rows = []
-        with preserved_rng():
-            for batch in self.eval_dataloader:
+        loader = self.eval_dataloader
+        with preserved_rng(), _ended(loader):
+            for batch in loader:
                 query = batch["input_ids"]
                 context = query.shape[1]
                 with self.generation_policy() as policy:
@@ -498,8 +537,39 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             raise FileNotFoundError(f"cannot resume from {ckpt}: missing {os.path.basename(data_state)} (the "
                                     "checkpoint was written by fewer processes than this run has)")
         self.dataloader.resume_from(torch.load(data_state, weights_only=False))
+        if self.accelerator.is_main_process:
+            drop_later_samples(self.args.output_dir, done)
         logger.info("resuming from %s at update %d of %d (episode %d)", ckpt, done, total, self.state.episode)
         return done
+
+
+@contextmanager
+def _ended(loader):
+    """Run a loop over the accelerate-prepared ``loader``, then take it off accelerate's gradient state (its
+    ``end()``, which a loop left with ``break`` never reaches; harmless after a complete pass)."""
+    try:
+        yield
+    finally:
+        if hasattr(loader, "end"):
+            loader.end()
+
+
+def drop_later_samples(output_dir: str, step: int) -> None:
+    """Resume from update ``step``: keep the sample tables of updates <= ``step`` in ``samples.jsonl`` (the run
+    writes later ones again) and drop a line torn by a kill."""
+    path = os.path.join(output_dir, "samples.jsonl")
+    if not os.path.exists(path):
+        return
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                rows.append(row)
+    write_jsonl(path, rows)
 
 
 def _data_state_name(rank: int) -> str:

@@ -722,13 +722,15 @@ class PPOEngine(Trainer):
             self.log(metrics)
             self.lr_scheduler.step()
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            del ro, adv, stats
+            gc.collect()
+            # the sample table before the checkpoint: a checkpoint of update N comes with the tables of updates <= N
+            # (a resumed run drops later ones and writes them again: no table is lost or written twice)
+            if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+                self.generate_completions(sampling=True)
             if self.control.should_save:
                 self._save_checkpoint(self.model, trial=None)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
-            del ro, adv, stats
-            gc.collect()
-            if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
-                self.generate_completions(sampling=True)
         if self.reward_offload is not None:  # training is over: the reward model is an ordinary module again
             self.reward_offload.restore()
             self.reward_offload = None

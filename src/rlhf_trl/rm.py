@@ -23,6 +23,7 @@ from datasets import Dataset
 from .checkpoints import begin_writing, save_final_model, start_run, with_atomic_checkpoints
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, Template, describe_sources, pair_features, read_records, split_records
+from .loop_state import with_loop_state
 from .models import (
     fp32_adapters_for_fp32_compute,
     load_sequence_classifier,
@@ -109,7 +110,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
 
     # trainer, train (inputs proven: only now does anything of an earlier run go)
     begin_writing(training_args, run_args, resume)
-    trainer = with_atomic_checkpoints(RewardTrainer)(
+    trainer = with_loop_state(with_atomic_checkpoints(RewardTrainer))(
         model=model,
         args=training_args,
         train_dataset=train_ds.remove_columns("prompt_length"),

@@ -18,6 +18,7 @@ from datasets import Dataset
 from .checkpoints import begin_writing, save_final_model, start_run, with_atomic_checkpoints
 from .config import RunArguments, parse_recipe, save_recipe
 from .data import DataArguments, Template, describe_sources, read_records, sft_features, split_records
+from .loop_state import with_loop_state
 from .models import (
     fp32_adapters_for_fp32_compute,
     load_causal_lm,
@@ -105,7 +106,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
 
     # trainer, train (inputs proven: only now does anything of an earlier run go)
     begin_writing(training_args, run_args, resume)
-    trainer = with_atomic_checkpoints(trainer_cls)(
+    trainer = with_loop_state(with_atomic_checkpoints(trainer_cls))(
         model=model,
         args=training_args,
         train_dataset=train_ds,

@@ -1,0 +1,101 @@
+"""Resume is bit-exact: a run killed right after a middle checkpoint and resumed in a fresh process ends with the
+uninterrupted run's weights, optimizer and scheduler state, RNG states, data position, KL coefficient, reward
+baseline, loop sums and log history (`exactness.assert_runs_equal`: ``torch.equal`` / ``==``, wall-time fields
+aside), for SFT, RM and PPO (plain, LoRA value model, shared reward / value base, ``reward_baseline: auto``, and two
+processes).
+
+The kill: ``RLHF_TRL_FAULT="<s>:1"`` (`rlhf_trl.faults`) SIGKILLs the run at the first file operation of its s-th
+checkpoint save, so checkpoint s-1 is the newest on disk, with everything the run wrote after it (PPO's sample table
+of the next update, TensorBoard events). One-process runs are forked from a `exactness.Zygote` (a fresh process
+each, without the import time); the two-process runs go through ``accelerate launch``.
+"""
+
+import os
+
+import pytest
+from exactness import (
+    Zygote,
+    accelerate_launch,
+    assert_runs_equal,
+    assert_same,
+    checkpoints,
+    comparable,
+    small_models,
+    stage_configs,
+    tail,
+)
+
+pytestmark = pytest.mark.slow
+
+ONE_PROCESS = ["sft", "rm", "ppo", "ppo_value_lora", "ppo_shared_base", "ppo_baseline_auto"]
+RESUME_AFTER = {"sft": 1, "rm": 2, "ppo": 1, "ppo_value_lora": 2, "ppo_shared_base": 1, "ppo_baseline_auto": 2,
+                "ppo_2proc": 2}  # resume from the n-th checkpoint (PPO's 2nd: the end of a pass over the prompts; 2
+# processes: in the second pass)
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
+@pytest.fixture(scope="module")
+def configs(assets, zygote, tmp_path_factory):
+    return stage_configs(assets, *small_models(zygote, assets, tmp_path_factory.mktemp("small_models")))
+
+
+def run_and_resume(cfg, tmp_path, run) -> None:
+    """Uninterrupted run, killed run, resume; then compare. ``run(argv, log, env) -> returncode``."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    log = str(tmp_path / "log.txt")
+    assert run([*cfg.argv, "--output_dir", str(straight)], log, None) == 0, tail(log)
+    assert checkpoints(straight) == cfg.checkpoints
+    n = RESUME_AFTER[cfg.name]
+    code = run([*cfg.argv, "--output_dir", str(killed)], log, {"RLHF_TRL_FAULT": f"{n + 1}:1"})
+    assert code != 0, "the run was not killed"
+    assert checkpoints(killed) == cfg.checkpoints[:n]
+    assert run([*cfg.argv, "--output_dir", str(killed), "--resume_from_checkpoint", "true"], log, None) == 0, tail(log)
+    assert_runs_equal(straight, killed)
+
+
+@pytest.mark.parametrize("name", ONE_PROCESS)
+def test_one_process_resume_is_bit_exact(name, configs, zygote, tmp_path):
+    cfg = configs[name]
+
+    def run(argv, log, env):
+        return zygote.run(cfg.stage, argv, log, env)
+
+    run_and_resume(cfg, tmp_path, run)
+
+
+def test_two_process_ppo_resume_is_bit_exact(configs, tmp_path):
+    """Under ``accelerate launch`` (2 processes, gloo): each process restores its own RNG state and data position,
+    and the sampler's shared generator (accelerate gives the sampler one under several processes) is restored to
+    the state it had when the interrupted pass began: checkpoint-2 lies in the second pass over the prompts."""
+    cfg = configs["ppo_2proc"]
+
+    def run(argv, log, env):
+        return accelerate_launch(cfg.stage, argv, cfg.nproc, log, env)
+
+    run_and_resume(cfg, tmp_path, run)
+    assert os.path.exists(tmp_path / "killed" / "checkpoint-2" / "data_state_rank1.pt")
+
+
+def test_sample_tables_do_not_change_training(configs, zygote, tmp_path):
+    """PPO with a sample table every update ends with the weights, optimizer state and log history of the same run
+    without sample tables. (A sample table loops over one eval batch and leaves the loop early; the loader left
+    mid-iteration stayed accelerate's active loader, whose end decides when accumulated gradients are applied, so
+    the update that ends a pass over the prompts stepped the optimizer differently after a sample table.)"""
+    cfg = configs["ppo"]
+    log = str(tmp_path / "log.txt")
+    argv = [*cfg.argv]
+    argv[argv.index("--log_samples_every") + 1] = "0"
+    with_tables, without = tmp_path / "with", tmp_path / "without"
+    assert zygote.run(cfg.stage, [*cfg.argv, "--output_dir", str(with_tables)], log) == 0, tail(log)
+    assert zygote.run(cfg.stage, [*argv, "--output_dir", str(without)], log) == 0, tail(log)
+    assert (with_tables / "samples.jsonl").exists() and not (without / "samples.jsonl").exists()
+    last = f"checkpoint-{cfg.checkpoints[-1]}"
+    for rel in ("adapter/adapter_model.safetensors", "value_model/model.safetensors", f"{last}/optimizer.pt",
+                f"{last}/scheduler.pt", f"{last}/data_state.pt", f"{last}/trainer_state.json", "log_history.json"):
+        assert_same(comparable(with_tables / rel), comparable(without / rel), rel)
