@@ -37,13 +37,15 @@ torn writes (trees outside staging), measured (`pytest -s` prints them):
 
 | configuration | K | writes / fsyncs / rename, remove, rotate | distinct states |
 |---|---|---|---|
-| sft | 27 | 11 / 13 / 1, 1, 1 | 2: kill 1-24 and torn (newest checkpoint-3); kill 25-27 (checkpoint-6 published) |
-| rm | 27 | 11 / 13 / 1, 1, 1 | 2: kill 1-24 and torn; kill 25-27 |
-| ppo | 45 | 18 / 24 / 1, 1, 1 | 2: kill 1-42 and torn (newest checkpoint-1); kill 43-45 (checkpoint-2 published) |
-| ppo_value_lora | 47 | 19 / 25 / 1, 1, 1 | 2: kill 1-44 and torn; kill 45-47 |
-| ppo_shared_base | 47 | 19 / 25 / 1, 1, 1 | 2: kill 1-44 and torn; kill 45-47 |
-| ppo_baseline_auto | 45 | 18 / 24 / 1, 1, 1 | 2: kill 1-42 and torn; kill 43-45 |
-| ppo_2proc | 47 | 18 / 26 / 1, 1, 1 | 2: kill 1-44 and torn; kill 45-47 |
+| sft | 29 | 12 / 14 / 1, 1, 1 | 2: kill 1-26 and torn (newest checkpoint-3); kill 27-29 (checkpoint-6 published) |
+| rm | 29 | 12 / 14 / 1, 1, 1 | 2: kill 1-26 and torn; kill 27-29 |
+| ppo | 47 | 19 / 25 / 1, 1, 1 | 2: kill 1-44 and torn (newest checkpoint-1); kill 45-47 (checkpoint-2 published) |
+| ppo_value_lora | 49 | 20 / 26 / 1, 1, 1 | 2: kill 1-46 and torn; kill 47-49 |
+| ppo_shared_base | 49 | 20 / 26 / 1, 1, 1 | 2: kill 1-46 and torn; kill 47-49 |
+| ppo_baseline_auto | 47 | 19 / 25 / 1, 1, 1 | 2: kill 1-44 and torn; kill 45-47 |
+| ppo_2proc | 49 | 19 / 27 / 1, 1, 1 | 2: kill 1-46 and torn; kill 47-49 |
+
+(The last write before the rename is the checkpoint's ``manifest.json``.)
 
 Every kill before the rename that publishes the checkpoint leaves the same tree outside staging (the save writes
 only under ``.tmp-checkpoint-N``), every later one the same tree with the new checkpoint. Measured: the whole file
