@@ -21,7 +21,8 @@ from transformers import TrainerCallback
 
 from rlhf_trl import rm, sft
 from rlhf_trl.checkpoints import MANIFEST, checkpoint_problem, set_aside_damaged, write_manifest
-from rlhf_trl.models import StageInputError, resolve_resume
+from rlhf_trl.checkpoints import resolve_resume
+from rlhf_trl.models import StageInputError
 
 
 # ----------------------------------------------------------------------------------------------------------------

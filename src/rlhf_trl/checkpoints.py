@@ -11,6 +11,7 @@ import struct
 import zipfile
 
 from . import faults
+from .faults import CheckpointWriteError  # noqa: F401  (raised by _save_checkpoint; importable here)
 
 logger = logging.getLogger(__name__)
 
@@ -73,23 +74,6 @@ class AtomicCheckpointMixin:
         self.accelerator.wait_for_everyone()  # checkpoint-N is in place for every process
 
 
-class CheckpointWriteError(OSError):
-    """Writing ``checkpoint-N`` failed (full disk, read-only ``output_dir``, ...): its staging directory was removed,
-    no ``checkpoint-N`` was published, the earlier checkpoints are untouched. The message is one line naming the path
-    the file system refused."""
-
-    def __init__(self, name: str, root: str, cause: OSError):
-        where = cause.filename or root
-        earlier = complete_checkpoints(root)
-        kept = f"the newest complete checkpoint is {os.path.basename(earlier[-1])}" if earlier else "no checkpoint yet"
-        self.message = (f"cannot write {name} in '{root}': {cause.strerror or cause} ('{where}'); nothing of it was "
-                        f"published, {kept}")
-        super().__init__(cause.errno, self.message, where)
-
-    def __str__(self) -> str:
-        return self.message
-
-
 def publish_checkpoint(staged: str, final: str) -> None:
     """Make the complete checkpoint ``staged`` visible as ``final``: fsync its files and directories, rename, fsync
     the parent (`faults.publish`). A ``final`` of the same step already there (saved again) is moved aside first and
@@ -127,7 +111,7 @@ def start_run(training_args, run_args=None):
     """Checks every stage makes before it reads its inputs; nothing of an earlier run is changed here.
 
     Resolves ``resume_from_checkpoint`` (``true`` -> the newest intact checkpoint, damaged newer ones named in a
-    warning: `rlhf_trl.models.resolve_resume`, `checkpoint_problem`), refuses to overwrite a finished run unless
+    warning: `resolve_resume`, `checkpoint_problem`), refuses to overwrite a finished run unless
     ``overwrite_output_dir``, refuses to start afresh next to an unfinished run's checkpoints (damaged or not) unless
     ``overwrite_output_dir``, and removes ``.tmp-checkpoint-*`` leftovers of a killed run (never a complete
     checkpoint). The earlier run's checkpoints, logs and reports are removed later, by `begin_writing`, once the new
@@ -141,7 +125,6 @@ def start_run(training_args, run_args=None):
         finished run, or an unfinished run's checkpoints (damaged or not), in the way.
     """
     from .config import RecipeError, RunArguments, check_output_dir
-    from .models import resolve_resume
 
     run_args = run_args or RunArguments()
     state = distributed_state(training_args)
@@ -491,3 +474,46 @@ def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
                        problem, os.path.basename(target), os.path.basename(resume))
         moved.append(target)
     return moved
+
+
+def resolve_resume(value, output_dir: str) -> str | None:
+    """Turn a recipe's ``resume_from_checkpoint`` into a checkpoint directory (or None to start fresh).
+
+    ``true`` / ``last`` picks the newest intact ``checkpoint-N`` in ``output_dir``
+    (`rlhf_trl.checkpoints.checkpoint_problem`: a truncated weights file, a missing optimizer state, an unreadable
+    state file ... make one damaged); each newer, damaged one is named with its reason in a WARNING
+    (``checkpoint-30 is damaged (optimizer.pt is missing); resuming from checkpoint-20``). A path must exist and be
+    intact. Never falls back to a fresh start.
+
+    Raises:
+        StageInputError: ``true`` with no checkpoint in ``output_dir``, or none intact (one line naming the newest and
+            its problem); a path that does not exist or is damaged (named with its problem).
+    """
+    from .models import StageInputError
+
+    if value is None or str(value).strip().lower() in ("", "false", "no", "0", "none"):
+        return None
+    if str(value).strip().lower() in ("true", "yes", "1", "last"):
+        found = complete_checkpoints(output_dir) if os.path.isdir(output_dir) else []
+        if not found:
+            raise StageInputError(f"resume_from_checkpoint=true, but '{output_dir}' holds no checkpoint-N directory")
+        damaged = []
+        for path in reversed(found):
+            problem = checkpoint_problem(path)
+            if problem is None:
+                for name, why in damaged:
+                    logger.warning("%s is damaged (%s); resuming from %s", name, why, os.path.basename(path))
+                return path
+            damaged.append((os.path.basename(path), problem))
+        name, why = damaged[0]
+        raise StageInputError(
+            f"resume_from_checkpoint=true: no intact checkpoint in '{output_dir}' (newest {name}: {why}); "
+            "start over with `overwrite_output_dir: true` and no resume_from_checkpoint"
+        )
+    if not os.path.isdir(str(value)):
+        raise StageInputError(f"resume_from_checkpoint: checkpoint '{value}' not found")
+    problem = checkpoint_problem(str(value))
+    if problem is not None:
+        raise StageInputError(f"resume_from_checkpoint: checkpoint '{value}' is damaged ({problem}); resume from "
+                              "another checkpoint-N, or with resume_from_checkpoint=true (the newest intact one)")
+    return str(value)

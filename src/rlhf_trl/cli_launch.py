@@ -46,7 +46,7 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     ``output_dir``: `checkpoints.CheckpointWriteError`) exits with status 4, naming the path. ``RLHF_TRL_DEBUG=1``
     re-raises with the traceback.
     """
-    from .checkpoints import CheckpointWriteError
+    from .faults import CheckpointWriteError
     from .config import RecipeError
     from .data import DataError
     from .models import StageInputError

@@ -198,8 +198,8 @@ def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
     """A stage's training log records and where they came from.
 
     The stage's whole ``log_history`` (``log_history.json``, written when a stage finishes), else that of the newest
-    intact ``checkpoint-N/trainer_state.json`` under ``stage_dir`` (an unfinished run; damaged ones are skipped with a
-    warning), else ``[metrics.json]``, else
+    ``checkpoint-N/trainer_state.json`` under ``stage_dir`` that reads (an unfinished run; an unreadable one is skipped
+    with a warning), else ``[metrics.json]``, else
     ``[]``. Returns ``(records, source path or None)``.
     """
     if not stage_dir or not os.path.isdir(stage_dir):
@@ -210,16 +210,19 @@ def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
             history = json.load(f).get("log_history") or []
         if history:
             return history, path
-    from .checkpoints import checkpoint_problem, complete_checkpoints
+    from .checkpoints import complete_checkpoints
 
-    for ckpt in reversed(complete_checkpoints(stage_dir)):  # newest intact one (`checkpoint_problem`)
-        problem = checkpoint_problem(ckpt)
-        if problem:
-            logger.warning("%s is damaged (%s); reading the logs of an older checkpoint", ckpt, problem)
-            continue
+    for ckpt in reversed(complete_checkpoints(stage_dir)):  # the newest checkpoint whose state file reads
         path = os.path.join(ckpt, "trainer_state.json")
-        with open(path, encoding="utf-8") as f:
-            history = json.load(f).get("log_history") or []
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                history = json.load(f).get("log_history") or []
+        except (OSError, ValueError, AttributeError) as exc:
+            logger.warning("%s is damaged (trainer_state.json cannot be read: %s); reading the logs of an older "
+                           "checkpoint", ckpt, exc)
+            continue
         if history:
             return history, path
         break

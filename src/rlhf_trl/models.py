@@ -446,49 +446,6 @@ def resize_for_tokenizer(model, tokenizer) -> None:
         gen.eos_token_id = eos[0] if len(eos) == 1 else eos
 
 
-def resolve_resume(value, output_dir: str) -> str | None:
-    """Turn a recipe's ``resume_from_checkpoint`` into a checkpoint directory (or None to start fresh).
-
-    ``true`` / ``last`` picks the newest intact ``checkpoint-N`` in ``output_dir``
-    (`rlhf_trl.checkpoints.checkpoint_problem`: a truncated weights file, a missing optimizer state, an unreadable
-    state file ... make one damaged); each newer, damaged one is named with its reason in a WARNING
-    (``checkpoint-30 is damaged (optimizer.pt is missing); resuming from checkpoint-20``). A path must exist and be
-    intact. Never falls back to a fresh start.
-
-    Raises:
-        StageInputError: ``true`` with no checkpoint in ``output_dir``, or none intact (one line naming the newest and
-            its problem); a path that does not exist or is damaged (named with its problem).
-    """
-    from .checkpoints import checkpoint_problem, complete_checkpoints
-
-    if value is None or str(value).strip().lower() in ("", "false", "no", "0", "none"):
-        return None
-    if str(value).strip().lower() in ("true", "yes", "1", "last"):
-        found = complete_checkpoints(output_dir) if os.path.isdir(output_dir) else []
-        if not found:
-            raise StageInputError(f"resume_from_checkpoint=true, but '{output_dir}' holds no checkpoint-N directory")
-        damaged = []
-        for path in reversed(found):
-            problem = checkpoint_problem(path)
-            if problem is None:
-                for name, why in damaged:
-                    logger.warning("%s is damaged (%s); resuming from %s", name, why, os.path.basename(path))
-                return path
-            damaged.append((os.path.basename(path), problem))
-        name, why = damaged[0]
-        raise StageInputError(
-            f"resume_from_checkpoint=true: no intact checkpoint in '{output_dir}' (newest {name}: {why}); "
-            "start over with `overwrite_output_dir: true` and no resume_from_checkpoint"
-        )
-    if not os.path.isdir(str(value)):
-        raise StageInputError(f"resume_from_checkpoint: checkpoint '{value}' not found")
-    problem = checkpoint_problem(str(value))
-    if problem is not None:
-        raise StageInputError(f"resume_from_checkpoint: checkpoint '{value}' is damaged ({problem}); resume from "
-                              "another checkpoint-N, or with resume_from_checkpoint=true (the newest intact one)")
-    return str(value)
-
-
 def torch_dtype(name: str | None):
     """Map a recipe dtype string ('float32', 'bfloat16', 'auto', None) to what from_pretrained takes."""
     if name in (None, "auto"):
