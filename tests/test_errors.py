@@ -207,6 +207,7 @@ def test_resume_without_checkpoint(assets, tmp_path, capsys):
     assert code == 2 and "holds no checkpoint" in err[0]
 
 
+@pytest.mark.slow  # needs finished runs of the stages or a real process
 def test_too_few_eval_prompts(assets, tmp_path, capsys, sft_run, rm_run):
     argv = ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path",
             sft_run["merged"], "--reward_model_path", rm_run["merged"], "--output_dir", str(tmp_path / "out"),
@@ -215,6 +216,7 @@ def test_too_few_eval_prompts(assets, tmp_path, capsys, sft_run, rm_run):
     assert code == 2 and "eval prompts" in err[0] and "per_device_eval_batch_size" in err[0]
 
 
+@pytest.mark.slow  # needs finished runs of the stages or a real process
 def test_bad_reward_baseline(assets, tmp_path, capsys, sft_run, rm_run):
     argv = ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path",
             sft_run["merged"], "--reward_model_path", rm_run["merged"], "--output_dir", str(tmp_path / "out"),
@@ -223,6 +225,7 @@ def test_bad_reward_baseline(assets, tmp_path, capsys, sft_run, rm_run):
     assert code == 2 and "reward_baseline must be a number or 'auto'" in err[0]
 
 
+@pytest.mark.slow  # needs finished runs of the stages or a real process
 def test_the_real_command_prints_no_traceback(assets, tmp_path):
     """The same through a real process: exit status 2, one line on stderr."""
     data = write_jsonl(tmp_path / "bad.jsonl", [GOOD, {**GOOD, "output": None}])
@@ -248,6 +251,7 @@ def test_bad_accelerate_config_name():
     (["--value_use_peft", "false"], "share_reward_value_base: true needs value_use_peft: true"),
     (["--value_use_peft", "true", "--value_model_path", "SFT"], "remove value_model_path"),
 ], ids=["without-value-lora", "with-value-model-path"])
+@pytest.mark.slow  # needs finished runs of the stages or a real process
 def test_shared_reward_value_base_needs_a_lora_value_model_on_the_rm(assets, tmp_path, capsys, sft_run, rm_run,
                                                                      extra, fragment):
     extra = [sft_run["merged"] if e == "SFT" else e for e in extra]
@@ -415,6 +419,7 @@ def finished_ppo(ppo_run, tmp_path):
     return out
 
 
+@pytest.mark.slow  # needs finished runs of the stages or a real process
 @pytest.mark.parametrize("name, extra, fragments", PPO_RECIPE_CASES, ids=[c[0] for c in PPO_RECIPE_CASES])
 def test_bad_ppo_recipe_over_a_finished_run(assets, finished_ppo, tmp_path, capsys, name, extra, fragments):
     (tmp_path / "broken_rewards.py").write_text("raise RuntimeError('needs a GPU')\n")
@@ -506,6 +511,7 @@ EVAL_CASES = [
 ]
 
 
+@pytest.mark.slow  # needs finished runs of the stages or a real process
 @pytest.mark.parametrize("name, extra, fragments", EVAL_CASES, ids=[c[0] for c in EVAL_CASES])
 def test_bad_eval_input(assets, sft_run, rm_run, finished_ppo, tmp_path, capsys, name, extra, fragments):
     write_jsonl(tmp_path / "prompts.jsonl", [Q, {"topic": "咖啡"}])
@@ -568,6 +574,7 @@ MERGE_CASES = [
 ]
 
 
+@pytest.mark.slow  # needs finished runs of the stages or a real process
 @pytest.mark.parametrize("name, extra, setup, fragments", MERGE_CASES, ids=[c[0] for c in MERGE_CASES])
 def test_bad_merge_input(assets, rm_run, tmp_path, capsys, name, extra, setup, fragments):
     adapter, base = tmp_path / "adapter", tmp_path / "base"
@@ -633,6 +640,7 @@ def real_process_case(command, assets, tmp_path):
             "--output, so choose a new directory")
 
 
+@pytest.mark.slow  # needs finished runs of the stages or a real process
 @pytest.mark.parametrize("command", ["rm", "ppo", "eval", "merge"])
 def test_every_command_in_a_real_process(assets, tmp_path, command):
     argv, expected = real_process_case(command, assets, tmp_path)
