@@ -163,3 +163,22 @@ def engine_reward(model, query_responses, pad_token_id: int, context_length: int
 
     last = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     return None, sequence_scores(model, query_responses, pad_token_id, context_length), last
+
+
+# -- fixtures of tests/test_exact_resume.py and tests/test_fault_injection.py (tests/exactness.py) ------------------
+@pytest.fixture(scope="module")
+def zygote():
+    """A forking server with torch / transformers / trl / peft imported once (`exactness.Zygote`)."""
+    from exactness import Zygote
+
+    z = Zygote()
+    yield z
+    z.close()
+
+
+@pytest.fixture(scope="module")
+def configs(assets, zygote, tmp_path_factory):
+    """`exactness.stage_configs` on small SFT / RM models trained once per module (`exactness.small_models`)."""
+    from exactness import small_models, stage_configs
+
+    return stage_configs(assets, *small_models(zygote, assets, tmp_path_factory.mktemp("small_models")))

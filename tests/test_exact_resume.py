@@ -14,14 +14,11 @@ import os
 
 import pytest
 from exactness import (
-    Zygote,
     accelerate_launch,
     assert_runs_equal,
     assert_same,
     checkpoints,
     comparable,
-    small_models,
-    stage_configs,
     tail,
 )
 
@@ -31,18 +28,6 @@ ONE_PROCESS = ["sft", "rm", "ppo", "ppo_value_lora", "ppo_shared_base", "ppo_bas
 RESUME_AFTER = {"sft": 1, "rm": 2, "ppo": 1, "ppo_value_lora": 2, "ppo_shared_base": 1, "ppo_baseline_auto": 2,
                 "ppo_2proc": 2}  # resume from the n-th checkpoint (PPO's 2nd: the end of a pass over the prompts; 2
 # processes: in the second pass)
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    z = Zygote()
-    yield z
-    z.close()
-
-
-@pytest.fixture(scope="module")
-def configs(assets, zygote, tmp_path_factory):
-    return stage_configs(assets, *small_models(zygote, assets, tmp_path_factory.mktemp("small_models")))
 
 
 def run_and_resume(cfg, tmp_path, run) -> None:

@@ -60,15 +60,12 @@ import pytest
 from exactness import (
     MULTI_CPU,
     SURVIVED,
-    Zygote,
     ZygoteGroup,
     assert_runs_equal,
     assert_trees_equal,
     captured_launch_env,
     checkpoints,
     read_fault_log,
-    small_models,
-    stage_configs,
     tail,
 )
 
@@ -76,18 +73,6 @@ pytestmark = pytest.mark.slow
 
 NAMES = ["sft", "rm", "ppo", "ppo_value_lora", "ppo_shared_base", "ppo_baseline_auto", "ppo_2proc"]
 SAVE = 2  # the checkpoint save whose every file operation is a kill point
-
-
-@pytest.fixture(scope="module")
-def configs(assets, zygote, tmp_path_factory):
-    return stage_configs(assets, *small_models(zygote, assets, tmp_path_factory.mktemp("small_models")))
-
-
-@pytest.fixture(scope="module")
-def zygote():
-    z = Zygote()
-    yield z
-    z.close()
 
 
 @pytest.fixture(scope="module")
