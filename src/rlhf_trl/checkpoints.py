@@ -63,7 +63,7 @@ class AtomicCheckpointMixin:
                 self.accelerator.wait_for_everyone()  # every process's files are in staging
                 if self.args.should_save:
                     write_manifest(ckpt)  # last: after every process's files (the barrier above), before publishing
-                    publish_checkpoint(ckpt, os.path.join(root, name))
+                    faults.publish(ckpt, os.path.join(root, name))  # a re-saved step: the old copy aside
                     faults.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
                     faults.file_op("rotate", root, lambda: rotate_checkpoints(
                         root, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False))
@@ -72,23 +72,6 @@ class AtomicCheckpointMixin:
                     shutil.rmtree(staging, ignore_errors=True)
                 raise CheckpointWriteError(name, root, exc) from exc
         self.accelerator.wait_for_everyone()  # checkpoint-N is in place for every process
-
-
-def publish_checkpoint(staged: str, final: str) -> None:
-    """Make the complete checkpoint ``staged`` visible as ``final``: fsync its files and directories, rename, fsync
-    the parent (`faults.publish`). A ``final`` of the same step already there (saved again) is moved aside first and
-    removed afterwards, so some complete ``checkpoint-N`` exists at every moment (as ``final`` or ``final.old``).
-
-    Raises:
-        OSError: a write, fsync or rename failed.
-    """
-    old = None
-    if os.path.exists(final):
-        old = final + ".old"
-        faults.file_op("rename", old, lambda: os.rename(final, old))
-    faults.publish(staged, final)
-    if old is not None:
-        faults.file_op("remove", old, lambda: shutil.rmtree(old, ignore_errors=True))
 
 
 def with_atomic_checkpoints(trainer_cls):
@@ -282,7 +265,7 @@ def write_manifest(checkpoint_dir: str) -> None:
     every file under it (sub-directories such as PPO's ``value_model/`` and ``merged/`` included; no hashes: a
     checkpoint can hold GBs). Written last, by the main process, after the barrier that follows every process's
     writes, so it lists every process's files (``rng_state_<rank>.pth``, ``data_state_rank<r>.pt``); fsynced with
-    the rest by `publish_checkpoint`."""
+    the rest by `faults.publish`."""
     files = {}
     for folder, dirs, names in os.walk(checkpoint_dir):
         dirs.sort()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import builtins
 import errno
 import os
+import shutil
 import signal
 from contextlib import contextmanager
 
@@ -171,16 +172,23 @@ def fsync_tree(root: str) -> None:
         fsync_path(folder)
 
 
-def publish(staged: str, final: str) -> None:
+def publish(staged: str, final: str, aside: str | None = None) -> None:
     """fsync ``staged`` (files and directories), rename it to ``final`` and fsync the parent directory, so that
-    after a crash ``final`` is either absent or complete on disk. ``final`` must not exist.
+    after a crash ``final`` is either absent or complete on disk. An existing ``final`` is first renamed to ``aside``
+    (default ``final + ".old"``) and removed once the new one is in place, so a complete copy exists at every moment.
 
     Raises:
         OSError: a write, fsync or rename failed (full disk, read-only file system, ...).
     """
+    old = None
+    if os.path.exists(final):
+        old = aside or final + ".old"
+        file_op("rename", old, lambda: os.rename(final, old))
     fsync_tree(staged)
     file_op("rename", final, lambda: os.rename(staged, final))
     fsync_path(os.path.dirname(os.path.abspath(final)))
+    if old is not None:
+        file_op("remove", old, lambda: shutil.rmtree(old, ignore_errors=True))
 
 
 class CheckpointWriteError(OSError):

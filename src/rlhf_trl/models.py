@@ -461,7 +461,7 @@ def atomic_dir(final_path: str):
     is complete, and the new one's files and directories are fsynced before the rename that publishes it
     (`faults.publish`).
     """
-    from .faults import file_op, publish
+    from .faults import publish
 
     parent = os.path.dirname(os.path.abspath(final_path)) or "."
     os.makedirs(parent, exist_ok=True)
@@ -474,13 +474,7 @@ def atomic_dir(final_path: str):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.exists(final_path):
-        old = tmp + ".old"
-        file_op("rename", old, lambda: os.rename(final_path, old))
-        publish(tmp, final_path)
-        file_op("remove", old, lambda: shutil.rmtree(old, ignore_errors=True))
-    else:
-        publish(tmp, final_path)
+    publish(tmp, final_path, aside=tmp + ".old")
 
 
 def save_pretrained_atomic(model, tokenizer, path: str, extra: dict | None = None) -> str:
