@@ -425,6 +425,7 @@ def test_reward_model_stage_trains_a_baichuan_classifier(rm_run):
     assert rm_run["metrics"]["eval_num_pairs"] == 8
 
 
+@pytest.mark.slow  # a PPO run (~3 s)
 def test_ppo_with_baichuan_policy_reward_and_value_models(sft_run, rm_run, tmp_path, caplog):
     from trl import ModelConfig
     from rlhf_trl.ppo_engine import PPOConfig

@@ -13,6 +13,8 @@ from conftest import RECIPES, import_ppo
 
 from rlhf_trl import rm, sft
 
+pytestmark = pytest.mark.slow  # real processes killed and resumed (minutes on 2 cores)
+
 REQUIRED = {
     "sft": ["trainer_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt"],
     "rm": ["trainer_state.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt"],

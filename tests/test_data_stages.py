@@ -54,6 +54,7 @@ def test_chat_template_whose_end_of_turn_is_no_eos_fails_in_one_line(assets, cha
     assert f"nor in eos_token_id of {model}/generation_config.json" in lines[0]
 
 
+@pytest.mark.slow  # all three stages (~8 s)
 def test_chat_mode_through_sft_rm_and_ppo(assets, chat_files, tmp_path):
     from transformers import AutoTokenizer
 

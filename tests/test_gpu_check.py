@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
+
+pytestmark = pytest.mark.slow  # every stage in a subprocess (~30 s)
 
 
 def test_gpu_check_tiny_cpu(tmp_path):

@@ -33,6 +33,7 @@ class Crash(TrainerCallback):
             raise KeyboardInterrupt(f"crash after checkpoint {self.at}")
 
 
+@pytest.mark.slow  # two PPO runs (~15 s)
 def test_resume_continues_exactly(assets, sft_run, rm_run, tmp_path):
     """N updates straight == N/2 updates, crash, resume, N/2 more (policy and value weights bit for bit)."""
     common = ["--total_episodes", "32", "--save_steps", "2", "--kl_target", "0.5", "--kl_horizon", "40"]
@@ -160,6 +161,7 @@ class PoisonValueHead(TrainerCallback):
                 model.value_model.score.weight.fill_(float("nan"))
 
 
+@pytest.mark.slow  # two PPO runs (~5 s)
 def test_non_finite_values_stop_the_run_and_keep_the_last_good_checkpoint(assets, sft_run, rm_run, tmp_path):
     with pytest.raises(TrainingDivergedError, match=r"non-finite .*loss/value_avg.* at update 3.*checkpoint-2"):
         ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "40", "--save_steps", "1"),
@@ -169,6 +171,7 @@ def test_non_finite_values_stop_the_run_and_keep_the_last_good_checkpoint(assets
     assert all(torch.isfinite(t).all() for t in value.values())
 
 
+@pytest.mark.slow  # PPO runs (~3 s)
 def test_one_statistic_per_update_is_not_divergence(assets, sft_run, rm_run, tmp_path):
     """One micro-batch, one mini-batch, one PPO epoch: TRL logs the variance of one ratio (NaN); the run goes on."""
     res = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "16", "--num_ppo_epochs", "1",
@@ -179,6 +182,7 @@ def test_one_statistic_per_update_is_not_divergence(assets, sft_run, rm_run, tmp
     assert all(torch.isfinite(torch.tensor(h["loss/value_avg"])) for h in logs)
 
 
+@pytest.mark.slow  # PPO runs of several updates (~6 s)
 def test_sample_tables_every_n_updates(assets, sft_run, rm_run, tmp_path):
     ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "32", "--reward_baseline", "0.5",
                       "--save_strategy", "no", "--log_samples_every", "2"))
@@ -290,6 +294,7 @@ def test_rollouts_use_the_kv_cache_under_gradient_checkpointing(assets, sft_run,
     assert any(grad for _, grad in calls)  # the training forward passes still ran with gradients
 
 
+@pytest.mark.slow  # two PPO runs (~3 s)
 def test_resume_with_another_total_is_refused(assets, sft_run, rm_run, tmp_path):
     """The checkpoint's learning-rate schedule and data order belong to its run's length: a changed total_episodes
     would resume with a wrong schedule (a learning rate of 0), so it is refused, naming both lengths."""
@@ -301,6 +306,7 @@ def test_resume_with_another_total_is_refused(assets, sft_run, rm_run, tmp_path)
                           "true"))
 
 
+@pytest.mark.slow  # PPO runs of several updates (~8 s)
 def test_logging_steps_is_honoured_and_the_last_update_logged(assets, sft_run, rm_run, tmp_path):
     res = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "40", "--logging_steps", "2",
                             "--save_strategy", "no"))

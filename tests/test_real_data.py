@@ -165,6 +165,7 @@ def test_alpaca_oasst_sft_keeps_history():
 # ----------------------------------------------------------------------------------------------------------------
 # token ids: the RM trains on exactly the ids PPO scores
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # tokenizes every real pair (~15 s)
 @pytest.mark.parametrize(
     "path,fmt", [(OAAST_RM, "ranked"), (DPO_500, "auto")], ids=["oaast_rm_zh", "reward_dpo_zh_500"]
 )
@@ -295,6 +296,7 @@ def ppo_run(sft_run, rm_run, tmp_path_factory):
     ])
 
 
+@pytest.mark.slow  # trains on the real data (~1 min for the module)
 def test_sft_on_real_data_changes_the_weights(base_model, sft_run):
     assert differs(weights(base_model), weights(sft_run["merged"]))
     m = sft_run["metrics"]
@@ -303,6 +305,7 @@ def test_sft_on_real_data_changes_the_weights(base_model, sft_run):
     assert m["eval_loss"] == m["eval_loss"]  # not NaN: every eval row kept answer tokens within max_length
 
 
+@pytest.mark.slow  # trains on the real data (~1 min for the module)
 def test_rm_on_real_data_writes_eval_metrics(rm_run):
     with open(os.path.join(rm_run["output_dir"], "eval_metrics.json"), encoding="utf-8") as f:
         metrics = json.load(f)
@@ -312,6 +315,7 @@ def test_rm_on_real_data_writes_eval_metrics(rm_run):
     assert "score.weight" in weights(rm_run["merged"])
 
 
+@pytest.mark.slow  # trains on the real data (~1 min for the module)
 def test_ppo_on_real_data_trains_policy_and_value_model(sft_run, rm_run, ppo_run):
     from transformers import AutoModelForSequenceClassification
 
@@ -327,6 +331,7 @@ def test_ppo_on_real_data_trains_policy_and_value_model(sft_run, rm_run, ppo_run
     assert samples and all("答：" in s["query"] for s in samples)
 
 
+@pytest.mark.slow  # trains on the real data (~1 min for the module)
 def test_merge_and_eval_on_the_real_data_recipe(sft_run, rm_run, ppo_run, tmp_path):
     """`rlhf-trl merge` and `rlhf-trl eval` on the zh-oasst runs: merged models reload; the report is complete."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification

@@ -126,6 +126,7 @@ def test_missing_previous_stage_names_the_stage_to_run(assets, tmp_path):
                   "--output_dir", str(tmp_path / "o")])
 
 
+@pytest.mark.slow  # a subprocess importing the whole stack (~12 s)
 def test_cli_reports_a_missing_stage_in_one_line(assets, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "rlhf_trl", "rm", "--config", f"{RECIPES}/rm.yaml",

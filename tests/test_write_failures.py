@@ -53,6 +53,7 @@ def pick(ops, kind, suffix=""):
     return next(op for op, k, path in ops if k == kind and path.rstrip("/").endswith(suffix))
 
 
+@pytest.mark.slow  # an SFT run that records every file operation (~15 s)
 def test_every_save_step_is_counted_and_fsynced_before_the_rename(save_ops):
     save_ops = save_ops["ops"]
     kinds = [k for _, k, _ in save_ops]
@@ -67,6 +68,7 @@ def test_every_save_step_is_counted_and_fsynced_before_the_rename(save_ops):
     assert kinds[-2:] == ["remove", "rotate"]
 
 
+@pytest.mark.slow  # 8 SFT runs (~40 s); the quick subset keeps the test through main below
 @pytest.mark.parametrize("action", ["enospc", "erofs"])
 @pytest.mark.parametrize("where", ["first write", "fsync optimizer", "fsync dir", "rename"])
 def test_write_failure_during_a_save_loses_nothing(assets, tmp_path, capsys, save_ops, monkeypatch, where, action):
