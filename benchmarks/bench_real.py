@@ -14,10 +14,12 @@ Variants, each one PPO run in its own process (so that peak RSS is its own), sam
                    run from its own venv with trl==1.12.0 (``--trl112_venv``, default .venv-trl112, built on first
                    use), since the project itself follows current TRL
   rlhf_trl         ``rlhf-trl ppo`` (the project's PPO engine) in TRL's layout (full value model, as TRL does)
-  rlhf_trl_low_memory  the same layout (full value model) with ``offload_reward_model: true`` (the reward model's
-                   weights on disk between rollouts) and ``gradient_checkpointing: true``
+  rlhf_trl_fast    the same layout (full value model) with ``offload_reward_model: true`` (the reward model's
+                   weights on disk between rollouts) and the CPU measures ``malloc_mmap_threshold: 131072`` (freed
+                   tensors go back to the system) and ``onednn_decoding: true`` (decoding matmuls through oneDNN)
+  rlhf_trl_low_memory  rlhf_trl_fast plus ``gradient_checkpointing: true``
   rlhf_trl_lean    ``rlhf-trl ppo`` with ``value_use_peft`` + ``share_reward_value_base`` (one copy of weights for
-                   reward and value model) and ``gradient_checkpointing: true``
+                   reward and value model), ``gradient_checkpointing: true`` and the two CPU measures
 
 Per update (the first is a warm-up and is not counted when more than one update runs), split by phase:
   generation    the rollout's ``generate`` (TRL's ``batch_generation``; the engine's ``generate_rollouts``)
@@ -70,11 +72,13 @@ SIZES = {
     "issue": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, local_rollout_forward_batch_size=8,
                   response_length=64),
 }
-VARIANTS = ("plain_trl", "rlhf_trl", "rlhf_trl_low_memory", "rlhf_trl_lean")
+VARIANTS = ("plain_trl", "rlhf_trl", "rlhf_trl_fast", "rlhf_trl_low_memory", "rlhf_trl_lean")
+CPU_MEASURES = ["--malloc_mmap_threshold", "131072", "--onednn_decoding", "true"]
 EXTRA = {"rlhf_trl": [],
-         "rlhf_trl_low_memory": ["--offload_reward_model", "true", "--gradient_checkpointing", "true"],
+         "rlhf_trl_fast": ["--offload_reward_model", "true", *CPU_MEASURES],
+         "rlhf_trl_low_memory": ["--offload_reward_model", "true", "--gradient_checkpointing", "true", *CPU_MEASURES],
          "rlhf_trl_lean": ["--value_use_peft", "true", "--share_reward_value_base", "true",
-                           "--gradient_checkpointing", "true"]}
+                           "--gradient_checkpointing", "true", *CPU_MEASURES]}
 GB = 1e9
 
 

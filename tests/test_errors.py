@@ -406,6 +406,8 @@ PPO_RECIPE_CASES = [
       "num_mini_batches: 32 is not a multiple of 3"]),
     ("kl_target_negative", ["--kl_target", "-1"], ["kl_target and kl_horizon must be positive, got -1.0 and 10000"]),
     ("max_prompt_length_zero", ["--max_prompt_length", "0"], ["max_prompt_length must be >= 1"]),
+    ("malloc_mmap_threshold_negative", ["--malloc_mmap_threshold", "-1"],
+     ["malloc_mmap_threshold must be >= 0 bytes, got -1"]),
     ("bad_dataset_format", ["--dataset_format", "xml"], ["dataset_format must be one of", "got 'xml'"]),
 ]
 

@@ -57,6 +57,7 @@ from datasets import Dataset
 
 from .checkpoints import AtomicCheckpointMixin, begin_writing, distributed_state, start_run
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
+from .cpu import set_malloc_mmap_threshold
 from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records
 from .models import (
     BIASING_GENERATION_KEYS,
@@ -712,6 +713,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
     from trl import get_peft_config
 
     set_seed(training_args.seed)  # LoRA initialization happens before TRL seeds its trainer
+    set_malloc_mmap_threshold(training_args.malloc_mmap_threshold)  # before any model is loaded
 
     # inputs
     run_args, resume = start_run(training_args, run_args)

@@ -1,0 +1,145 @@
+"""`rlhf_trl.cpu`: decoding-size matmuls go through oneDNN inside `onednn_decoding` and agree with MKL to fp32
+rounding (larger or gradient-carrying calls, and everything after the block, are MKL's, bit for bit); a malloc mmap
+threshold returns freed tensors to the system."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import import_ppo
+from peft import LoraConfig, get_peft_model
+from test_ppo import ppo_argv
+from transformers import AutoModelForCausalLM
+
+from rlhf_trl import cpu
+from rlhf_trl import ppo_engine
+from rlhf_trl.models import load_tokenizer
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
+
+
+@pytest.fixture
+def policy(assets):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(assets["base_model"], dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    for name, p in model.named_parameters():  # a non-zero adapter, so that its matmuls count
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model.eval()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+
+    def counted(x, weight, bias):
+        seen.append(x.numel() // x.shape[-1])
+        return real(x, weight, bias)
+
+    real = cpu.onednn_linear
+    monkeypatch.setattr(cpu, "onednn_linear", counted)
+    return seen
+
+
+def test_decoding_steps_go_through_onednn_and_agree_with_mkl(policy, calls):
+    ids = torch.randint(3, 200, (8, 1))
+    with torch.no_grad():
+        before = policy(input_ids=ids).logits
+        with cpu.onednn_decoding(policy) as same:
+            assert same is policy
+            inside = policy(input_ids=ids).logits
+        after = policy(input_ids=ids).logits
+    linears = [m for m in policy.modules() if type(m) is torch.nn.Linear]
+    assert len(calls) == len(linears) and set(calls) == {8}  # base layers, LoRA A / B and the LM head, 8 rows each
+    torch.testing.assert_close(inside, before, rtol=1e-5, atol=1e-5)
+    assert torch.equal(after, before)
+    assert not any("forward" in vars(m) for m in policy.modules())
+
+
+def test_large_and_gradient_calls_keep_the_default_kernels(policy, calls):
+    ids = torch.randint(3, 200, (8, 9))  # 72 rows > max_rows 64
+    with torch.no_grad():
+        before = policy(input_ids=ids).logits
+        with cpu.onednn_decoding(policy):
+            large = policy(input_ids=ids).logits
+    assert calls == [] and torch.equal(large, before)
+    short = ids[:, :1]
+    grad_before = policy(input_ids=short).logits
+    with cpu.onednn_decoding(policy):
+        grad_inside = policy(input_ids=short).logits
+    assert calls == [] and torch.equal(grad_inside, grad_before) and grad_inside.requires_grad
+
+
+def test_disabled_or_raising_blocks_leave_the_model_as_it_was(policy, calls):
+    ids = torch.randint(3, 200, (2, 1))
+    with torch.no_grad(), cpu.onednn_decoding(policy, enabled=False):
+        policy(input_ids=ids)
+    assert calls == []
+    with pytest.raises(RuntimeError, match="boom"), cpu.onednn_decoding(policy):
+        assert all("forward" in vars(m) for m in policy.modules() if type(m) is torch.nn.Linear)
+        raise RuntimeError("boom")
+    assert not any("forward" in vars(m) for m in policy.modules())
+
+
+def test_rollouts_sample_the_same_tokens_with_log_probs_to_rounding(assets, policy, calls):
+    tok = load_tokenizer(assets["tokenizer"])
+    queries = torch.randint(3, 200, (4, 6))
+    config = ppo_engine.sampling_config(ppo_engine.PPOConfig(output_dir="unused", response_length=12, bf16=False), None,
+                                        tok.pad_token_id)
+    torch.manual_seed(1)
+    mkl = ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
+    assert calls == []
+    torch.manual_seed(1)
+    with cpu.onednn_decoding(policy):
+        dnn = ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
+    assert set(calls) == {24, 4}  # the prefill (4 prompts x 6 tokens) and the decoding steps (4 rows)
+    assert torch.equal(dnn[0], mkl[0])
+    torch.testing.assert_close(dnn[1], mkl[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # two PPO runs (~6 s)
+def test_the_recipe_key_reaches_the_rollouts(assets, sft_run, rm_run, tmp_path, calls):
+    ppo = import_ppo()
+    ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "off", "--total_episodes", "8", "--save_strategy", "no"))
+    assert calls == []
+    ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "on", "--total_episodes", "8", "--save_strategy", "no",
+                      "--onednn_decoding", "true"))
+    assert calls and max(calls) <= 64
+
+
+FREED = """
+import sys, torch
+from rlhf_trl.cpu import set_malloc_mmap_threshold
+if sys.argv[1] == "set":
+    assert set_malloc_mmap_threshold(131072)
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+big = torch.ones(16 << 20, dtype=torch.uint8)
+del big  # freeing a 16 MB mmapped block raises glibc's default threshold
+held = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(300)]  # 300 MB in 1 MB tensors
+keep = held[-1]
+before = rss()
+del held
+print((before - rss()) / 2**20)
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "set"])
+def test_malloc_mmap_threshold_returns_freed_tensors_to_the_system(mode):
+    out = subprocess.run([sys.executable, "-c", FREED, mode], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    returned_mb = float(out.stdout.split()[-1])
+    if mode == "set":
+        assert returned_mb > 250  # the 299 freed 1 MB tensors left the process
+    else:
+        assert returned_mb < 50  # glibc's default keeps them in the heap: what the setting is for
+
+
+def test_malloc_mmap_threshold_must_not_be_negative():
+    with pytest.raises(ValueError, match=r"^malloc_mmap_threshold must be >= 0 bytes, got -1$"):
+        cpu.set_malloc_mmap_threshold(-1)
+    assert cpu.set_malloc_mmap_threshold(0) is False  # 0: glibc's default, nothing set
