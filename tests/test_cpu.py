@@ -2,6 +2,7 @@
 rounding (larger or gradient-carrying calls, and everything after the block, are MKL's, bit for bit); a malloc mmap
 threshold returns freed tensors to the system."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def test_decoding_steps_go_through_onednn_and_agree_with_mkl(policy, calls):
     ids = torch.randint(3, 200, (8, 1))
     with torch.no_grad():
         before = policy(input_ids=ids).logits
-        with cpu.onednn_decoding(policy) as same:
+        with cpu.onednn_decoding(policy, min_weight_elements=0) as same:
             assert same is policy
             inside = policy(input_ids=ids).logits
         after = policy(input_ids=ids).logits
@@ -59,26 +60,36 @@ def test_decoding_steps_go_through_onednn_and_agree_with_mkl(policy, calls):
     assert not any("forward" in vars(m) for m in policy.modules())
 
 
+def test_small_weights_keep_the_default_kernels(policy, calls):
+    ids = torch.randint(3, 200, (8, 1))
+    big = [m for m in policy.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= 64 * 64]
+    assert 0 < len(big) < len([m for m in policy.modules() if type(m) is torch.nn.Linear])
+    with torch.no_grad(), cpu.onednn_decoding(policy, min_weight_elements=64 * 64):
+        assert all(("forward" in vars(m)) == (m in big) for m in policy.modules() if type(m) is torch.nn.Linear)
+        policy(input_ids=ids)
+    assert len(calls) == len(big)
+
+
 def test_large_and_gradient_calls_keep_the_default_kernels(policy, calls):
     ids = torch.randint(3, 200, (8, 9))  # 72 rows > max_rows 64
     with torch.no_grad():
         before = policy(input_ids=ids).logits
-        with cpu.onednn_decoding(policy):
+        with cpu.onednn_decoding(policy, min_weight_elements=0):
             large = policy(input_ids=ids).logits
     assert calls == [] and torch.equal(large, before)
     short = ids[:, :1]
     grad_before = policy(input_ids=short).logits
-    with cpu.onednn_decoding(policy):
+    with cpu.onednn_decoding(policy, min_weight_elements=0):
         grad_inside = policy(input_ids=short).logits
     assert calls == [] and torch.equal(grad_inside, grad_before) and grad_inside.requires_grad
 
 
 def test_disabled_or_raising_blocks_leave_the_model_as_it_was(policy, calls):
     ids = torch.randint(3, 200, (2, 1))
-    with torch.no_grad(), cpu.onednn_decoding(policy, enabled=False):
+    with torch.no_grad(), cpu.onednn_decoding(policy, enabled=False, min_weight_elements=0):
         policy(input_ids=ids)
     assert calls == []
-    with pytest.raises(RuntimeError, match="boom"), cpu.onednn_decoding(policy):
+    with pytest.raises(RuntimeError, match="boom"), cpu.onednn_decoding(policy, min_weight_elements=0):
         assert all("forward" in vars(m) for m in policy.modules() if type(m) is torch.nn.Linear)
         raise RuntimeError("boom")
     assert not any("forward" in vars(m) for m in policy.modules())
@@ -93,7 +104,7 @@ def test_rollouts_sample_the_same_tokens_with_log_probs_to_rounding(assets, poli
     mkl = ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
     assert calls == []
     torch.manual_seed(1)
-    with cpu.onednn_decoding(policy):
+    with cpu.onednn_decoding(policy, min_weight_elements=0):
         dnn = ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
     assert set(calls) == {24, 4}  # the prefill (4 prompts x 6 tokens) and the decoding steps (4 rows)
     assert torch.equal(dnn[0], mkl[0])
@@ -101,8 +112,10 @@ def test_rollouts_sample_the_same_tokens_with_log_probs_to_rounding(assets, poli
 
 
 @pytest.mark.slow  # two PPO runs (~6 s)
-def test_the_recipe_key_reaches_the_rollouts(assets, sft_run, rm_run, tmp_path, calls):
+def test_the_recipe_key_reaches_the_rollouts(assets, sft_run, rm_run, tmp_path, calls, monkeypatch):
     ppo = import_ppo()
+    # the tiny model's weights are all below the default size limit: take every linear
+    monkeypatch.setattr(ppo_engine, "onednn_decoding", functools.partial(cpu.onednn_decoding, min_weight_elements=0))
     ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "off", "--total_episodes", "8", "--save_strategy", "no"))
     assert calls == []
     ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "on", "--total_episodes", "8", "--save_strategy", "no",

@@ -30,15 +30,19 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.to_dense().reshape(*shape[:-1], weight.shape[0])
 
 
-def _eligible(module: nn.Module) -> bool:
+def _eligible(module: nn.Module, min_weight_elements: int) -> bool:
     w = getattr(module, "weight", None)
     # plain nn.Linear only: quantized and other subclasses keep their own forward
-    return type(module) is nn.Linear and w is not None and w.device.type == "cpu" and w.dtype == torch.float32
+    return (type(module) is nn.Linear and w is not None and w.device.type == "cpu" and w.dtype == torch.float32
+            and w.numel() >= min_weight_elements)
 
 
 @contextmanager
-def onednn_decoding(model: nn.Module, enabled: bool = True, max_rows: int = 64):
-    """Inside the block, every fp32 CPU ``nn.Linear`` of ``model`` (LoRA base layers and adapters included) computes
+def onednn_decoding(model: nn.Module, enabled: bool = True, max_rows: int = 64,
+                    min_weight_elements: int = 1 << 18):
+    """Inside the block, every fp32 CPU ``nn.Linear`` of ``model`` with at least ``min_weight_elements`` weights
+    (default 262,144, 1 MB: Qwen2.5-0.5B's q / o / MLP projections and LM head, not its k / v projections or LoRA
+    adapters, for which oneDNN's fixed cost per call outweighs its gain) computes
     calls of at most ``max_rows`` rows (tokens x sequences) made under ``torch.no_grad()`` through oneDNN (`onednn_linear`);
     other calls and everything outside the block are unchanged. A no-op when ``enabled`` is false, when PyTorch was
     built without oneDNN, or for weights that are not fp32 on CPU. Restores every module's own ``forward`` on exit,
@@ -65,7 +69,7 @@ def onednn_decoding(model: nn.Module, enabled: bool = True, max_rows: int = 64):
 
     try:
         for module in model.modules():
-            if _eligible(module) and "forward" not in vars(module):
+            if _eligible(module, min_weight_elements) and "forward" not in vars(module):
                 module.forward = rerouted(module)
                 patched.append(module)
         yield model

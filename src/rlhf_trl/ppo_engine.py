@@ -48,8 +48,8 @@ from torch import nn
 from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from . import ppo_math as pm
-from .models import sampling_generation_config
 from .cpu import onednn_decoding
+from .models import sampling_generation_config
 from .scoring import eos_mask, model_inputs, sequence_scores, token_scores, truncate_at_eos
 
 logger = logging.getLogger(__name__)
