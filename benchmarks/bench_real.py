@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -390,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output_dir", default="outputs/bench-real")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--updates", type=int, default=2, help="PPO updates per variant (the first is a warm-up)")
+    p.add_argument("--keep_runs", action="store_true", help="keep each variant's output_dir (runs/<variant>: the "
+                   "merged policy and value model, ~4 GB); by default removed once its figures are read")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--trl112_venv", default=str(REPO / ".venv-trl112"),
                    help="venv with trl==1.12.0 for the plain_trl variant (built if missing)")
@@ -430,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         bench["variants"][variant] = summarise(json.load(open(run_json)), n, size, probe, base_bytes)
         bench["variants"][variant]["wall_seconds"] = time.perf_counter() - t
+        if not args.keep_runs:  # a run's merged policy and value model: ~4 GB each, not needed for the figures
+            shutil.rmtree(out_dir / "runs" / variant, ignore_errors=True)
     trl_run = bench["variants"].get("plain_trl", {})
     if "seconds_per_update" in trl_run:
         for r in bench["variants"].values():
