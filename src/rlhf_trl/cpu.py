@@ -1,4 +1,6 @@
-"""Faster token-by-token generation on CPU: the few-row matmuls of decoding through oneDNN instead of MKL.
+"""PPO's two CPU measures, both opt-in recipe keys: `onednn_decoding` (faster token-by-token generation: the few-row
+matmuls of decoding through oneDNN instead of MKL) and `set_malloc_mmap_threshold` (freed tensors go back to the
+system, for a lower peak RSS). Both measured in ``make bench-real`` (README, "Real weights").
 
 Each decoding step multiplies every weight matrix by one row per sequence. For so few rows, MKL's fp32 GEMM on the
 AMD EPYC CPUs measured here (`benchmarks/bench_real.py`) runs at a fraction of the machine's rate: Qwen2.5-0.5B's LM
@@ -42,9 +44,9 @@ def onednn_decoding(model: nn.Module, enabled: bool = True, max_rows: int = 64,
                     min_weight_elements: int = 1 << 18):
     """Inside the block, every fp32 CPU ``nn.Linear`` of ``model`` with at least ``min_weight_elements`` weights
     (default 262,144, 1 MB: Qwen2.5-0.5B's q / o / MLP projections and LM head, not its k / v projections or LoRA
-    adapters, for which oneDNN's fixed cost per call outweighs its gain) computes
-    calls of at most ``max_rows`` rows (tokens x sequences) made under ``torch.no_grad()`` through oneDNN (`onednn_linear`);
-    other calls and everything outside the block are unchanged. A no-op when ``enabled`` is false, when PyTorch was
+    adapters, for which oneDNN's fixed cost per call outweighs its gain) computes calls of at most ``max_rows`` rows
+    (tokens x sequences) made under ``torch.no_grad()`` through oneDNN (`onednn_linear`); other calls and
+    everything outside the block are unchanged. A no-op when ``enabled`` is false, when PyTorch was
     built without oneDNN, or for weights that are not fp32 on CPU. Restores every module's own ``forward`` on exit,
     also after an exception. Raises nothing of its own."""
     if not enabled:
