@@ -11,7 +11,7 @@ import struct
 import zipfile
 
 from . import faults
-from .faults import CheckpointWriteError  # noqa: F401  (raised by _save_checkpoint; importable here)
+from .faults import CheckpointWriteError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ class AtomicCheckpointMixin:
             except OSError as exc:
                 if self.args.should_save:
                     shutil.rmtree(staging, ignore_errors=True)
-                raise CheckpointWriteError(name, root, exc) from exc
+                earlier = complete_checkpoints(root)
+                raise CheckpointWriteError(name, root, exc, os.path.basename(earlier[-1]) if earlier else None) from exc
         self.accelerator.wait_for_everyone()  # checkpoint-N is in place for every process
 
 

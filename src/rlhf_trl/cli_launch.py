@@ -43,7 +43,7 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
 
     Bad input (recipe, data, missing or unsafe model files) prints one line on stderr and exits with status 2; a
     diverged PPO run exits with status 3; a checkpoint the file system refused to take (full disk, read-only
-    ``output_dir``: `checkpoints.CheckpointWriteError`) exits with status 4, naming the path. ``RLHF_TRL_DEBUG=1``
+    ``output_dir``: `faults.CheckpointWriteError`) exits with status 4, naming the path. ``RLHF_TRL_DEBUG=1``
     re-raises with the traceback.
     """
     from .faults import CheckpointWriteError

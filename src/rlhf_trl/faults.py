@@ -194,13 +194,11 @@ def publish(staged: str, final: str, aside: str | None = None) -> None:
 class CheckpointWriteError(OSError):
     """Writing ``checkpoint-N`` failed (full disk, read-only ``output_dir``, ...): its staging directory was removed,
     no ``checkpoint-N`` was published, the earlier checkpoints are untouched. The message is one line naming the path
-    the file system refused."""
+    the file system refused; ``newest`` is the name of the newest complete checkpoint in ``root`` (None: none)."""
 
-    def __init__(self, name: str, root: str, cause: OSError):
+    def __init__(self, name: str, root: str, cause: OSError, newest: str | None = None):
         where = cause.filename or root
-        earlier = sorted((int(n[len('checkpoint-'):]), n) for n in (os.listdir(root) if os.path.isdir(root) else [])
-                         if n.startswith('checkpoint-') and n[len('checkpoint-'):].isdigit())
-        kept = f"the newest complete checkpoint is {earlier[-1][1]}" if earlier else "no checkpoint yet"
+        kept = f"the newest complete checkpoint is {newest}" if newest else "no checkpoint yet"
         self.message = (f"cannot write {name} in '{root}': {cause.strerror or cause} ('{where}'); nothing of it was "
                         f"published, {kept}")
         super().__init__(cause.errno, self.message, where)
