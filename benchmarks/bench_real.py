@@ -6,8 +6,11 @@ Writes ``bench_real.json`` and ``bench_real.md`` into ``--output_dir`` (default 
 Model: a stock Qwen2.5 Instruct directory (default: ``../shared/models/fetch_qwen2.5-0.5b.sh``, Qwen2.5-Coder-0.5B-
 Instruct, 630M parameters, vocabulary 151,936), used as the policy (LoRA, reference = adapter off) and as the reward
 and value model (the same weights as a one-label sequence classifier with a fresh score head: what a benchmark
-needs). Prompts: the real zh prompts of ``../shared/data/zh/cvalues_responsibility_prompts.jsonl`` (when present;
-else generated ones), rendered with the 问/答 template, at most 256 tokens. fp32 on the CPU.
+needs). Prompts (``--prompt_set``): ``short``, the real zh prompts of
+``../shared/data/zh/cvalues_responsibility_prompts.jsonl`` (~25 tokens); ``long`` (the default of ``--size issue``,
+whose setting reads "prompts <= 256 tokens"), real zh task statements of at least 256 tokens (the last human turn of
+``dpo_zh_demo.json`` / ``reward_dpo_zh_500.jsonl``), so that every prompt is cut to the limit; generated ones without
+``../shared``. Rendered with the 问/答 template, at most 256 tokens (kept from the right). fp32 on the CPU.
 
 Variants, each one PPO run in its own process (so that peak RSS is its own), same prompts, seed and settings:
   plain_trl        TRL 1.12's ``PPOTrainer`` driven by a plain script (benchmarks/plain_trl.py): full value model;
@@ -28,7 +31,8 @@ Per update (the first is a warm-up and is not counted when more than one update 
 For each phase: seconds; the phase's matmul work (FLOPs, estimated from the parameter counts and token counts: 2 N
 per token for a forward, 4 N for a LoRA forward + backward (no weight gradients of frozen weights), 6 N for a full
 forward + backward; N split into the transformer body and the 151,936 x hidden LM head, whose logits only the
-policy computes); the achieved FLOP rate; and its ratio to the machine's measured fp32 matmul rate (a 2048^3 matmul
+policy and reference compute: TRL 1.12 over every position, the engine over the response positions only; each variant
+is measured against its own work); the achieved FLOP rate; and its ratio to the machine's measured fp32 matmul rate (a 2048^3 matmul
 probe in the parent, same threads): the distance to the limit. Peak RSS of each phase (``VmHWM`` reset at each
 phase start through ``/proc/self/clear_refs``), in bytes and in copies of one fp32 base model. Largest tensors: the
 bytes of the biggest logits tensor each phase produced (``[rows, tokens, 151936]`` fp32: generation keeps the
@@ -38,7 +42,7 @@ scores of every step of every row, scoring the reference pass, optimisation the 
 here. --size large: 8 episodes x 64 new tokens, run with micro-batches of 2 (per_device_train_batch_size 2 x
 gradient_accumulation_steps 4) and rollout forward chunks of 2 so that it fits in 24 GB (TRL at micro-batch 8 took
 19.9 GB and 643 s per update). --size issue: the PPO-loop issue's own setting, 8 episodes x 64 new tokens in one
-micro-batch of 8 and one rollout chunk of 8 (about 20 GB for TRL: nothing else may run). Run it on an otherwise idle
+micro-batch of 8 and one rollout chunk of 8, long prompts (about 20 GB for TRL: nothing else may run). Run it on an otherwise idle
 machine.
 """
 
@@ -60,6 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 FETCH = SHARED / "models" / "fetch_qwen2.5-0.5b.sh"
 PROMPTS = SHARED / "data" / "zh" / "cvalues_responsibility_prompts.jsonl"
+LONG_PROMPTS = (SHARED / "data" / "zh" / "dpo_zh_demo.json", SHARED / "data" / "zh" / "reward_dpo_zh_500.jsonl")
 try:
     import rlhf_trl  # noqa: F401
 except ImportError:  # not installed: use the source tree
@@ -223,6 +228,7 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
                 "lora_target_modules": "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj",
                 "dtype": "float32", "eval_split_size": "4", "per_device_eval_batch_size": "2",
                 "overwrite_output_dir": "true"}
+    probe = matmul_probe(repeats=10)  # this process's own rate: the VM's steal time moves it by up to 40% over minutes
     t0 = time.perf_counter()
     rss_start = status_field("VmRSS")
     if variant == "plain_trl":
@@ -250,7 +256,8 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
     json.dump({"variant": variant, "updates": meter.updates, "shape": meter.shape, "seconds": time.perf_counter() - t0,
                "peak_rss_bytes": max([status_field("VmHWM")] + [u[k] for u in meter.updates for k in u
                                                              if k.endswith("peak_rss_bytes")]),
-               "rss_start_bytes": rss_start, "threads": torch.get_num_threads()}, open(out, "w"), indent=2)
+               "rss_start_bytes": rss_start, "threads": torch.get_num_threads(), "matmul_probe_flops": probe},
+              open(out, "w"), indent=2)
 
 
 # -- the parent: probe, runs, figures -------------------------------------------------------------------------------
@@ -280,15 +287,27 @@ def param_counts(model_dir: str) -> dict:
             "total": layers * per_layer + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)}
 
 
-def phase_flops(n: dict, shape: dict, size: dict, lean: bool) -> dict:
-    """Estimated matmul FLOPs of one update's phases (see the module docstring)."""
+def phase_flops(n: dict, shape: dict, size: dict, lean: bool, full_head: bool = True) -> dict:
+    """Estimated matmul FLOPs of one update's phases (see the module docstring). ``full_head``: the policy's and
+    reference's LM head runs over every position (TRL 1.12's ``forward``); else over the response positions only
+    (the engine's `response_logprobs`): each variant is measured against its own work."""
     rows, prompt, seq = shape["rows"], shape["prompt_tokens"], shape["sequence_tokens"]
     new = seq - prompt
     body, head = n["body"], n["head"]
+    head_tokens = seq if full_head else new
     generation = 2 * body * rows * seq + 2 * head * rows * new  # prefill + decode (logits only for new tokens)
-    scoring = 2 * (body + head) * rows * seq + 2 * 2 * body * rows * seq  # reference; value + reward (no LM head)
-    optimisation = 4 * (body + head) * rows * seq + (4 if lean else 6) * body * rows * seq
+    scoring = 2 * body * rows * seq + 2 * head * rows * head_tokens + 2 * 2 * body * rows * seq  # ref; value, reward
+    optimisation = 4 * body * rows * seq + 4 * head * rows * head_tokens + (4 if lean else 6) * body * rows * seq
     return {"generation": generation, "scoring": scoring, "optimisation": optimisation}
+
+
+def trl_size(size: dict, micro: int) -> dict:
+    """``size`` with micro-batches of ``micro`` episodes and the same episodes per update (rollout chunks as before:
+    they run without gradients)."""
+    batch = size["per_device_train_batch_size"] * size["gradient_accumulation_steps"]
+    if batch % micro:
+        raise SystemExit(f"bench_real: --trl_micro_batch {micro} does not divide the batch of {batch} episodes")
+    return dict(size, per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro)
 
 
 def median(xs):
@@ -297,8 +316,11 @@ def median(xs):
 
 
 def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> dict:
+    """One variant's figures; its FLOP rates against the higher of ``probe`` (the parent's) and the rate its own
+    process measured before the run: the machine's best, so that a slow probe never flatters a variant."""
+    probe = max(probe, run.get("matmul_probe_flops", 0.0))
     timed = run["updates"][1:] if len(run["updates"]) > 1 else run["updates"]
-    flops = phase_flops(n, run["shape"], size, run["variant"] == "rlhf_trl_lean")
+    flops = phase_flops(n, run["shape"], size, run["variant"] == "rlhf_trl_lean", run["variant"] == "plain_trl")
     out = {"updates_timed": len(timed), "shape": run["shape"], "threads": run["threads"],
            "peak_rss_bytes": run["peak_rss_bytes"], "peak_rss_model_copies": run["peak_rss_bytes"] / base_bytes}
     total = 0.0
@@ -313,13 +335,18 @@ def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> 
             "largest_logits_bytes": max(u[f"{phase}_largest_logits_bytes"] for u in timed),
         }
     out["seconds_per_update"] = total
+    out["matmul_probe_gflop_per_second"] = probe / 1e9
     out["matmul_seconds_at_probe_rate"] = sum(flops.values()) / probe
     out["seconds_vs_matmul_work"] = total / out["matmul_seconds_at_probe_rate"]
     return out
 
 
 def write_markdown(bench: dict, path: Path) -> None:
-    lines = [f"# PPO on real weights ({bench['model_name']}, {bench['size']}: {bench['settings']})", "",
+    shapes = [r["shape"] for r in bench["variants"].values() if "shape" in r]
+    tokens = (f", prompts {shapes[0]['prompt_tokens']} + response <= {shapes[0]['sequence_tokens'] - shapes[0]['prompt_tokens']}"
+              f" tokens" if shapes else "")
+    lines = [f"# PPO on real weights ({bench['model_name']}, {bench['size']}: {bench['settings']}, "
+             f"{bench.get('prompt_set', 'short')} prompts{tokens})", "",
              f"fp32 matmul probe: {bench['matmul_gflop_per_second']:.1f} GFLOP/s; one base model in fp32: "
              f"{bench['base_model_bytes'] / GB:.2f} GB", "",
              "| variant | s/update | generation s | scoring s | optimisation s | x matmul work | peak RSS GB "
@@ -338,7 +365,14 @@ def write_markdown(bench: dict, path: Path) -> None:
             f"{g['peak_rss_model_copies']:.1f} / {s['peak_rss_model_copies']:.1f} / {o['peak_rss_model_copies']:.1f} | "
             f"{g['largest_logits_bytes'] / 1e6:.0f} / {s['largest_logits_bytes'] / 1e6:.0f} / "
             f"{o['largest_logits_bytes'] / 1e6:.0f} |")
-    lines += ["", "Phase percentages: achieved FLOP rate / matmul probe rate. `x matmul work`: seconds per update / "
+    for name, r in bench["variants"].items():
+        if r.get("settings") and r["settings"] != bench["settings"]:
+            lines += ["", f"{name} ran with {r['settings']} (`--trl_micro_batch`: the same episodes per update in "
+                          "smaller micro-batches, which its memory needed)."]
+    lines += ["", "Phase percentages: achieved FLOP rate / matmul probe rate (per variant, the higher of the probe above "
+              "and the one its own process measured before its run: " + ", ".join(
+                  f"{k} {r['matmul_probe_gflop_per_second']:.1f}" for k, r in bench["variants"].items()
+                  if "matmul_probe_gflop_per_second" in r) + " GFLOP/s). `x matmul work`: seconds per update / "
               "(estimated matmul FLOPs of the update / probe rate). Peak RSS copies: peak RSS / bytes of one fp32 "
               "base model (the figure includes the Python and library baseline). See benchmarks/bench_real.py."]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -355,12 +389,35 @@ def resolve_model(model: str | None) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def write_prompts(path: Path, n: int = 64) -> str:
+def long_prompts(model: str, n: int = 64, min_tokens: int = 256) -> list[dict]:
+    """Real zh prompts of at least ``min_tokens`` tokens (the issue's "prompts <= 256 tokens" filled to the limit):
+    the last human turn of ``dpo_zh_demo.json`` and ``reward_dpo_zh_500.jsonl`` (task statements with passages,
+    code, examples), counted with the model's tokenizer; empty when ``../shared`` is absent."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = []
+    for path in LONG_PROMPTS:
+        if not path.is_file():
+            continue
+        rows = json.load(open(path, encoding="utf-8")) if path.suffix == ".json" else \
+            [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+        texts += [[c["value"] for c in r["conversations"] if c["from"] == "human"][-1] for r in rows]
+    long = [t for t in texts if len(tok(f"问：{t}\n\n答：", add_special_tokens=False)["input_ids"]) >= min_tokens]
+    return [{"instruction": t} for t in long[:n]]
+
+
+def write_prompts(path: Path, prompt_set: str = "short", model: str | None = None, n: int = 64) -> str:
+    """The benchmark's prompt file (``instruction`` rows): ``short`` = the cvalues prompts (~25 tokens), ``long`` =
+    `long_prompts` (every prompt cut to ``max_prompt_length`` 256 tokens); generated ones without ``../shared``."""
     rows = []
-    if PROMPTS.is_file():
+    if prompt_set == "long":
+        rows = long_prompts(model, n)
+    elif PROMPTS.is_file():
         rows = [{"instruction": json.loads(line)["prompt"]} for line in open(PROMPTS, encoding="utf-8")][:n]
     if not rows:
-        rows = [{"instruction": f"请简单介绍一下第{i}个中国城市的历史和文化。"} for i in range(n)]
+        rows = [{"instruction": f"请简单介绍一下第{i}个中国城市的历史和文化。" * (12 if prompt_set == "long" else 1)}
+                for i in range(n)]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         for r in rows:
@@ -390,10 +447,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="a Qwen2 / Qwen2.5 directory (default: fetch the 0.5B Instruct)")
     p.add_argument("--output_dir", default="outputs/bench-real")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--prompt_set", choices=("short", "long"), default=None,
+                   help="short: the cvalues prompts (~25 tokens); long: real prompts of >= 256 tokens, cut to 256 "
+                        "(default: long for --size issue, whose setting says prompts <= 256 tokens; else short)")
     p.add_argument("--updates", type=int, default=2, help="PPO updates per variant (the first is a warm-up)")
     p.add_argument("--keep_runs", action="store_true", help="keep each variant's output_dir (runs/<variant>: the "
                    "merged policy and value model, ~4 GB); by default removed once its figures are read")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--trl_micro_batch", type=int, default=None,
+                   help="plain_trl only: micro-batches of this many episodes (per_device_train_batch_size, with "
+                        "gradient_accumulation_steps making up the same batch) when the size's one does not fit in "
+                        "memory: TRL 1.12 at --size issue with long prompts is killed for memory at 8 (24 GB)")
+    p.add_argument("--reuse", action="store_true", help="summarise a variant's earlier <output_dir>/<variant>.json "
+                   "(same size and prompts) instead of running it again: one table from runs made one at a time")
     p.add_argument("--trl112_venv", default=str(REPO / ".venv-trl112"),
                    help="venv with trl==1.12.0 for the plain_trl variant (built if missing)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -403,16 +469,20 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.output_dir)
     size = SIZES[args.size]
     if args.child:
+        if args.child == "plain_trl" and args.trl_micro_batch:
+            size = trl_size(size, args.trl_micro_batch)
         child(args.child, args.model, args.prompts, out_dir / "runs", Path(args.out), size, args.updates)
         return 0
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = resolve_model(args.model)
-    prompts = write_prompts(out_dir / "prompts.jsonl")
-    probe = matmul_probe()
+    prompt_set = args.prompt_set or ("long" if args.size == "issue" else "short")
+    prompts = write_prompts(out_dir / "prompts.jsonl", prompt_set, model)
+    probe = matmul_probe(repeats=10)
     n = param_counts(model)
     base_bytes = 4 * n["total"]  # fp32 weights of one base model (embeddings and LM head included)
     bench = {"model": model, "model_name": os.path.basename(model.rstrip("/")), "size": args.size, "settings": size,
+             "prompt_set": prompt_set,
              "updates": args.updates, "matmul_gflop_per_second": probe / 1e9, "parameters": n,
              "base_model_bytes": base_bytes, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
              "variants": {}}
@@ -424,6 +494,15 @@ def main(argv: list[str] | None = None) -> int:
             bench["trl112_venv"] = args.trl112_venv
         cmd = [python, __file__, "--child", variant, "--model", model, "--prompts", prompts,
                "--out", str(run_json), "--output_dir", str(out_dir), "--size", args.size, "--updates", str(args.updates)]
+        settings = size
+        if variant == "plain_trl" and args.trl_micro_batch:
+            cmd += ["--trl_micro_batch", str(args.trl_micro_batch)]
+            settings = trl_size(size, args.trl_micro_batch)
+        if args.reuse and run_json.is_file():
+            print(f"bench_real: {variant}: reusing {run_json}", flush=True)
+            bench["variants"][variant] = summarise(json.load(open(run_json)), n, size, probe, base_bytes)
+            bench["variants"][variant]["settings"] = settings
+            continue
         print(f"bench_real: {variant} ...", flush=True)
         t = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -432,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             (out_dir / f"{variant}.log").write_text(proc.stderr)
             continue
         bench["variants"][variant] = summarise(json.load(open(run_json)), n, size, probe, base_bytes)
+        bench["variants"][variant]["settings"] = settings
         bench["variants"][variant]["wall_seconds"] = time.perf_counter() - t
         if not args.keep_runs:  # a run's merged policy and value model: ~4 GB each, not needed for the figures
             shutil.rmtree(out_dir / "runs" / variant, ignore_errors=True)

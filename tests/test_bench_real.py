@@ -44,3 +44,48 @@ def test_summary_skips_the_warm_up_and_rates_against_the_probe():
     assert out["generation"]["gflop_per_second"] == pytest.approx(264 / 1e9)
     assert out["generation"]["fraction_of_matmul_rate"] == pytest.approx(264 / 100.0)
     assert out["peak_rss_model_copies"] == 4 and out["optimisation"]["peak_rss_model_copies"] == 2
+
+
+def test_each_variant_is_rated_against_its_own_lm_head_work():
+    """TRL 1.12 forms the policy's and reference's logits at every position, the engine at the response positions
+    only: each variant's matmul work is its own."""
+    n = {"body": 10, "head": 3}
+    shape = {"rows": 2, "prompt_tokens": 4, "sequence_tokens": 6}
+    flops = bench_real.phase_flops(n, shape, {}, lean=False, full_head=False)
+    assert flops["generation"] == 2 * 10 * 2 * 6 + 2 * 3 * 2 * 2
+    assert flops["scoring"] == 2 * 10 * 2 * 6 + 2 * 3 * 2 * 2 + 4 * 10 * 2 * 6
+    assert flops["optimisation"] == 4 * 10 * 2 * 6 + 4 * 3 * 2 * 2 + 6 * 10 * 2 * 6
+
+
+def test_summary_rates_against_the_faster_of_the_two_probes():
+    update = {f"{p}_{k}": v for p in ("generation", "scoring", "optimisation")
+              for k, v in (("seconds", 1.0), ("peak_rss_bytes", 4), ("largest_logits_bytes", 8))}
+    run = {"variant": "plain_trl", "updates": [update], "threads": 2, "peak_rss_bytes": 8, "matmul_probe_flops": 400.0,
+           "shape": {"rows": 2, "prompt_tokens": 4, "sequence_tokens": 6}}
+    out = bench_real.summarise(run, {"body": 10, "head": 3}, {}, probe=100.0, base_bytes=2)
+    assert out["matmul_probe_gflop_per_second"] == 400.0 / 1e9  # the run's own probe was the faster one
+    assert out["generation"]["fraction_of_matmul_rate"] == pytest.approx(264 / 400.0)
+    assert bench_real.summarise(dict(run, matmul_probe_flops=50.0), {"body": 10, "head": 3}, {}, probe=100.0,
+                                base_bytes=2)["matmul_probe_gflop_per_second"] == 100.0 / 1e9
+
+
+def test_trl_micro_batch_keeps_the_episodes_per_update():
+    size = bench_real.SIZES["issue"]
+    assert bench_real.trl_size(size, 4) == dict(size, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    with pytest.raises(SystemExit, match="--trl_micro_batch 3 does not divide the batch of 8 episodes"):
+        bench_real.trl_size(size, 3)
+
+
+@pytest.mark.skipif(not (bench_real.SHARED / "tokenizers" / "qwen2").is_dir()
+                    or not all(p.is_file() for p in bench_real.LONG_PROMPTS),
+                    reason="../shared/tokenizers/qwen2 or ../shared/data/zh/{dpo_zh_demo.json,reward_dpo_zh_500.jsonl} "
+                           "absent (see ../shared/data/SOURCES.md)")
+def test_long_prompts_fill_the_256_token_limit(tmp_path):
+    from transformers import AutoTokenizer
+
+    qwen2 = str(bench_real.SHARED / "tokenizers" / "qwen2")
+    path = bench_real.write_prompts(tmp_path / "prompts.jsonl", "long", qwen2, n=20)
+    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    tok = AutoTokenizer.from_pretrained(qwen2)
+    assert len(rows) == 20
+    assert all(len(tok(f"问：{r['instruction']}\n\n答：", add_special_tokens=False)["input_ids"]) >= 256 for r in rows)

@@ -156,3 +156,46 @@ def test_malloc_mmap_threshold_must_not_be_negative():
     with pytest.raises(ValueError, match=r"^malloc_mmap_threshold must be >= 0 bytes, got -1$"):
         cpu.set_malloc_mmap_threshold(-1)
     assert cpu.set_malloc_mmap_threshold(0) is False  # 0: glibc's default, nothing set
+
+
+RAISED = """
+import torch
+from rlhf_trl.cpu import mmap_threshold_raised, set_malloc_mmap_threshold
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+def freed_mb(n):  # RSS that n - 1 freed 1 MB tensors give back at once (the last stays: the heap's top is held)
+    held = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(n)]
+    keep, before = held[-1], rss()
+    del held
+    return keep, (before - rss()) / 2**20
+assert set_malloc_mmap_threshold(131072)
+with mmap_threshold_raised(131072):
+    keep, inside = freed_mb(100)
+    before = rss()
+print(inside, (before - rss()) / 2**20, freed_mb(400)[1])
+"""
+
+
+def test_mmap_threshold_raised_keeps_freed_blocks_for_reuse_then_trims_and_restores():
+    """Inside the block (the rollout's generate) freed tensors stay in the heap for the next step to reuse; on exit
+    malloc_trim hands them back, and the run's own threshold applies again (glibc first reuses the heap's free
+    blocks, ~100 MB here, then maps the rest, which goes back when freed)."""
+    out = subprocess.run([sys.executable, "-c", RAISED], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    inside, on_exit, after = map(float, out.stdout.split())
+    assert inside < 20  # 99 MB kept in the heap while generating
+    assert on_exit > 80  # trimmed when the block ends
+    assert after > 250  # the 128 KB threshold is back: 399 freed tensors, all but the ~100 reused blocks, leave
+
+
+def test_mmap_threshold_raised_is_a_no_op_at_zero_and_restores_after_an_error(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu, "_glibc_call", lambda name, *args: calls.append((name, *args)) or True)
+    with cpu.mmap_threshold_raised(0):
+        pass
+    assert calls == []  # 0: glibc's own threshold is never touched
+    with pytest.raises(KeyError):
+        with cpu.mmap_threshold_raised(131072):
+            raise KeyError("boom")
+    assert calls == [("mallopt", -3, 32 << 20), ("mallopt", -3, 131072), ("malloc_trim", 0)]
