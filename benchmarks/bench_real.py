@@ -33,7 +33,8 @@ per token for a forward, 4 N for a LoRA forward + backward (no weight gradients 
 forward + backward; N split into the transformer body and the 151,936 x hidden LM head, whose logits only the
 policy and reference compute: TRL 1.12 over every position, the engine over the response positions only; each variant
 is measured against its own work); the achieved FLOP rate; and its ratio to the machine's measured fp32 matmul rate (a 2048^3 matmul
-probe in the parent, same threads): the distance to the limit. Peak RSS of each phase (``VmHWM`` reset at each
+probe in the parent and in each variant's process before its run, the faster counting: the VM's rate moves by tens
+of percent over minutes): the distance to the limit. Peak RSS of each phase (``VmHWM`` reset at each
 phase start through ``/proc/self/clear_refs``), in bytes and in copies of one fp32 base model. Largest tensors: the
 bytes of the biggest logits tensor each phase produced (``[rows, tokens, 151936]`` fp32: generation keeps the
 scores of every step of every row, scoring the reference pass, optimisation the micro-batch's forward).
@@ -42,8 +43,8 @@ scores of every step of every row, scoring the reference pass, optimisation the 
 here. --size large: 8 episodes x 64 new tokens, run with micro-batches of 2 (per_device_train_batch_size 2 x
 gradient_accumulation_steps 4) and rollout forward chunks of 2 so that it fits in 24 GB (TRL at micro-batch 8 took
 19.9 GB and 643 s per update). --size issue: the PPO-loop issue's own setting, 8 episodes x 64 new tokens in one
-micro-batch of 8 and one rollout chunk of 8, long prompts (about 20 GB for TRL: nothing else may run). Run it on an otherwise idle
-machine.
+micro-batch of 8 and one rollout chunk of 8, long prompts (TRL 1.12 does not fit in 24 GB at micro-batch 8 there:
+run it with ``--trl_micro_batch 4``, 24.7 GB; nothing else may run). Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -498,21 +499,19 @@ def main(argv: list[str] | None = None) -> int:
         if variant == "plain_trl" and args.trl_micro_batch:
             cmd += ["--trl_micro_batch", str(args.trl_micro_batch)]
             settings = trl_size(size, args.trl_micro_batch)
-        if args.reuse and run_json.is_file():
-            print(f"bench_real: {variant}: reusing {run_json}", flush=True)
-            bench["variants"][variant] = summarise(json.load(open(run_json)), n, size, probe, base_bytes)
-            bench["variants"][variant]["settings"] = settings
-            continue
-        print(f"bench_real: {variant} ...", flush=True)
+        reused = args.reuse and run_json.is_file()
+        print(f"bench_real: {variant}: reusing {run_json}" if reused else f"bench_real: {variant} ...", flush=True)
         t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            bench["variants"][variant] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
-            (out_dir / f"{variant}.log").write_text(proc.stderr)
-            continue
+        if not reused:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                bench["variants"][variant] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+                (out_dir / f"{variant}.log").write_text(proc.stderr)
+                continue
         bench["variants"][variant] = summarise(json.load(open(run_json)), n, size, probe, base_bytes)
         bench["variants"][variant]["settings"] = settings
-        bench["variants"][variant]["wall_seconds"] = time.perf_counter() - t
+        if not reused:
+            bench["variants"][variant]["wall_seconds"] = time.perf_counter() - t
         if not args.keep_runs:  # a run's merged policy and value model: ~4 GB each, not needed for the figures
             shutil.rmtree(out_dir / "runs" / variant, ignore_errors=True)
     trl_run = bench["variants"].get("plain_trl", {})
