@@ -4,6 +4,7 @@ threshold returns freed tensors to the system."""
 
 import functools
 import os
+from contextlib import contextmanager
 import subprocess
 import sys
 
@@ -112,40 +113,59 @@ def test_rollouts_sample_the_same_tokens_with_log_probs_to_rounding(assets, poli
 
 
 @pytest.mark.slow  # two PPO runs (~6 s)
-def test_the_recipe_key_reaches_the_rollouts(assets, sft_run, rm_run, tmp_path, calls, monkeypatch):
+def test_the_recipe_keys_reach_the_rollouts(assets, sft_run, rm_run, tmp_path, calls, monkeypatch):
     ppo = import_ppo()
     # the tiny model's weights are all below the default size limit: take every linear
     monkeypatch.setattr(ppo_engine, "onednn_decoding", functools.partial(cpu.onednn_decoding, min_weight_elements=0))
+    thresholds = []  # recorded, not applied: the test process keeps glibc's default
+
+    @contextmanager
+    def raised(nbytes):
+        thresholds.append(("generate", nbytes))
+        yield
+
+    monkeypatch.setattr(ppo_engine, "mmap_threshold_raised", raised)
+    monkeypatch.setattr(ppo, "set_malloc_mmap_threshold", lambda nbytes: thresholds.append(("run", nbytes)))
     ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "off", "--total_episodes", "8", "--save_strategy", "no"))
-    assert calls == []
+    assert calls == [] and thresholds == [("run", 0), ("generate", 0)]  # one update of 8 episodes
+    thresholds.clear()
     ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "on", "--total_episodes", "8", "--save_strategy", "no",
-                      "--onednn_decoding", "true"))
+                      "--onednn_decoding", "true", "--malloc_mmap_threshold", "131072"))
     assert calls and max(calls) <= 64
+    assert thresholds == [("run", 131072), ("generate", 131072)]
 
 
-FREED = """
+MEASURE = """
 import sys, torch
-from rlhf_trl.cpu import set_malloc_mmap_threshold
-if sys.argv[1] == "set":
-    assert set_malloc_mmap_threshold(131072)
+from rlhf_trl.cpu import mmap_threshold_raised, set_malloc_mmap_threshold
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
+def freed_mb(n):  # RSS that n - 1 freed 1 MB tensors give back at once (the last stays: the heap's top is held)
+    held = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(n)]
+    keep, before = held[-1], rss()
+    del held
+    return keep, (before - rss()) / 2**20
+"""
+
+FREED = MEASURE + """
+if sys.argv[1] == "set":
+    assert set_malloc_mmap_threshold(131072)
 big = torch.ones(16 << 20, dtype=torch.uint8)
 del big  # freeing a 16 MB mmapped block raises glibc's default threshold
-held = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(300)]  # 300 MB in 1 MB tensors
-keep = held[-1]
-before = rss()
-del held
-print((before - rss()) / 2**20)
+print(freed_mb(300)[1])  # 299 MB in 1 MB tensors
 """
+
+
+def run_measure(script: str, *args: str) -> list[float]:
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    return [float(x) for x in out.stdout.split()]
 
 
 @pytest.mark.parametrize("mode", ["default", "set"])
 def test_malloc_mmap_threshold_returns_freed_tensors_to_the_system(mode):
-    out = subprocess.run([sys.executable, "-c", FREED, mode], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr
-    returned_mb = float(out.stdout.split()[-1])
+    returned_mb = run_measure(FREED, mode)[-1]
     if mode == "set":
         assert returned_mb > 250  # the 299 freed 1 MB tensors left the process
     else:
@@ -158,16 +178,7 @@ def test_malloc_mmap_threshold_must_not_be_negative():
     assert cpu.set_malloc_mmap_threshold(0) is False  # 0: glibc's default, nothing set
 
 
-RAISED = """
-import torch
-from rlhf_trl.cpu import mmap_threshold_raised, set_malloc_mmap_threshold
-def rss():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
-def freed_mb(n):  # RSS that n - 1 freed 1 MB tensors give back at once (the last stays: the heap's top is held)
-    held = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(n)]
-    keep, before = held[-1], rss()
-    del held
-    return keep, (before - rss()) / 2**20
+RAISED = MEASURE + """
 assert set_malloc_mmap_threshold(131072)
 with mmap_threshold_raised(131072):
     keep, inside = freed_mb(100)
@@ -180,10 +191,7 @@ def test_mmap_threshold_raised_keeps_freed_blocks_for_reuse_then_trims_and_resto
     """Inside the block (the rollout's generate) freed tensors stay in the heap for the next step to reuse; on exit
     malloc_trim hands them back, and the run's own threshold applies again (glibc first reuses the heap's free
     blocks, ~100 MB here, then maps the rest, which goes back when freed)."""
-    out = subprocess.run([sys.executable, "-c", RAISED], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr
-    inside, on_exit, after = map(float, out.stdout.split())
+    inside, on_exit, after = run_measure(RAISED)
     assert inside < 20  # 99 MB kept in the heap while generating
     assert on_exit > 80  # trimmed when the block ends
     assert after > 250  # the 128 KB threshold is back: 399 freed tensors, all but the ~100 reused blocks, leave

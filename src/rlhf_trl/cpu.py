@@ -95,10 +95,14 @@ def set_malloc_mmap_threshold(nbytes: int) -> bool:
         raise ValueError(f"malloc_mmap_threshold must be >= 0 bytes, got {nbytes}")
     if nbytes == 0:
         return False
-    ok = _glibc_call("mallopt", -3, int(nbytes))  # M_MMAP_THRESHOLD = -3 (malloc.h)
+    ok = _mallopt_mmap_threshold(nbytes)
     if not ok:
         logger.warning("malloc_mmap_threshold: this C library has no mallopt(M_MMAP_THRESHOLD); setting ignored")
     return ok
+
+
+def _mallopt_mmap_threshold(nbytes: int) -> bool:
+    return _glibc_call("mallopt", -3, int(nbytes))  # M_MMAP_THRESHOLD = -3 (malloc.h)
 
 
 def _glibc_call(name: str, *args: int) -> bool:
@@ -130,11 +134,11 @@ def mmap_threshold_raised(nbytes: int, during: int = GLIBC_MAX_MMAP_THRESHOLD):
     ``nbytes`` again and `malloc_trim` returns the heap's free pages, so the phases after it start from the same
     footprint. A no-op when ``nbytes`` is 0 (glibc's default threshold is left alone) or off glibc. Raises nothing of
     its own."""
-    if nbytes <= 0 or not _glibc_call("mallopt", -3, max(nbytes, during)):
+    if nbytes <= 0 or not _mallopt_mmap_threshold(max(nbytes, during)):
         yield
         return
     try:
         yield
     finally:
-        _glibc_call("mallopt", -3, nbytes)
+        _mallopt_mmap_threshold(nbytes)
         malloc_trim()
