@@ -24,6 +24,10 @@ Variants, each one PPO run in its own process (so that peak RSS is its own), sam
   rlhf_trl_lean    ``rlhf-trl ppo`` with ``value_use_peft`` + ``share_reward_value_base`` (one copy of weights for
                    reward and value model), ``gradient_checkpointing: true`` and the two CPU measures
 
+Every engine variant runs with ``THP_MEM_ALLOC_ENABLE=1`` (PyTorch's CPU tensors of >= 2 MB on transparent huge
+pages), as the ``rlhf-trl`` command runs it; plain_trl runs as a plain script does, without, unless
+``--trl_huge_pages``. Each run records which (``huge_pages``).
+
 Per update (the first is a warm-up and is not counted when more than one update runs), split by phase:
   generation    the rollout's ``generate`` (TRL's ``batch_generation``; the engine's ``generate_rollouts``)
   scoring       the no-grad forwards of the rollout: reference log-probs, values, rewards
@@ -254,7 +258,8 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
             argv += [f"--{k}", *v.split()] if k == "lora_target_modules" else [f"--{k}", v]
         ppo.main(argv, callbacks=[UpdateEnd()])
     meter.close()
-    json.dump({"variant": variant, "updates": meter.updates, "shape": meter.shape, "seconds": time.perf_counter() - t0,
+    json.dump({"variant": variant, "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
+               "updates": meter.updates, "shape": meter.shape, "seconds": time.perf_counter() - t0,
                "peak_rss_bytes": max([status_field("VmHWM")] + [u[k] for u in meter.updates for k in u
                                                              if k.endswith("peak_rss_bytes")]),
                "rss_start_bytes": rss_start, "threads": torch.get_num_threads(), "matmul_probe_flops": probe},
@@ -311,6 +316,13 @@ def trl_size(size: dict, micro: int) -> dict:
     return dict(size, per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro)
 
 
+def child_env(variant: str, trl_huge_pages: bool = False) -> dict:
+    """The environment of a variant's process: an engine variant's with ``THP_MEM_ALLOC_ENABLE=1``, as the
+    ``rlhf-trl`` command runs every stage; plain_trl's with ``0``, as a plain script runs, unless ``trl_huge_pages``."""
+    huge_pages = variant != "plain_trl" or trl_huge_pages
+    return dict(os.environ, THP_MEM_ALLOC_ENABLE="1" if huge_pages else "0")
+
+
 def median(xs):
     xs = sorted(xs)
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
@@ -323,6 +335,7 @@ def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> 
     timed = run["updates"][1:] if len(run["updates"]) > 1 else run["updates"]
     flops = phase_flops(n, run["shape"], size, run["variant"] == "rlhf_trl_lean", run["variant"] == "plain_trl")
     out = {"updates_timed": len(timed), "shape": run["shape"], "threads": run["threads"],
+           "huge_pages": run.get("huge_pages", False),
            "peak_rss_bytes": run["peak_rss_bytes"], "peak_rss_model_copies": run["peak_rss_bytes"] / base_bytes}
     total = 0.0
     for phase in ("generation", "scoring", "optimisation"):
@@ -370,6 +383,9 @@ def write_markdown(bench: dict, path: Path) -> None:
         if r.get("settings") and r["settings"] != bench["settings"]:
             lines += ["", f"{name} ran with {r['settings']} (`--trl_micro_batch`: the same episodes per update in "
                           "smaller micro-batches, which its memory needed)."]
+    thp = [k for k, r in bench["variants"].items() if r.get("huge_pages")]
+    lines += ["", "Transparent huge pages for PyTorch's CPU tensors (`THP_MEM_ALLOC_ENABLE=1`, what `rlhf-trl` sets): "
+              + (", ".join(thp) if thp else "none") + "."]
     lines += ["", "Phase percentages: achieved FLOP rate / matmul probe rate (per variant, the higher of the probe above "
               "and the one its own process measured before its run: " + ", ".join(
                   f"{k} {r['matmul_probe_gflop_per_second']:.1f}" for k, r in bench["variants"].items()
@@ -459,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="plain_trl only: micro-batches of this many episodes (per_device_train_batch_size, with "
                         "gradient_accumulation_steps making up the same batch) when the size's one does not fit in "
                         "memory: TRL 1.12 at --size issue with long prompts is killed for memory at 8 (24 GB)")
+    p.add_argument("--trl_huge_pages", action="store_true",
+                   help="plain_trl only: run it with THP_MEM_ALLOC_ENABLE=1 (PyTorch's large CPU tensors on "
+                        "transparent huge pages), as `rlhf-trl` runs the engine; by default it runs as a plain script "
+                        "does, without")
     p.add_argument("--reuse", action="store_true", help="summarise a variant's earlier <output_dir>/<variant>.json "
                    "(same size and prompts) instead of running it again: one table from runs made one at a time")
     p.add_argument("--trl112_venv", default=str(REPO / ".venv-trl112"),
@@ -503,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_real: {variant}: reusing {run_json}" if reused else f"bench_real: {variant} ...", flush=True)
         t = time.perf_counter()
         if not reused:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(variant, args.trl_huge_pages))
             if proc.returncode != 0:
                 bench["variants"][variant] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
                 (out_dir / f"{variant}.log").write_text(proc.stderr)

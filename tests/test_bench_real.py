@@ -76,6 +76,17 @@ def test_trl_micro_batch_keeps_the_episodes_per_update():
         bench_real.trl_size(size, 3)
 
 
+def test_the_engine_runs_on_huge_pages_as_the_command_does_and_trl_as_a_plain_script():
+    assert bench_real.child_env("rlhf_trl_fast")["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert bench_real.child_env("plain_trl")["THP_MEM_ALLOC_ENABLE"] == "0"
+    assert bench_real.child_env("plain_trl", trl_huge_pages=True)["THP_MEM_ALLOC_ENABLE"] == "1"
+    run = {"variant": "plain_trl", "updates": [{f"{p}_{k}": 1.0 for p in ("generation", "scoring", "optimisation")
+                                                for k in ("seconds", "peak_rss_bytes", "largest_logits_bytes")}],
+           "threads": 2, "peak_rss_bytes": 8, "huge_pages": True,
+           "shape": {"rows": 2, "prompt_tokens": 4, "sequence_tokens": 6}}
+    assert bench_real.summarise(run, {"body": 10, "head": 3}, {}, probe=100.0, base_bytes=2)["huge_pages"] is True
+
+
 @pytest.mark.skipif(not (bench_real.SHARED / "tokenizers" / "qwen2").is_dir()
                     or not all(p.is_file() for p in bench_real.LONG_PROMPTS),
                     reason="../shared/tokenizers/qwen2 or ../shared/data/zh/{dpo_zh_demo.json,reward_dpo_zh_500.jsonl} "

@@ -207,3 +207,32 @@ def test_mmap_threshold_raised_is_a_no_op_at_zero_and_restores_after_an_error(mo
         with cpu.mmap_threshold_raised(131072):
             raise KeyError("boom")
     assert calls == [("mallopt", -3, 32 << 20), ("mallopt", -3, 131072), ("malloc_trim", 0)]
+
+
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+HUGE_PAGE_PROBE = ("import rlhf_trl.cli, torch; t = torch.ones(64 << 20); print([int(line.split()[1]) for line in "
+                   "open('/proc/self/smaps_rollup') if line.startswith('AnonHugePages')][0])")
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open(THP_MODE).read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason=f"no transparent huge pages here ({THP_MODE})")
+def test_the_command_puts_large_cpu_tensors_on_huge_pages():
+    """`rlhf_trl.cli` sets THP_MEM_ALLOC_ENABLE=1 before torch's first allocation: a 256 MB tensor of the command's
+    process lies on huge pages; THP_MEM_ALLOC_ENABLE=0 from the user keeps 4 KB pages (kernel mode ``madvise``)."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+
+    def huge_kb(**extra) -> int:
+        out = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE], env=dict(env, **extra), capture_output=True,
+                             text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert huge_kb() > 0
+    if _thp_mode() == "madvise":
+        assert huge_kb(THP_MEM_ALLOC_ENABLE="0") == 0
