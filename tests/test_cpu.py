@@ -156,9 +156,10 @@ print(freed_mb(300)[1])  # 299 MB in 1 MB tensors
 """
 
 
-def run_measure(script: str, *args: str) -> list[float]:
+def run_measure(script: str, *args: str, env: dict | None = None) -> list[float]:
+    """Numbers the ``python -c script`` subprocess prints (``env``: its environment, default ours)."""
     out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
     return [float(x) for x in out.stdout.split()]
 
@@ -227,12 +228,6 @@ def test_the_command_puts_large_cpu_tensors_on_huge_pages():
     """`rlhf_trl.cli` sets THP_MEM_ALLOC_ENABLE=1 before torch's first allocation: a 256 MB tensor of the command's
     process lies on huge pages; THP_MEM_ALLOC_ENABLE=0 from the user keeps 4 KB pages (kernel mode ``madvise``)."""
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-
-    def huge_kb(**extra) -> int:
-        out = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE], env=dict(env, **extra), capture_output=True,
-                             text=True, check=True)
-        return int(out.stdout.split()[-1])
-
-    assert huge_kb() > 0
+    assert run_measure(HUGE_PAGE_PROBE, env=env)[-1] > 0
     if _thp_mode() == "madvise":
-        assert huge_kb(THP_MEM_ALLOC_ENABLE="0") == 0
+        assert run_measure(HUGE_PAGE_PROBE, env=dict(env, THP_MEM_ALLOC_ENABLE="0"))[-1] == 0
