@@ -30,7 +30,9 @@ pages), as the ``rlhf-trl`` command runs it; plain_trl runs as a plain script do
 
 Per update (the first is a warm-up and is not counted when more than one update runs), split by phase:
   generation    the rollout's ``generate`` (TRL's ``batch_generation``; the engine's ``generate_rollouts``)
-  scoring       the no-grad forwards of the rollout: reference log-probs, values, rewards
+  scoring       the no-grad forwards of the rollout: reference log-probs, values, rewards (the engine with
+                ``single_value_forward``, its default at 1 epoch x 1 mini-batch: no value forward here, its values
+                come from the value model's training forward, `PPOEngine.value_step`, timed as optimisation)
   optimisation  everything else in the update: PPO epochs (forward + backward + AdamW), whitening, GAE, logging
 For each phase: seconds; the phase's matmul work (FLOPs, estimated from the parameter counts and token counts: 2 N
 per token for a forward, 4 N for a LoRA forward + backward (no weight gradients of frozen weights), 6 N for a full
@@ -111,6 +113,7 @@ class PhaseMeter:
         self.cur = self._empty()
         self.updates: list[dict] = []
         self.shape: dict = {}
+        self.single_value_forward = False  # the engine's value_step ran: no value forward in scoring
 
     @staticmethod
     def _empty() -> dict:
@@ -187,6 +190,7 @@ def _hook_engine(meter: "PhaseMeter") -> None:
 
     generate, optimise, select = ppo_engine.generate_rollouts, ppo_engine.PPOEngine.optimise, \
         ppo_math.selective_log_softmax
+    value_step = ppo_engine.PPOEngine.value_step
 
     def generate_rollouts(policy, queries, *args, **kwargs):
         meter.enter("generation")
@@ -199,11 +203,17 @@ def _hook_engine(meter: "PhaseMeter") -> None:
         meter.enter("optimisation")
         return optimise(self, *args, **kwargs)
 
+    def value_step_(self, *args, **kwargs):  # single_value_forward: the value model's training, before the policy's
+        meter.enter("optimisation")
+        meter.single_value_forward = True
+        return value_step(self, *args, **kwargs)
+
     def selective_log_softmax(logits, index):
         meter.tensor(logits)
         return select(logits, index)
 
     ppo_engine.generate_rollouts, ppo_engine.PPOEngine.optimise = generate_rollouts, optimise_
+    ppo_engine.PPOEngine.value_step = value_step_
     ppo_math.selective_log_softmax = selective_log_softmax
 
 
@@ -259,6 +269,7 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
         ppo.main(argv, callbacks=[UpdateEnd()])
     meter.close()
     json.dump({"variant": variant, "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
+               "single_value_forward": meter.single_value_forward,
                "updates": meter.updates, "shape": meter.shape, "seconds": time.perf_counter() - t0,
                "peak_rss_bytes": max([status_field("VmHWM")] + [u[k] for u in meter.updates for k in u
                                                              if k.endswith("peak_rss_bytes")]),
@@ -293,16 +304,20 @@ def param_counts(model_dir: str) -> dict:
             "total": layers * per_layer + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)}
 
 
-def phase_flops(n: dict, shape: dict, size: dict, lean: bool, full_head: bool = True) -> dict:
+def phase_flops(n: dict, shape: dict, size: dict, lean: bool, full_head: bool = True,
+                single_value_forward: bool = False) -> dict:
     """Estimated matmul FLOPs of one update's phases (see the module docstring). ``full_head``: the policy's and
     reference's LM head runs over every position (TRL 1.12's ``forward``); else over the response positions only
-    (the engine's `response_logprobs`): each variant is measured against its own work."""
+    (the engine's `response_logprobs`). ``single_value_forward``: the engine's values come from the value model's
+    training forward (`PPOEngine.value_step`): scoring has no value forward. Each variant is measured against its own
+    work."""
     rows, prompt, seq = shape["rows"], shape["prompt_tokens"], shape["sequence_tokens"]
     new = seq - prompt
     body, head = n["body"], n["head"]
     head_tokens = seq if full_head else new
     generation = 2 * body * rows * seq + 2 * head * rows * new  # prefill + decode (logits only for new tokens)
-    scoring = 2 * body * rows * seq + 2 * head * rows * head_tokens + 2 * 2 * body * rows * seq  # ref; value, reward
+    scoring = (2 * body * rows * seq + 2 * head * rows * head_tokens  # reference
+               + (1 if single_value_forward else 2) * 2 * body * rows * seq)  # reward (and value) model
     optimisation = 4 * body * rows * seq + 4 * head * rows * head_tokens + (4 if lean else 6) * body * rows * seq
     return {"generation": generation, "scoring": scoring, "optimisation": optimisation}
 
@@ -333,9 +348,10 @@ def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> 
     process measured before the run: the machine's best, so that a slow probe never flatters a variant."""
     probe = max(probe, run.get("matmul_probe_flops", 0.0))
     timed = run["updates"][1:] if len(run["updates"]) > 1 else run["updates"]
-    flops = phase_flops(n, run["shape"], size, run["variant"] == "rlhf_trl_lean", run["variant"] == "plain_trl")
+    flops = phase_flops(n, run["shape"], size, run["variant"] == "rlhf_trl_lean", run["variant"] == "plain_trl",
+                        run.get("single_value_forward", False))
     out = {"updates_timed": len(timed), "shape": run["shape"], "threads": run["threads"],
-           "huge_pages": run.get("huge_pages", False),
+           "huge_pages": run.get("huge_pages", False), "single_value_forward": run.get("single_value_forward", False),
            "peak_rss_bytes": run["peak_rss_bytes"], "peak_rss_model_copies": run["peak_rss_bytes"] / base_bytes}
     total = 0.0
     for phase in ("generation", "scoring", "optimisation"):

@@ -55,6 +55,10 @@ def test_each_variant_is_rated_against_its_own_lm_head_work():
     assert flops["generation"] == 2 * 10 * 2 * 6 + 2 * 3 * 2 * 2
     assert flops["scoring"] == 2 * 10 * 2 * 6 + 2 * 3 * 2 * 2 + 4 * 10 * 2 * 6
     assert flops["optimisation"] == 4 * 10 * 2 * 6 + 4 * 3 * 2 * 2 + 6 * 10 * 2 * 6
+    # single_value_forward: the value model's training forward gives the values: scoring loses the value forward
+    single = bench_real.phase_flops(n, shape, {}, lean=False, full_head=False, single_value_forward=True)
+    assert single["scoring"] == 2 * 10 * 2 * 6 + 2 * 3 * 2 * 2 + 2 * 10 * 2 * 6
+    assert single["generation"] == flops["generation"] and single["optimisation"] == flops["optimisation"]
 
 
 def test_summary_rates_against_the_faster_of_the_two_probes():

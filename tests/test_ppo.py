@@ -313,3 +313,41 @@ def test_logging_steps_is_honoured_and_the_last_update_logged(assets, sft_run, r
     logged = [h["step"] for h in res["trainer"].state.log_history if "objective/kl" in h]
     assert logged == [2, 4, 5]
     assert res["metrics"]["global_step"] == 5 and "objective/scores" in res["metrics"]
+
+
+@pytest.mark.slow  # two PPO runs (~10 s)
+def test_single_value_forward_gives_the_same_update_with_one_value_forward_less(assets, sft_run, rm_run, tmp_path):
+    """1 PPO epoch of 1 mini-batch: the value model's training forward also gives the rollout's values
+    (`PPOEngine.value_step`). Against the separate no-grad forward (TRL 1.12's order, ``single_value_forward:
+    false``): the same losses, statistics and weights to fp32 rounding, and one value forward per micro-batch (with
+    gradient) instead of a rollout forward too."""
+    runs = {}
+    for flag in ("true", "false"):
+        calls = []
+
+        class Hook(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                model.value_model.score.register_forward_hook(  # the score head sees every value forward
+                    lambda module, inputs, output: calls.append((len(inputs[0]), torch.is_grad_enabled())))
+
+        res = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / flag, "--total_episodes", "16",
+                                "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+                                "--local_rollout_forward_batch_size", "8", "--num_ppo_epochs", "1",
+                                "--single_value_forward", flag, "--save_strategy", "no"), callbacks=[Hook()])
+        runs[flag] = (res, calls)
+    (fused, fused_calls), (separate, separate_calls) = runs["true"], runs["false"]
+    assert fused["trainer"].single_value_forward and not separate["trainer"].single_value_forward
+    assert fused_calls == [(4, True)] * 4  # 2 updates x 2 micro-batches, each forward with gradient
+    assert separate_calls == [(8, False), (4, True), (4, True)] * 2  # + the rollout's no-grad forward per update
+    logs = [[h for h in r["trainer"].state.log_history if "loss/value_avg" in h] for r in (fused, separate)]
+    assert len(logs[0]) == len(logs[1]) == 2
+    for a, b in zip(*logs):
+        for key in ("loss/value_avg", "loss/policy_avg", "objective/scores", "objective/kl", "val/ratio",
+                    "policy/approxkl_avg", "policy/entropy_avg"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert a["val/clipfrac_avg"] == b["val/clipfrac_avg"] == 0
+    for name in ("merged", "value_model"):
+        a = load_file(os.path.join(fused[name], "model.safetensors"))
+        b = load_file(os.path.join(separate[name], "model.safetensors"))
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")

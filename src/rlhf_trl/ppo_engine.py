@@ -18,6 +18,12 @@ One update (``PPOEngine.train``), for ``batch_size`` prompts of the data loader:
    (``per_device_train_batch_size``; one optimizer step per mini-batch through gradient accumulation): clipped policy
    loss + ``vf_coef`` x clipped value loss.
 
+With one PPO epoch of one mini-batch in one process (``single_value_forward``, the default), the value model runs
+once per update instead of twice: its training forward (with gradient) on each micro-batch gives the rollout's values,
+the micro-batch's returns and its value loss, back-propagated at once (`PPOEngine.value_step`). TRL 1.12 takes the
+values from a separate no-grad forward in step 2; the weights are the same then, so the numbers are the same (to fp32
+rounding where the rows are grouped differently), and the value loss is unclipped (``vf_clipfrac`` 0) in both.
+
 Memory: the policy's vocabulary-sized logits are only formed for the response positions, ``logits_chunk_size``
 positions at a time; with gradients each chunk is recomputed in the backward pass (activation checkpointing), so
 no ``[batch, seq_len, vocab]`` tensor (nor its softmax, nor their gradients) is ever held whole.
@@ -116,6 +122,11 @@ class PPOConfig(TrainingArguments):
         default=False, metadata={"help": "CPU, fp32: rollouts' decoding steps (<= 64 rows per matmul) through oneDNN "
                                          "instead of MKL (`rlhf_trl.cpu`: 1.3x faster generate on the AMD EPYC of "
                                          "bench-real); sampled log-probs then differ from MKL's in the last bits."})
+    single_value_forward: bool = field(
+        default=True, metadata={"help": "With 1 PPO epoch, 1 mini-batch, 1 process and whiten_rewards off: the value "
+                                        "model's training forward also gives the rollout's values (one value forward "
+                                        "less per update; `PPOEngine.value_step`). false: TRL 1.12's separate "
+                                        "no-grad forward."})
     malloc_mmap_threshold: int = field(
         default=0, metadata={"help": "Bytes; glibc: allocations at least this large get their own mmap and go back "
                                      "to the system when freed (`rlhf_trl.cpu.set_malloc_mmap_threshold`; 131072 "
@@ -462,6 +473,10 @@ class PPOEngine(Trainer):
                     setattr(self, name, getattr(self, name).to(accelerator.device))
         # one process, no wrapper: policy and value losses back-propagated one after the other (`losses`)
         self.split_backward = isinstance(self.model, PolicyAndValue)
+        self.single_value_forward = (args.single_value_forward and self.split_backward and args.num_ppo_epochs == 1
+                                     and args.num_mini_batches == 1 and not args.whiten_rewards)
+        logger.info("values: %s", "from the value model's training forward (single_value_forward)"
+                    if self.single_value_forward else "a no-grad forward in the rollout")
         self.reward_offload = None
         if args.offload_reward_model and self.reward_model is not None:
             if self.is_deepspeed_enabled or self.is_fsdp_enabled:
@@ -522,7 +537,8 @@ class PPOEngine(Trainer):
     @torch.no_grad()
     def score_rollouts(self, query_responses: torch.Tensor, context: int, step: int, reward_model, out: dict) -> None:
         """Step 2 of an update, ``step`` rows at a time: appends to ``out`` the reference log-probs and values
-        ``[step, R]``, the responses cut after their first EOS id and the reward model's scores ``[step]``."""
+        ``[step, R]`` (values only without ``single_value_forward``: `value_step` gives them then), the responses
+        cut after their first EOS id and the reward model's scores ``[step]``."""
         args, pad = self.args, self.processing_class.pad_token_id
         for i in range(0, query_responses.shape[0], step):
             qr = query_responses[i:i + step]
@@ -532,7 +548,8 @@ class PPOEngine(Trainer):
                                                              args.logits_chunk_size))
             post = response if self.eos_token_ids is None else truncate_at_eos(response, self.eos_token_ids, pad)
             out["postprocessed"].append(post)
-            out["values"].append(token_scores(self.unwrapped.value_model, qr, pad)[:, context - 1: -1])
+            if not self.single_value_forward:
+                out["values"].append(token_scores(self.unwrapped.value_model, qr, pad)[:, context - 1: -1])
             if reward_model is not None:
                 out["scores"].append(sequence_scores(reward_model, torch.cat((qr[:, :context], post), 1), pad,
                                                      context))
@@ -542,7 +559,7 @@ class PPOEngine(Trainer):
         """Steps 1-2 of an update for left-padded prompts ``queries [b, Q]``.
 
         Returns a dict of tensors: ``query_responses [b, T]``, ``responses [b, R]`` (as sampled),
-        ``logprobs / ref_logprobs / values [b, R]`` (unmasked), ``sequence_lengths [b]`` (index of the last real
+        ``logprobs / ref_logprobs / values [b, R]`` (unmasked; values None with ``single_value_forward``), ``sequence_lengths [b]`` (index of the last real
         response token), ``scores [b]`` (reward units: RM score - baseline + reward functions - EOS penalty),
         ``ended [b]`` (bool: the response holds an EOS id), and ``fn_values`` (per reward function, ``[b]``).
         """
@@ -573,11 +590,13 @@ class PPOEngine(Trainer):
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~ended).to(scores.dtype)
         return {"query_responses": query_responses, "responses": responses, "logprobs": logprobs,
-                "ref_logprobs": torch.cat(out["ref_logprobs"]), "values": torch.cat(out["values"]),
+                "ref_logprobs": torch.cat(out["ref_logprobs"]),
+                "values": torch.cat(out["values"]) if out["values"] else None,
                 "sequence_lengths": sequence_lengths, "scores": scores, "ended": ended, "fn_values": fn_values}
 
-    def advantages(self, ro: dict) -> dict:
-        """Step 3: masks, KL, shaped rewards, GAE advantages (whitened) and returns, all ``[b, R]``."""
+    def advantages(self, ro: dict, whiten: bool = True) -> dict:
+        """Step 3: masks, KL, shaped rewards, GAE advantages (whitened over the rows of ``ro`` unless ``whiten`` is
+        false) and returns, all ``[b, R]``."""
         args = self.args
         width = ro["responses"].shape[1]
         padding_mask = pm.response_padding_mask(ro["sequence_lengths"], width)
@@ -590,14 +609,58 @@ class PPOEngine(Trainer):
         if args.whiten_rewards:
             rewards = pm.masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
         advantages, returns = pm.gae(rewards, values, args.gamma, args.lam)
-        advantages = pm.masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+        if whiten:
+            advantages = pm.masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
         return {"padding_mask": padding_mask, "padding_mask_p1": padding_mask_p1, "logprobs": logprobs,
                 "values": values, "kl": kl, "non_score_reward": non_score_reward, "advantages": advantages,
                 "returns": returns}
 
-    def optimise(self, ro: dict, adv: dict) -> dict:
-        """Step 4: ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps; returns the per-micro-batch statistics
-        ``[epochs, mini-batches, micro-batches]`` of approxkl, clipfrac, losses, entropy and ratio."""
+    def micro_batches(self, order: np.ndarray):
+        """The micro-batches (arrays of row indices) of each mini-batch of one epoch's shuffled ``order [b]``:
+        yields ``(mini-batch, micro-batch, rows)``."""
+        args = self.args
+        for mb, start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
+            mini = order[start:start + args.local_mini_batch_size]
+            for k, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
+                yield mb, k, mini[micro_start:micro_start + args.per_device_train_batch_size]
+
+    def value_step(self, ro: dict, order: np.ndarray) -> list[dict]:
+        """Steps 2-4 of the value model with ``single_value_forward`` (1 epoch, 1 mini-batch, one process): for each
+        micro-batch of ``order`` (the epoch's shuffle, so the micro-batches are `optimise`'s), one forward with
+        gradient gives the values ``[micro, R]`` (written into ``ro["values"] [b, R]``), their GAE returns (from the
+        micro-batch's own rewards: returns need no whitening) and the value loss, back-propagated at once (scaled by
+        ``vf_coef`` / ``gradient_accumulation_steps`` as in `losses`). Returns each micro-batch's value-loss
+        statistics (`ppo_math.value_loss`); the optimizer steps after the policy's backward in `optimise`.
+
+        Same gradient as TRL 1.12's second value forward: the weights have not moved since the rollout, so the
+        rollout's values equal the training forward's and the clipped term equals the unclipped one."""
+        args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
+        context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
+        fp32 = (lambda t: t.float()) if acc.native_amp else (lambda t: t)
+        values, stats = None, []
+        self.model.train()
+        for _, _, idx in self.micro_batches(order):
+            with acc.autocast():
+                vpred = fp32(token_scores(self.model.value_model, ro["query_responses"][idx], pad)[:, context - 1: -1])
+            with torch.no_grad():
+                rows = {k: ro[k][idx] for k in ("responses", "logprobs", "ref_logprobs", "sequence_lengths", "scores")}
+                a = self.advantages({**rows, "values": vpred.detach()}, whiten=False)
+            vf = pm.value_loss(vpred.masked_fill(a["padding_mask_p1"], 0), a["values"], a["returns"],
+                               ~a["padding_mask_p1"], args.cliprange_value)
+            acc.backward(args.vf_coef * vf["loss"])
+            if values is None:  # the value model's output dtype, as the no-grad forward's
+                values = vpred.new_zeros(ro["responses"].shape)
+            values[idx] = vpred.detach()
+            stats.append({k: v.detach() for k, v in vf.items()})
+            del vpred, vf
+        ro["values"] = values
+        return stats
+
+    def optimise(self, ro: dict, adv: dict, orders: list[np.ndarray], value_stats: list[dict] | None = None) -> dict:
+        """Step 4: ``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over each epoch's shuffle ``orders[e]``
+        ``[b]``; returns the per-micro-batch statistics ``[epochs, mini-batches, micro-batches]`` of approxkl,
+        clipfrac, losses, entropy and ratio. ``value_stats``: the value losses `value_step` already
+        back-propagated (then only the policy's forward and backward run here)."""
         args, acc = self.args, self.accelerator
         context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
         shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
@@ -605,27 +668,25 @@ class PPOEngine(Trainer):
                  ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
         self.model.train()
         for epoch in range(args.num_ppo_epochs):
-            order = np.random.permutation(args.local_batch_size)
-            for mb, start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
-                mini = order[start:start + args.local_mini_batch_size]
-                for k, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
-                    idx = mini[micro_start:micro_start + args.per_device_train_batch_size]
-                    with acc.accumulate(self.model):
-                        pg, vf, entropy = self.losses(ro, adv, idx, context)
-                        self.optimizer.step()
-                        self.optimizer.zero_grad()
-                    at = (epoch, mb, k)
-                    stats["approxkl"][at], stats["pg_clipfrac"][at] = pg["approxkl"], pg["clipfrac"]
-                    stats["pg_loss"][at], stats["vf_loss"][at] = pg["loss"].detach(), vf["loss"].detach()
-                    stats["vf_clipfrac"][at], stats["ratio"][at] = vf["clipfrac"], pg["ratio"]
-                    stats["entropy"][at] = entropy.mean()
-                    del entropy, vf, pg
+            for mb, k, idx in self.micro_batches(orders[epoch]):
+                with acc.accumulate(self.model):
+                    pg, vf, entropy = self.losses(ro, adv, idx, context, value=value_stats is None)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+                vf = vf if value_stats is None else value_stats[k]
+                at = (epoch, mb, k)
+                stats["approxkl"][at], stats["pg_clipfrac"][at] = pg["approxkl"], pg["clipfrac"]
+                stats["pg_loss"][at], stats["vf_loss"][at] = pg["loss"].detach(), vf["loss"].detach()
+                stats["vf_clipfrac"][at], stats["ratio"][at] = vf["clipfrac"], pg["ratio"]
+                stats["entropy"][at] = entropy.mean()
+                del entropy, vf, pg
         return stats
 
-    def losses(self, ro: dict, adv: dict, idx, context: int) -> tuple[dict, dict, torch.Tensor]:
+    def losses(self, ro: dict, adv: dict, idx, context: int, value: bool = True
+               ) -> tuple[dict, dict | None, torch.Tensor]:
         """Forward and backward of one micro-batch ``idx``: the clipped policy loss plus ``vf_coef`` x the clipped
         value loss (`ppo_math.policy_loss`, `ppo_math.value_loss`); returns their statistics and the entropy
-        ``[b, R]``.
+        ``[b, R]``. ``value`` false (`value_step` did the value model's part): the policy's alone, value stats None.
 
         In one process (no DDP / DeepSpeed / FSDP wrapper) the two losses, which share no parameters, are
         back-propagated one after the other: the policy's activations are freed before the value model's forward,
@@ -655,6 +716,8 @@ class PPOEngine(Trainer):
             entropy = fp32(entropy)
             acc.backward(pg["loss"])
             del new_logprobs
+            if not value:
+                return pg, None, entropy
             with acc.autocast():
                 vpred = token_scores(self.model.value_model, ids, pad)[:, context - 1: -1]
             vf = value_loss(fp32(vpred))
@@ -724,9 +787,12 @@ class PPOEngine(Trainer):
             data = next(batches)
             ro = self.rollout(data["input_ids"].to(self.accelerator.device), data.get("row"), update)
             gc.collect()
+            # each epoch's shuffle of the batch, drawn before anything trains (the same numpy draws as one per epoch)
+            orders = [np.random.permutation(args.local_batch_size) for _ in range(args.num_ppo_epochs)]
+            value_stats = self.value_step(ro, orders[0]) if self.single_value_forward else None
             with torch.no_grad():
                 adv = self.advantages(ro)
-            stats = self.optimise(ro, adv)
+            stats = self.optimise(ro, adv, orders, value_stats)
             with torch.no_grad():
                 metrics = self.update_metrics(ro, adv, stats, start_time)
             self.state.epoch = self.state.episode / self.train_dataset_len
