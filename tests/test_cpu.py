@@ -1,6 +1,7 @@
 """`rlhf_trl.cpu`: decoding-size matmuls go through oneDNN inside `onednn_decoding` and agree with MKL to fp32
 rounding (larger or gradient-carrying calls, and everything after the block, are MKL's, bit for bit); a malloc mmap
-threshold returns freed tensors to the system; the `rlhf-trl` command puts large tensors on transparent huge pages."""
+threshold returns freed tensors to the system; `fuse_lora` layers compute peft's outputs and gradients; the
+`rlhf-trl` command puts large tensors on transparent huge pages."""
 
 import functools
 import os
@@ -19,8 +20,6 @@ from rlhf_trl import cpu
 from rlhf_trl import ppo_engine
 from rlhf_trl.models import load_tokenizer
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
-
 
 @pytest.fixture
 def policy(assets):
@@ -35,6 +34,9 @@ def policy(assets):
 
 @pytest.fixture
 def calls(monkeypatch):
+    """The rows of every matmul routed through oneDNN (skips the test on a PyTorch without oneDNN)."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("PyTorch built without oneDNN")
     seen = []
 
     def counted(x, weight, bias):
@@ -133,6 +135,77 @@ def test_the_recipe_keys_reach_the_rollouts(assets, sft_run, rm_run, tmp_path, c
                       "--onednn_decoding", "true", "--malloc_mmap_threshold", "131072"))
     assert calls and max(calls) <= 64
     assert thresholds == [("run", 131072), ("generate", 131072)]
+
+
+def lora_model(assets, r=4, alpha=8, dropout=0.0):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(assets["base_model"], dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear",
+                                             task_type="CAUSAL_LM"))
+    for name, p in model.named_parameters():  # a non-zero adapter, so that its product counts
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model.train()
+
+
+def forward_backward(model, ids):
+    """Logits ``[b, T, vocab]`` and every gradient (LoRA weights)."""
+    model.zero_grad()
+    logits = model(input_ids=ids).logits
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("r, alpha, exact", [(4, 8, True), (3, 5, False)])
+def test_fused_lora_computes_pefts_outputs_and_gradients(assets, r, alpha, exact):
+    """One in-place addmm per layer instead of peft's product, scaled copy and sum: outputs bit for bit when the
+    scaling (alpha / r) is a power of two, else to fp32 rounding; gradients to fp32 rounding (autograd sums the
+    input's gradient in another order); a disabled adapter is the base model, bit for bit."""
+    peft_model, fused = lora_model(assets, r, alpha), lora_model(assets, r, alpha)
+    layers = sum(type(m).__name__ == "Linear" and hasattr(m, "lora_A") for m in fused.modules())
+    assert cpu.fuse_lora(fused) == layers > 0
+    ids = torch.randint(0, 100, (2, 9))
+    (a, grads_a), (b, grads_b) = forward_backward(peft_model, ids), forward_backward(fused, ids)
+    assert grads_a.keys() == grads_b.keys() and any("lora_A" in k for k in grads_a)
+    assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6 * a.abs().max().item())
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
+    with peft_model.disable_adapter(), fused.disable_adapter(), torch.no_grad():
+        assert torch.equal(peft_model(input_ids=ids).logits, fused(input_ids=ids).logits)
+
+
+def test_fused_lora_leaves_dropout_and_autocast_to_peft(assets):
+    """LoRA dropout and autocast take peft's own forward: the same random mask, the same bf16 outputs."""
+    peft_model, fused = lora_model(assets, dropout=0.5), lora_model(assets, dropout=0.5)
+    cpu.fuse_lora(fused)
+    ids = torch.randint(0, 100, (2, 9))
+    for ctx in (contextlib_null, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+        with ctx():
+            torch.manual_seed(1)
+            a = peft_model(input_ids=ids).logits
+            torch.manual_seed(1)
+            b = fused(input_ids=ids).logits
+        assert torch.equal(a, b)
+
+
+def contextlib_null():
+    return contextmanager(lambda: (yield))()
+
+
+@pytest.mark.slow  # one PPO update (~3 s)
+def test_the_fused_lora_key_reaches_the_policy(assets, sft_run, rm_run, tmp_path):
+    from transformers import TrainerCallback
+
+    ppo, forwards = import_ppo(), []
+
+    class Seen(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            forwards.extend(m.forward for m in model.policy.modules() if type(m).__name__ == "Linear"
+                            and hasattr(m, "lora_A"))
+
+    ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "8", "--save_strategy", "no",
+                      "--fused_lora", "true"), callbacks=[Seen()])
+    assert forwards and all(getattr(f, "__func__", None) is cpu._fused_lora_forward for f in forwards)
 
 
 MEASURE = """

@@ -321,20 +321,23 @@ def test_single_value_forward_gives_the_same_update_with_one_value_forward_less(
     (`PPOEngine.value_step`). Against the separate no-grad forward (TRL 1.12's order, ``single_value_forward:
     false``): the same losses, statistics and weights to fp32 rounding, and one value forward per micro-batch (with
     gradient) instead of a rollout forward too."""
+    class Hook(TrainerCallback):
+        def __init__(self):
+            self.calls = []  # (rows, with gradient) of each value forward
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            model.value_model.score.register_forward_hook(  # the score head sees every value forward
+                lambda module, inputs, output: self.calls.append((len(inputs[0]), torch.is_grad_enabled())))
+
     runs = {}
     for flag in ("true", "false"):
-        calls = []
-
-        class Hook(TrainerCallback):
-            def on_train_begin(self, args, state, control, model=None, **kwargs):
-                model.value_model.score.register_forward_hook(  # the score head sees every value forward
-                    lambda module, inputs, output: calls.append((len(inputs[0]), torch.is_grad_enabled())))
+        hook = Hook()
 
         res = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / flag, "--total_episodes", "16",
                                 "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
                                 "--local_rollout_forward_batch_size", "8", "--num_ppo_epochs", "1",
-                                "--single_value_forward", flag, "--save_strategy", "no"), callbacks=[Hook()])
-        runs[flag] = (res, calls)
+                                "--single_value_forward", flag, "--save_strategy", "no"), callbacks=[hook])
+        runs[flag] = (res, hook.calls)
     (fused, fused_calls), (separate, separate_calls) = runs["true"], runs["false"]
     assert fused["trainer"].single_value_forward and not separate["trainer"].single_value_forward
     assert fused_calls == [(4, True)] * 4  # 2 updates x 2 micro-batches, each forward with gradient
@@ -350,4 +353,4 @@ def test_single_value_forward_gives_the_same_update_with_one_value_forward_less(
         a = load_file(os.path.join(fused[name], "model.safetensors"))
         b = load_file(os.path.join(separate[name], "model.safetensors"))
         for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=lambda m, name=name, k=k: f"{name} {k}: {m}")

@@ -54,7 +54,7 @@ from torch import nn
 from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from . import ppo_math as pm
-from .cpu import mmap_threshold_raised, onednn_decoding
+from .cpu import fuse_lora, mmap_threshold_raised, onednn_decoding
 from .models import sampling_generation_config
 from .scoring import eos_mask, model_inputs, sequence_scores, token_scores, truncate_at_eos
 
@@ -122,6 +122,11 @@ class PPOConfig(TrainingArguments):
         default=False, metadata={"help": "CPU, fp32: rollouts' decoding steps (<= 64 rows per matmul) through oneDNN "
                                          "instead of MKL (`rlhf_trl.cpu`: 1.3x faster generate on the AMD EPYC of "
                                          "bench-real); sampled log-probs then differ from MKL's in the last bits."})
+    fused_lora: bool = field(
+        default=False, metadata={"help": "LoRA layers of policy and value model add their low-rank update into the "
+                                         "base layer's output in one in-place addmm (`rlhf_trl.cpu.fuse_lora`): two "
+                                         "passes less over every [tokens, out_features] output, forward and backward; "
+                                         "equal to peft's to fp32 rounding."})
     single_value_forward: bool = field(
         default=True, metadata={"help": "With 1 PPO epoch, 1 mini-batch, 1 process and whiten_rewards off: the value "
                                         "model's training forward also gives the rollout's values (one value forward "
@@ -473,6 +478,8 @@ class PPOEngine(Trainer):
                     setattr(self, name, getattr(self, name).to(accelerator.device))
         # one process, no wrapper: policy and value losses back-propagated one after the other (`losses`)
         self.split_backward = isinstance(self.model, PolicyAndValue)
+        if args.fused_lora:
+            logger.info("fused_lora: %d LoRA layers add their update in place", fuse_lora(self.unwrapped))
         self.single_value_forward = (args.single_value_forward and self.split_backward and args.num_ppo_epochs == 1
                                      and args.num_mini_batches == 1 and not args.whiten_rewards)
         logger.info("values: %s", "from the value model's training forward (single_value_forward)"
