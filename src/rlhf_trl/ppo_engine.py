@@ -636,8 +636,11 @@ class PPOEngine(Trainer):
         micro-batch of ``order`` (the epoch's shuffle, so the micro-batches are `optimise`'s), one forward with
         gradient gives the values ``[micro, R]`` (written into ``ro["values"] [b, R]``), their GAE returns (from the
         micro-batch's own rewards: returns need no whitening) and the value loss, back-propagated at once (scaled by
-        ``vf_coef`` / ``gradient_accumulation_steps`` as in `losses`). Returns each micro-batch's value-loss
-        statistics (`ppo_math.value_loss`); the optimizer steps after the policy's backward in `optimise`.
+        ``vf_coef`` / ``gradient_accumulation_steps`` as in `losses`). Then AdamW steps the value model's parameters
+        and their gradients are freed, before the policy's forward (its parameters have no gradient yet, so the step
+        skips them; each parameter's AdamW update is its own and nothing clips the global norm, so the update equals
+        one step after both backward passes; the policy steps in `optimise`). Returns each micro-batch's value-loss
+        statistics (`ppo_math.value_loss`).
 
         Same gradient as TRL 1.12's second value forward: the weights have not moved since the rollout, so the
         rollout's values equal the training forward's and the clipped term equals the unclipped one."""
@@ -660,6 +663,9 @@ class PPOEngine(Trainer):
             values[idx] = vpred.detach()
             stats.append({k: v.detach() for k, v in vf.items()})
             del vpred, vf
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside accelerate's
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # the value model's gradients go before the policy's activations come
         ro["values"] = values
         return stats
 
