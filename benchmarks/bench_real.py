@@ -327,7 +327,8 @@ def trl_size(size: dict, micro: int) -> dict:
     they run without gradients)."""
     batch = size["per_device_train_batch_size"] * size["gradient_accumulation_steps"]
     if batch % micro:
-        raise SystemExit(f"bench_real: --trl_micro_batch {micro} does not divide the batch of {batch} episodes")
+        raise SystemExit(f"bench_real: micro-batch {micro} (--trl_micro_batch / --engine_micro_batch) does not divide "
+                         f"the batch of {batch} episodes")
     return dict(size, per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro)
 
 
@@ -397,8 +398,8 @@ def write_markdown(bench: dict, path: Path) -> None:
             f"{o['largest_logits_bytes'] / 1e6:.0f} |")
     for name, r in bench["variants"].items():
         if r.get("settings") and r["settings"] != bench["settings"]:
-            lines += ["", f"{name} ran with {r['settings']} (`--trl_micro_batch`: the same episodes per update in "
-                          "smaller micro-batches, which its memory needed)."]
+            lines += ["", f"{name} ran with {r['settings']} (`--trl_micro_batch` / `--engine_micro_batch`: the same "
+                          "episodes per update in smaller micro-batches)."]
     thp = [k for k, r in bench["variants"].items() if r.get("huge_pages")]
     lines += ["", "Transparent huge pages for PyTorch's CPU tensors (`THP_MEM_ALLOC_ENABLE=1`, what `rlhf-trl` sets): "
               + (", ".join(thp) if thp else "none") + "."]
@@ -491,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="plain_trl only: micro-batches of this many episodes (per_device_train_batch_size, with "
                         "gradient_accumulation_steps making up the same batch) when the size's one does not fit in "
                         "memory: TRL 1.12 at --size issue with long prompts is killed for memory at 8 (24 GB)")
+    p.add_argument("--engine_micro_batch", type=int, default=None,
+                   help="the engine's variants: micro-batches of this many episodes (as --trl_micro_batch), e.g. "
+                        "to compare both at TRL's micro-batch")
     p.add_argument("--trl_huge_pages", action="store_true",
                    help="plain_trl only: run it with THP_MEM_ALLOC_ENABLE=1 (PyTorch's large CPU tensors on "
                         "transparent huge pages), as `rlhf-trl` runs the engine; by default it runs as a plain script "
@@ -506,8 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.output_dir)
     size = SIZES[args.size]
     if args.child:
-        if args.child == "plain_trl" and args.trl_micro_batch:
-            size = trl_size(size, args.trl_micro_batch)
+        micro = args.trl_micro_batch if args.child == "plain_trl" else args.engine_micro_batch
+        if micro:
+            size = trl_size(size, micro)
         child(args.child, args.model, args.prompts, out_dir / "runs", Path(args.out), size, args.updates)
         return 0
 
@@ -532,9 +537,10 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [python, __file__, "--child", variant, "--model", model, "--prompts", prompts,
                "--out", str(run_json), "--output_dir", str(out_dir), "--size", args.size, "--updates", str(args.updates)]
         settings = size
-        if variant == "plain_trl" and args.trl_micro_batch:
-            cmd += ["--trl_micro_batch", str(args.trl_micro_batch)]
-            settings = trl_size(size, args.trl_micro_batch)
+        micro = args.trl_micro_batch if variant == "plain_trl" else args.engine_micro_batch
+        if micro:
+            cmd += ["--trl_micro_batch" if variant == "plain_trl" else "--engine_micro_batch", str(micro)]
+            settings = trl_size(size, micro)
         reused = args.reuse and run_json.is_file()
         print(f"bench_real: {variant}: reusing {run_json}" if reused else f"bench_real: {variant} ...", flush=True)
         t = time.perf_counter()

@@ -76,7 +76,8 @@ def test_summary_rates_against_the_faster_of_the_two_probes():
 def test_trl_micro_batch_keeps_the_episodes_per_update():
     size = bench_real.SIZES["issue"]
     assert bench_real.trl_size(size, 4) == dict(size, per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    with pytest.raises(SystemExit, match="--trl_micro_batch 3 does not divide the batch of 8 episodes"):
+    with pytest.raises(SystemExit, match=r"micro-batch 3 \(--trl_micro_batch / --engine_micro_batch\) does not "
+                                         "divide the batch of 8 episodes"):
         bench_real.trl_size(size, 3)
 
 
