@@ -50,7 +50,10 @@ here. --size large: 8 episodes x 64 new tokens, run with micro-batches of 2 (per
 gradient_accumulation_steps 4) and rollout forward chunks of 2 so that it fits in 24 GB (TRL at micro-batch 8 took
 19.9 GB and 643 s per update). --size issue: the PPO-loop issue's own setting, 8 episodes x 64 new tokens in one
 micro-batch of 8 and one rollout chunk of 8, long prompts (TRL 1.12 does not fit in 24 GB at micro-batch 8 there:
-run it with ``--trl_micro_batch 4``, 24.7 GB; nothing else may run). Run it on an otherwise idle machine.
+run it with ``--trl_micro_batch 4``, 24.7 GB; nothing else may run; ``--engine_micro_batch 4`` runs the engine's
+variants the same way). Run it on an otherwise idle machine. Peak RSS is the process's over all its updates: with
+``--updates 1`` that is the first update, in which an optimizer's AdamW state is created at its first step (TRL: at
+the end of the update); from the second update on it is held throughout, so ``--updates 2`` gives the steady peak.
 """
 
 from __future__ import annotations
