@@ -353,4 +353,5 @@ def test_single_value_forward_gives_the_same_update_with_one_value_forward_less(
         a = load_file(os.path.join(fused[name], "model.safetensors"))
         b = load_file(os.path.join(separate[name], "model.safetensors"))
         for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6, msg=lambda m, name=name, k=k: f"{name} {k}: {m}")
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, name=name, k=k: f"{name} {k}: {m}")
