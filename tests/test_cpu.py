@@ -5,7 +5,7 @@ threshold returns freed tensors to the system; `fuse_lora` layers compute peft's
 
 import functools
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 import subprocess
 import sys
 
@@ -23,13 +23,7 @@ from rlhf_trl.models import load_tokenizer
 
 @pytest.fixture
 def policy(assets):
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(assets["base_model"], dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
-    for name, p in model.named_parameters():  # a non-zero adapter, so that its matmuls count
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.02)
-    return model.eval()
+    return lora_model(assets).eval()
 
 
 @pytest.fixture
@@ -179,17 +173,13 @@ def test_fused_lora_leaves_dropout_and_autocast_to_peft(assets):
     peft_model, fused = lora_model(assets, dropout=0.5), lora_model(assets, dropout=0.5)
     cpu.fuse_lora(fused)
     ids = torch.randint(0, 100, (2, 9))
-    for ctx in (contextlib_null, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
+    for ctx in (nullcontext, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
         with ctx():
             torch.manual_seed(1)
             a = peft_model(input_ids=ids).logits
             torch.manual_seed(1)
             b = fused(input_ids=ids).logits
         assert torch.equal(a, b)
-
-
-def contextlib_null():
-    return contextmanager(lambda: (yield))()
 
 
 @pytest.mark.slow  # one PPO update (~3 s)
