@@ -335,6 +335,12 @@ def trl_size(size: dict, micro: int) -> dict:
     return dict(size, per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro)
 
 
+def micro_batch(args, variant: str) -> int | None:
+    """The micro-batch a variant runs at: ``--trl_micro_batch`` for plain_trl, ``--engine_micro_batch`` for the
+    engine's variants (None: the size's own)."""
+    return args.trl_micro_batch if variant == "plain_trl" else args.engine_micro_batch
+
+
 def child_env(variant: str, trl_huge_pages: bool = False) -> dict:
     """The environment of a variant's process: an engine variant's with ``THP_MEM_ALLOC_ENABLE=1``, as the
     ``rlhf-trl`` command runs every stage; plain_trl's with ``0``, as a plain script runs, unless ``trl_huge_pages``."""
@@ -513,9 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.output_dir)
     size = SIZES[args.size]
     if args.child:
-        micro = args.trl_micro_batch if args.child == "plain_trl" else args.engine_micro_batch
-        if micro:
-            size = trl_size(size, micro)
+        if micro_batch(args, args.child):
+            size = trl_size(size, micro_batch(args, args.child))
         child(args.child, args.model, args.prompts, out_dir / "runs", Path(args.out), size, args.updates)
         return 0
 
@@ -540,9 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [python, __file__, "--child", variant, "--model", model, "--prompts", prompts,
                "--out", str(run_json), "--output_dir", str(out_dir), "--size", args.size, "--updates", str(args.updates)]
         settings = size
-        micro = args.trl_micro_batch if variant == "plain_trl" else args.engine_micro_batch
+        micro = micro_batch(args, variant)
         if micro:
-            cmd += ["--trl_micro_batch" if variant == "plain_trl" else "--engine_micro_batch", str(micro)]
+            cmd += [f"--{'trl' if variant == 'plain_trl' else 'engine'}_micro_batch", str(micro)]
             settings = trl_size(size, micro)
         reused = args.reuse and run_json.is_file()
         print(f"bench_real: {variant}: reusing {run_json}" if reused else f"bench_real: {variant} ...", flush=True)

@@ -81,6 +81,15 @@ def test_trl_micro_batch_keeps_the_episodes_per_update():
         bench_real.trl_size(size, 3)
 
 
+def test_each_side_takes_its_own_micro_batch_option():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(trl_micro_batch=4, engine_micro_batch=None)
+    assert bench_real.micro_batch(args, "plain_trl") == 4 and bench_real.micro_batch(args, "rlhf_trl_fast") is None
+    args.engine_micro_batch = 2
+    assert bench_real.micro_batch(args, "rlhf_trl_lean") == 2
+
+
 def test_the_engine_runs_on_huge_pages_as_the_command_does_and_trl_as_a_plain_script():
     assert bench_real.child_env("rlhf_trl_fast")["THP_MEM_ALLOC_ENABLE"] == "1"
     assert bench_real.child_env("plain_trl")["THP_MEM_ALLOC_ENABLE"] == "0"

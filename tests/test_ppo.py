@@ -332,7 +332,6 @@ def test_single_value_forward_gives_the_same_update_with_one_value_forward_less(
     runs = {}
     for flag in ("true", "false"):
         hook = Hook()
-
         res = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / flag, "--total_episodes", "16",
                                 "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
                                 "--local_rollout_forward_batch_size", "8", "--num_ppo_epochs", "1",
