@@ -325,6 +325,100 @@ def phase_flops(n: dict, shape: dict, size: dict, lean: bool, full_head: bool = 
     return {"generation": generation, "scoring": scoring, "optimisation": optimisation}
 
 
+def layer_linears(cfg: dict) -> list[tuple[int, int]]:
+    """``(in_features, out_features)`` of one Qwen2 decoder layer's projections: q, k, v, o, gate, up, down."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = h // cfg["num_attention_heads"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+
+
+def update_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: bool = True,
+                 single_value_forward: bool = False) -> dict:
+    """The matrix products of one PPO update, by phase: ``{phase: {(m, k, n): count}}``, an ``[m, k] @ [k, n]``
+    product ``count`` times. ``shape``: ``rows`` episodes, ``prompt_tokens`` P, ``sequence_tokens`` S (R = S - P new
+    tokens); ``settings``: ``local_rollout_forward_batch_size`` c (rows per generate call and per scoring forward),
+    ``per_device_train_batch_size`` (rows per micro-batch). A linear layer ``in -> out`` over T tokens: forward
+    ``(T, in, out)``, input gradient ``(T, out, in)``, weight gradient ``(out, T, in)`` (trained weights only).
+      generation    per call: prefill of c x P tokens (LM head on each row's last token), then R - 1 decoding steps
+                    of c rows through the body and the LM head
+      scoring       per chunk of c rows: reference (body over c x S tokens, LM head over c x R, TRL 1.12: c x S),
+                    reward model (body), value model (body; not with ``single_value_forward``)
+      optimisation  per micro-batch: LoRA policy forward + input gradients (body and LM head), value model forward
+                    + input gradients (+ weight gradients when trained in full, not ``lean``)
+    LoRA adapters, score heads, attention's own products (``QK^T``, ``PV``: ~4% of a forward at 320 tokens) are
+    left out: the list is a lower bound of the update's matmul work (FLOPs within ~1% of `phase_flops`)."""
+    rows, prompt, seq = shape["rows"], shape["prompt_tokens"], shape["sequence_tokens"]
+    new, layers = seq - prompt, cfg["num_hidden_layers"]
+    chunk = min(int(settings.get("local_rollout_forward_batch_size", rows)), rows)
+    micro = min(int(settings.get("per_device_train_batch_size", rows)), rows)
+    head = (cfg["hidden_size"], cfg["vocab_size"])
+    out = {"generation": {}, "scoring": {}, "optimisation": {}}
+
+    def add(phase, m, k, n, count):
+        key = (int(m), int(k), int(n))
+        out[phase][key] = out[phase].get(key, 0) + int(count)
+
+    def linear(phase, tokens, dims, count, dx=False, dw=False):
+        i, o = dims
+        add(phase, tokens, i, o, count)
+        if dx:
+            add(phase, tokens, o, i, count)
+        if dw:
+            add(phase, o, tokens, i, count)
+
+    def body(phase, tokens, count, dx=False, dw=False):
+        for dims in layer_linears(cfg):
+            linear(phase, tokens, dims, count * layers, dx, dw)
+
+    calls, micro_batches = -(-rows // chunk), -(-rows // micro)
+    body("generation", chunk * prompt, calls)
+    linear("generation", chunk, head, calls * new)
+    body("generation", chunk, calls * (new - 1))
+    body("scoring", chunk * seq, calls * (2 if single_value_forward else 3))  # reference, reward (, value) model
+    linear("scoring", chunk * (seq if full_head else new), head, calls)
+    body("optimisation", micro * seq, micro_batches, dx=True)  # LoRA policy: no weight gradients of the base
+    linear("optimisation", micro * (seq if full_head else new), head, micro_batches, dx=True)
+    body("optimisation", micro * seq, micro_batches, dx=True, dw=not lean)
+    return out
+
+
+def gemm_seconds(m: int, k: int, n: int, repeats: int = 5, slab: tuple[int, int, int] = (512, 4864, 4864)) -> float:
+    """Seconds of one fp32 ``[m, k] @ [k, n]`` on this machine: the best of ``repeats`` runs and of the two operand
+    layouts a linear layer uses (``x @ W.T`` and ``x @ W``), and for at most 64 rows (decoding: the whole weight is
+    read for a few rows, so it is timed whole) also of oneDNN's ``mkldnn_linear`` (what
+    `rlhf_trl.cpu.onednn_decoding` routes decoding through). Over 64 rows, a product larger than ``slab`` is timed
+    on a ``slab``-sized block of it and scaled by the FLOPs (the rate is flat at those sizes), so that the LM head's
+    ``[tokens, 896] @ [896, 151936]`` costs a fraction of a second to time."""
+    import torch
+
+    mm, kk, nn = (m, k, n) if m <= 64 else (min(m, slab[0]), min(k, slab[1]), min(n, slab[2]))
+    a, w = torch.randn(mm, kk), torch.randn(nn, kk)
+    wt = w.t().contiguous()
+    kernels = [lambda: a @ w.t(), lambda: a @ wt]
+    if m <= 64 and torch.backends.mkldnn.is_available():
+        from rlhf_trl.cpu import onednn_linear
+
+        kernels.append(lambda: onednn_linear(a, w, None))
+    best = float("inf")
+    for kernel in kernels:
+        kernel()
+        best = min(best, *(_timed(kernel) for _ in range(repeats)))
+    return best * (m * k * n) / (mm * kk * nn)
+
+
+def matmul_floor(gemms: dict, timings: dict, timer=gemm_seconds) -> dict:
+    """Seconds of each phase's products (`update_gemms`) timed one shape at a time: a lower bound for any
+    implementation of the update on this machine with these kernels. ``timings`` caches ``{(m, k, n): seconds}``
+    across variants (filled here with ``timer``)."""
+    floor = {}
+    for phase, products in gemms.items():
+        for key in products:
+            if key not in timings:
+                timings[key] = timer(*key)
+        floor[phase] = sum(count * timings[key] for key, count in products.items())
+    return floor
+
+
 def trl_size(size: dict, micro: int) -> dict:
     """``size`` with micro-batches of ``micro`` episodes and the same episodes per update (rollout chunks as before:
     they run without gradients)."""
@@ -381,6 +475,16 @@ def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> 
     return out
 
 
+def add_floor(out: dict, run: dict, cfg: dict, settings: dict, timings: dict, timer=gemm_seconds) -> None:
+    """Adds to a variant's summary ``out`` its matmul floor (`update_gemms` of its own run: shape, micro-batches,
+    LM-head span, value forward) in seconds per phase and in all, and ``seconds_vs_matmul_floor``."""
+    gemms = update_gemms(cfg, run["shape"], settings, run["variant"] == "rlhf_trl_lean", run["variant"] == "plain_trl",
+                         run.get("single_value_forward", False))
+    floor = matmul_floor(gemms, timings, timer)
+    out["matmul_floor_seconds"] = dict(floor, total=sum(floor.values()))
+    out["seconds_vs_matmul_floor"] = out["seconds_per_update"] / out["matmul_floor_seconds"]["total"]
+
+
 def write_markdown(bench: dict, path: Path) -> None:
     shapes = [r["shape"] for r in bench["variants"].values() if "shape" in r]
     tokens = (f", prompts {shapes[0]['prompt_tokens']} + response <= {shapes[0]['sequence_tokens'] - shapes[0]['prompt_tokens']}"
@@ -389,9 +493,9 @@ def write_markdown(bench: dict, path: Path) -> None:
              f"{bench.get('prompt_set', 'short')} prompts{tokens})", "",
              f"fp32 matmul probe: {bench['matmul_gflop_per_second']:.1f} GFLOP/s; one base model in fp32: "
              f"{bench['base_model_bytes'] / GB:.2f} GB", "",
-             "| variant | s/update | generation s | scoring s | optimisation s | x matmul work | peak RSS GB "
-             "(copies) | gen / score / opt peak copies | largest logits MB (gen / score / opt) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| variant | s/update | generation s | scoring s | optimisation s | x matmul work | matmul floor s (x) "
+             "| peak RSS GB (copies) | gen / score / opt peak copies | largest logits MB (gen / score / opt) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in bench["variants"].items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error'][:80]} |")
@@ -401,6 +505,8 @@ def write_markdown(bench: dict, path: Path) -> None:
             f"| {name} | {r['seconds_per_update']:.1f} | {g['seconds']:.1f} ({g['fraction_of_matmul_rate']:.0%}) | "
             f"{s['seconds']:.1f} ({s['fraction_of_matmul_rate']:.0%}) | {o['seconds']:.1f} "
             f"({o['fraction_of_matmul_rate']:.0%}) | {r['seconds_vs_matmul_work']:.2f} | "
+            + (f"{r['matmul_floor_seconds']['total']:.1f} ({r['seconds_vs_matmul_floor']:.2f}) | "
+               if "matmul_floor_seconds" in r else "- | ") +
             f"{r['peak_rss_bytes'] / GB:.1f} ({r['peak_rss_model_copies']:.1f}) | "
             f"{g['peak_rss_model_copies']:.1f} / {s['peak_rss_model_copies']:.1f} / {o['peak_rss_model_copies']:.1f} | "
             f"{g['largest_logits_bytes'] / 1e6:.0f} / {s['largest_logits_bytes'] / 1e6:.0f} / "
@@ -418,6 +524,21 @@ def write_markdown(bench: dict, path: Path) -> None:
                   if "matmul_probe_gflop_per_second" in r) + " GFLOP/s). `x matmul work`: seconds per update / "
               "(estimated matmul FLOPs of the update / probe rate). Peak RSS copies: peak RSS / bytes of one fp32 "
               "base model (the figure includes the Python and library baseline). See benchmarks/bench_real.py."]
+    lines += ["", "Matmul floor: the update's layer and LM-head products (`update_gemms`: the variant's own shapes, "
+              "micro-batches and LM-head span) each timed alone in the parent between the runs, the best of two "
+              "operand layouts (and of oneDNN for decoding's few rows), summed (per phase in bench_real.json); "
+              "attention's products, elementwise passes, AdamW and sampling left out: a lower bound for any "
+              "implementation of the same update here. (x): s/update / floor."]
+    trl = bench["variants"].get("plain_trl", {})
+    if "seconds_per_update" in trl:
+        floor = {k: r["matmul_floor_seconds"]["total"] for k, r in bench["variants"].items()
+                 if k != "plain_trl" and "matmul_floor_seconds" in r}
+        floors = [f"{k} {s:.1f} s ({s / trl['seconds_per_update']:.2f}x)" for k, s in floor.items()]
+        lines += ["", f"vs plain_trl ({trl['seconds_per_update']:.1f} s/update): "
+                  + ", ".join(f"{k} {r['seconds_vs_plain_trl']:.2f}x s, {r['peak_rss_vs_plain_trl']:.2f}x peak RSS"
+                              for k, r in bench["variants"].items()
+                              if k != "plain_trl" and "seconds_vs_plain_trl" in r)
+                  + (". Matmul floors: " + ", ".join(floors) if floors else "") + "."]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -530,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = write_prompts(out_dir / "prompts.jsonl", prompt_set, model)
     probe = matmul_probe(repeats=10)
     n = param_counts(model)
+    cfg = json.load(open(os.path.join(model, "config.json")))
+    timings: dict = {}  # (m, k, n) -> seconds: each product shape timed once, in the parent, between variants
     base_bytes = 4 * n["total"]  # fp32 weights of one base model (embeddings and LM head included)
     bench = {"model": model, "model_name": os.path.basename(model.rstrip("/")), "size": args.size, "settings": size,
              "prompt_set": prompt_set,
@@ -558,8 +681,10 @@ def main(argv: list[str] | None = None) -> int:
                 bench["variants"][variant] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
                 (out_dir / f"{variant}.log").write_text(proc.stderr)
                 continue
-        bench["variants"][variant] = summarise(json.load(open(run_json)), n, size, probe, base_bytes)
+        run = json.load(open(run_json))
+        bench["variants"][variant] = summarise(run, n, size, probe, base_bytes)
         bench["variants"][variant]["settings"] = settings
+        add_floor(bench["variants"][variant], run, cfg, settings, timings)
         if not reused:
             bench["variants"][variant]["wall_seconds"] = time.perf_counter() - t
         if not args.keep_runs:  # a run's merged policy and value model: ~4 GB each, not needed for the figures

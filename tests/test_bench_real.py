@@ -114,3 +114,76 @@ def test_long_prompts_fill_the_256_token_limit(tmp_path):
     tok = AutoTokenizer.from_pretrained(qwen2)
     assert len(rows) == 20
     assert all(len(tok(f"问：{r['instruction']}\n\n答：", add_special_tokens=False)["input_ids"]) >= 256 for r in rows)
+
+
+def _gemm_flops(products: dict) -> int:
+    return sum(2 * m * k * n * count for (m, k, n), count in products.items())
+
+
+@pytest.mark.parametrize("svf,lean,full_head", [(True, False, False), (False, False, True), (True, True, False)])
+def test_the_floor_runs_the_products_whose_flops_phase_flops_counts(tmp_path, svf, lean, full_head):
+    """`update_gemms` lists the update's layer and LM-head products at their real shapes; their FLOPs are
+    `phase_flops`'s (generation: one token per row fewer, the last sampled token is never fed back)."""
+    json.dump(QWEN_05B, open(tmp_path / "config.json", "w"))
+    n = bench_real.param_counts(str(tmp_path))
+    shape = {"rows": 8, "prompt_tokens": 256, "sequence_tokens": 320}
+    settings = dict(bench_real.SIZES["issue"], per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    gemms = bench_real.update_gemms(QWEN_05B, shape, settings, lean, full_head, svf)
+    flops = bench_real.phase_flops(n, shape, settings, lean, full_head, svf)
+    assert _gemm_flops(gemms["scoring"]) == flops["scoring"]
+    assert _gemm_flops(gemms["optimisation"]) == flops["optimisation"]
+    assert _gemm_flops(gemms["generation"]) == flops["generation"] - 2 * n["body"] * 8
+    # shapes: decoding multiplies 8 rows (one per sequence) by the LM head 64 times; a micro-batch of 4 x 320 tokens
+    assert gemms["generation"][(8, 896, 151936)] == 64 and gemms["generation"][(8, 896, 4864)] == 2 * 63 * 24
+    # gate and up forwards and down's input gradient, policy and value, 2 micro-batches of 4 x 320 tokens, 24 layers
+    assert gemms["optimisation"][(1280, 896, 4864)] == 3 * 2 * 2 * 24
+    assert gemms["optimisation"].get((4864, 1280, 896), 0) == (0 if lean else 2 * 2 * 24)  # value weight gradients
+
+
+def test_the_floor_times_each_shape_once_and_counts_it(tmp_path):
+    gemms = {"generation": {(8, 4, 2): 3}, "scoring": {(8, 4, 2): 1, (16, 4, 2): 2}, "optimisation": {}}
+    calls = []
+
+    def timer(m, k, n):
+        calls.append((m, k, n))
+        return m / 8
+
+    timings = {}
+    assert bench_real.matmul_floor(gemms, timings, timer) == {"generation": 3.0, "scoring": 5.0, "optimisation": 0}
+    bench_real.matmul_floor(gemms, timings, timer)
+    assert calls == [(8, 4, 2), (16, 4, 2)]  # cached across phases and variants
+
+
+def test_gemm_seconds_scales_rows_past_the_timed_slab():
+    small = bench_real.gemm_seconds(8, 32, 32, repeats=1)
+    assert 0 < small < 1
+    assert bench_real.gemm_seconds(4096, 32, 32, repeats=1, slab=(128, 32, 16)) > 0
+
+
+def test_the_report_puts_each_variant_beside_its_floor_and_trl(tmp_path):
+    update = {f"{p}_{k}": v for p in ("generation", "scoring", "optimisation")
+              for k, v in (("seconds", 10.0), ("peak_rss_bytes", 4), ("largest_logits_bytes", 8))}
+    shape = {"rows": 2, "prompt_tokens": 4, "sequence_tokens": 6}
+    cfg = dict(QWEN_05B, num_hidden_layers=1, hidden_size=8, intermediate_size=16, vocab_size=32, num_attention_heads=2,
+               num_key_value_heads=1)
+    bench = {"model_name": "m", "size": "issue", "settings": {}, "matmul_gflop_per_second": 1.0,
+             "base_model_bytes": 2, "variants": {}}
+    timings = {}
+    for variant, seconds in (("plain_trl", 20.0), ("rlhf_trl_fast", 10.0)):
+        run = {"variant": variant, "updates": [dict(update, optimisation_seconds=seconds)],
+               "threads": 2, "peak_rss_bytes": 8, "shape": shape}
+        out = bench_real.summarise(run, {"body": 10, "head": 3}, {}, probe=100.0, base_bytes=2)
+        bench_real.add_floor(out, run, cfg, {}, timings, timer=lambda m, k, n: 0.01)
+        bench["variants"][variant] = out
+    fast, trl = bench["variants"]["rlhf_trl_fast"], bench["variants"]["plain_trl"]
+    assert fast["matmul_floor_seconds"]["total"] == pytest.approx(0.01 * sum(
+        sum(p.values()) for p in bench_real.update_gemms(cfg, shape, {}, False, False).values()))
+    assert fast["seconds_vs_matmul_floor"] == pytest.approx(30.0 / fast["matmul_floor_seconds"]["total"])
+    for r in bench["variants"].values():
+        r["seconds_vs_plain_trl"] = r["seconds_per_update"] / trl["seconds_per_update"]
+        r["peak_rss_vs_plain_trl"] = 1.0
+    bench_real.write_markdown(bench, tmp_path / "b.md")
+    text = (tmp_path / "b.md").read_text()
+    floor = fast["matmul_floor_seconds"]["total"]
+    assert "| rlhf_trl_fast | 30.0 |" in text and f"{floor:.1f} ({30.0 / floor:.2f}) |" in text
+    assert f"rlhf_trl_fast {floor:.1f} s ({floor / 40.0:.2f}x)" in text and "rlhf_trl_fast 0.75x s" in text
