@@ -40,7 +40,10 @@ forward + backward; N split into the transformer body and the 151,936 x hidden L
 policy and reference compute: TRL 1.12 over every position, the engine over the response positions only; each variant
 is measured against its own work); the achieved FLOP rate; and its ratio to the machine's measured fp32 matmul rate (a 2048^3 matmul
 probe in the parent and in each variant's process before its run, the faster counting: the VM's rate moves by tens
-of percent over minutes): the distance to the limit. Peak RSS of each phase (``VmHWM`` reset at each
+of percent over minutes): the distance to the limit. The matmul floor (`update_gemms`, `matmul_floor`): the same
+update's layer and LM-head products at their real shapes (decoding's few rows included, where the whole weight is
+read per step), each timed alone in the parent between the runs: what any implementation of the update would spend
+in matrix products on this machine with these kernels, a lower bound. Peak RSS of each phase (``VmHWM`` reset at each
 phase start through ``/proc/self/clear_refs``), in bytes and in copies of one fp32 base model. Largest tensors: the
 bytes of the biggest logits tensor each phase produced (``[rows, tokens, 151936]`` fp32: generation keeps the
 scores of every step of every row, scoring the reference pass, optimisation the micro-batch's forward).
@@ -475,6 +478,17 @@ def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> 
     return out
 
 
+def load_timings(path: Path) -> dict:
+    """``{(m, k, n): seconds}`` from a `save_timings` file; empty when there is none."""
+    if not path.is_file():
+        return {}
+    return {tuple(row[:3]): row[3] for row in json.loads(path.read_text())}
+
+
+def save_timings(path: Path, timings: dict) -> None:
+    path.write_text(json.dumps([[*key, sec] for key, sec in sorted(timings.items())]))
+
+
 def add_floor(out: dict, run: dict, cfg: dict, settings: dict, timings: dict, timer=gemm_seconds) -> None:
     """Adds to a variant's summary ``out`` its matmul floor (`update_gemms` of its own run: shape, micro-batches,
     LM-head span, value forward) in seconds per phase and in all, and ``seconds_vs_matmul_floor``."""
@@ -530,7 +544,8 @@ def write_markdown(bench: dict, path: Path) -> None:
               "attention's products, elementwise passes, AdamW and sampling left out: a lower bound for any "
               "implementation of the same update here. (x): s/update / floor."]
     trl = bench["variants"].get("plain_trl", {})
-    if "seconds_per_update" in trl:
+    if "seconds_per_update" in trl and any("seconds_vs_plain_trl" in r for k, r in bench["variants"].items()
+                                           if k != "plain_trl"):
         floor = {k: r["matmul_floor_seconds"]["total"] for k, r in bench["variants"].items()
                  if k != "plain_trl" and "matmul_floor_seconds" in r}
         floors = [f"{k} {s:.1f} s ({s / trl['seconds_per_update']:.2f}x)" for k, s in floor.items()]
@@ -630,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
                         "transparent huge pages), as `rlhf-trl` runs the engine; by default it runs as a plain script "
                         "does, without")
     p.add_argument("--reuse", action="store_true", help="summarise a variant's earlier <output_dir>/<variant>.json "
-                   "(same size and prompts) instead of running it again: one table from runs made one at a time")
+                   "(same size and prompts) instead of running it again: one table from runs made one at a time; the matmul "
+                   "floor's shapes are timed again and the faster of that and the saved timing counts")
     p.add_argument("--trl112_venv", default=str(REPO / ".venv-trl112"),
                    help="venv with trl==1.12.0 for the plain_trl variant (built if missing)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -652,7 +668,15 @@ def main(argv: list[str] | None = None) -> int:
     probe = matmul_probe(repeats=10)
     n = param_counts(model)
     cfg = json.load(open(os.path.join(model, "config.json")))
-    timings: dict = {}  # (m, k, n) -> seconds: each product shape timed once, in the parent, between variants
+    # (m, k, n) -> seconds: each product shape timed once, in the parent, between variants. With --reuse the shapes
+    # are timed again and the faster of that and the earlier timing (matmul_floor_timings.json) counts: the VM's
+    # rate moves by tens of percent over minutes, and a floor is the machine's best.
+    timings_path = out_dir / "matmul_floor_timings.json"
+    earlier = load_timings(timings_path) if args.reuse else {}
+    timings: dict = {}
+
+    def timer(m, k, n):
+        return min(gemm_seconds(m, k, n), earlier.get((m, k, n), float("inf")))
     base_bytes = 4 * n["total"]  # fp32 weights of one base model (embeddings and LM head included)
     bench = {"model": model, "model_name": os.path.basename(model.rstrip("/")), "size": args.size, "settings": size,
              "prompt_set": prompt_set,
@@ -684,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
         run = json.load(open(run_json))
         bench["variants"][variant] = summarise(run, n, size, probe, base_bytes)
         bench["variants"][variant]["settings"] = settings
-        add_floor(bench["variants"][variant], run, cfg, settings, timings)
+        add_floor(bench["variants"][variant], run, cfg, settings, timings, timer)
+        save_timings(timings_path, {**earlier, **timings})
         if not reused:
             bench["variants"][variant]["wall_seconds"] = time.perf_counter() - t
         if not args.keep_runs:  # a run's merged policy and value model: ~4 GB each, not needed for the figures

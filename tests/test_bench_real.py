@@ -187,3 +187,24 @@ def test_the_report_puts_each_variant_beside_its_floor_and_trl(tmp_path):
     floor = fast["matmul_floor_seconds"]["total"]
     assert "| rlhf_trl_fast | 30.0 |" in text and f"{floor:.1f} ({30.0 / floor:.2f}) |" in text
     assert f"rlhf_trl_fast {floor:.1f} s ({floor / 40.0:.2f}x)" in text and "rlhf_trl_fast 0.75x s" in text
+
+
+def test_the_report_has_no_trl_line_without_an_engine_variant(tmp_path):
+    update = {f"{p}_{k}": v for p in ("generation", "scoring", "optimisation")
+              for k, v in (("seconds", 10.0), ("peak_rss_bytes", 4), ("largest_logits_bytes", 8))}
+    run = {"variant": "plain_trl", "updates": [update], "threads": 2, "peak_rss_bytes": 8,
+           "shape": {"rows": 2, "prompt_tokens": 4, "sequence_tokens": 6}}
+    trl = bench_real.summarise(run, {"body": 10, "head": 3}, {}, probe=100.0, base_bytes=2)
+    trl.update(seconds_vs_plain_trl=1.0, peak_rss_vs_plain_trl=1.0)
+    bench = {"model_name": "m", "size": "issue", "settings": {}, "matmul_gflop_per_second": 1.0,
+             "base_model_bytes": 2, "variants": {"plain_trl": trl}}
+    bench_real.write_markdown(bench, tmp_path / "b.md")
+    text = (tmp_path / "b.md").read_text()
+    assert "| plain_trl | 30.0 |" in text and "vs plain_trl" not in text
+
+
+def test_floor_timings_round_trip(tmp_path):
+    path = tmp_path / "matmul_floor_timings.json"
+    assert bench_real.load_timings(path) == {}
+    bench_real.save_timings(path, {(8, 896, 151936): 0.05, (1280, 896, 4864): 0.07})
+    assert bench_real.load_timings(path) == {(8, 896, 151936): 0.05, (1280, 896, 4864): 0.07}
