@@ -303,9 +303,8 @@ def _timed(fn) -> float:
 def param_counts(model_dir: str) -> dict:
     """Parameters of the transformer body and of the LM head (vocabulary x hidden), from config.json."""
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
-    h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = h // cfg["num_attention_heads"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter  # q, o, k, v, gate / up / down
+    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    per_layer = sum(i * o for i, o in layer_linears(cfg))  # q, k, v, o, gate / up / down
     return {"body": layers * per_layer, "head": vocab * h, "embedding": vocab * h,
             "total": layers * per_layer + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)}
 
