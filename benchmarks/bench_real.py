@@ -300,9 +300,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def param_counts(model_dir: str) -> dict:
-    """Parameters of the transformer body and of the LM head (vocabulary x hidden), from config.json."""
-    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+def model_config(model_dir: str) -> dict:
+    """A model directory's config.json as a dict."""
+    return json.load(open(os.path.join(model_dir, "config.json")))
+
+
+def param_counts(cfg: dict) -> dict:
+    """Parameters of the transformer body and of the LM head (vocabulary x hidden), from a config.json's dict."""
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     per_layer = sum(i * o for i, o in layer_linears(cfg))  # q, k, v, o, gate / up / down
     return {"body": layers * per_layer, "head": vocab * h, "embedding": vocab * h,
@@ -449,13 +453,19 @@ def median(xs):
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
+def variant_work(run: dict) -> dict:
+    """What one run's update computes, for `phase_flops` and `update_gemms`: ``lean`` (a LoRA value model),
+    ``full_head`` (TRL 1.12's logits at every position) and ``single_value_forward`` (no value forward in scoring)."""
+    return {"lean": run["variant"] == "rlhf_trl_lean", "full_head": run["variant"] == "plain_trl",
+            "single_value_forward": run.get("single_value_forward", False)}
+
+
 def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> dict:
     """One variant's figures; its FLOP rates against the higher of ``probe`` (the parent's) and the rate its own
     process measured before the run: the machine's best, so that a slow probe never flatters a variant."""
     probe = max(probe, run.get("matmul_probe_flops", 0.0))
     timed = run["updates"][1:] if len(run["updates"]) > 1 else run["updates"]
-    flops = phase_flops(n, run["shape"], size, run["variant"] == "rlhf_trl_lean", run["variant"] == "plain_trl",
-                        run.get("single_value_forward", False))
+    flops = phase_flops(n, run["shape"], size, **variant_work(run))
     out = {"updates_timed": len(timed), "shape": run["shape"], "threads": run["threads"],
            "huge_pages": run.get("huge_pages", False), "single_value_forward": run.get("single_value_forward", False),
            "peak_rss_bytes": run["peak_rss_bytes"], "peak_rss_model_copies": run["peak_rss_bytes"] / base_bytes}
@@ -491,8 +501,7 @@ def save_timings(path: Path, timings: dict) -> None:
 def add_floor(out: dict, run: dict, cfg: dict, settings: dict, timings: dict, timer=gemm_seconds) -> None:
     """Adds to a variant's summary ``out`` its matmul floor (`update_gemms` of its own run: shape, micro-batches,
     LM-head span, value forward) in seconds per phase and in all, and ``seconds_vs_matmul_floor``."""
-    gemms = update_gemms(cfg, run["shape"], settings, run["variant"] == "rlhf_trl_lean", run["variant"] == "plain_trl",
-                         run.get("single_value_forward", False))
+    gemms = update_gemms(cfg, run["shape"], settings, **variant_work(run))
     floor = matmul_floor(gemms, timings, timer)
     out["matmul_floor_seconds"] = dict(floor, total=sum(floor.values()))
     out["seconds_vs_matmul_floor"] = out["seconds_per_update"] / out["matmul_floor_seconds"]["total"]
@@ -665,8 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt_set = args.prompt_set or ("long" if args.size == "issue" else "short")
     prompts = write_prompts(out_dir / "prompts.jsonl", prompt_set, model)
     probe = matmul_probe(repeats=10)
-    n = param_counts(model)
-    cfg = json.load(open(os.path.join(model, "config.json")))
+    cfg = model_config(model)
+    n = param_counts(cfg)
     # (m, k, n) -> seconds: each product shape timed once, in the parent, between variants. With --reuse the shapes
     # are timed again and the faster of that and the earlier timing (matmul_floor_timings.json) counts: the VM's
     # rate moves by tens of percent over minutes, and a floor is the machine's best.

@@ -16,7 +16,7 @@ QWEN_05B = {"hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 48
 
 def test_param_counts_of_qwen2_5_0_5b(tmp_path):
     json.dump(QWEN_05B, open(tmp_path / "config.json", "w"))
-    n = bench_real.param_counts(str(tmp_path))
+    n = bench_real.param_counts(bench_real.model_config(str(tmp_path)))
     # per layer: q, o 896x896; k, v 896x128; gate, up, down 896x4864 (biases and norms left out)
     assert n["body"] == 24 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864) == 357826560
     assert n["head"] == 151936 * 896 and n["total"] == 357826560 + 2 * 151936 * 896  # untied: 630M, as loaded
@@ -125,7 +125,7 @@ def test_the_floor_runs_the_products_whose_flops_phase_flops_counts(tmp_path, sv
     """`update_gemms` lists the update's layer and LM-head products at their real shapes; their FLOPs are
     `phase_flops`'s (generation: one token per row fewer, the last sampled token is never fed back)."""
     json.dump(QWEN_05B, open(tmp_path / "config.json", "w"))
-    n = bench_real.param_counts(str(tmp_path))
+    n = bench_real.param_counts(bench_real.model_config(str(tmp_path)))
     shape = {"rows": 8, "prompt_tokens": 256, "sequence_tokens": 320}
     settings = dict(bench_real.SIZES["issue"], per_device_train_batch_size=4, gradient_accumulation_steps=2)
     gemms = bench_real.update_gemms(QWEN_05B, shape, settings, lean, full_head, svf)

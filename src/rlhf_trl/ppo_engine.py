@@ -568,7 +568,8 @@ class PPOEngine(Trainer):
         Returns a dict of tensors: ``query_responses [b, T]``, ``responses [b, R]`` (as sampled),
         ``logprobs / ref_logprobs / values [b, R]`` (unmasked; values None with ``single_value_forward``),
         ``sequence_lengths [b]`` (index of the last real response token), ``scores [b]`` (reward units: RM score -
-        baseline + reward functions - EOS penalty), ``ended [b]`` (bool: the response holds an EOS id), and ``fn_values`` (per reward function, ``[b]``).
+        baseline + reward functions - EOS penalty), ``ended [b]`` (bool: the response holds an EOS id), and
+        ``fn_values`` (per reward function, ``[b]``).
         """
         args, tok = self.args, self.processing_class
         pad = tok.pad_token_id
