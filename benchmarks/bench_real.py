@@ -92,7 +92,8 @@ SIZES = {
                   response_length=64),
 }
 VARIANTS = ("plain_trl", "rlhf_trl", "rlhf_trl_fast", "rlhf_trl_low_memory", "rlhf_trl_lean")
-CPU_MEASURES = ["--malloc_mmap_threshold", "131072", "--onednn_decoding", "true", "--fused_lora", "true"]
+CPU_MEASURES = ["--malloc_mmap_threshold", "131072", "--onednn_decoding", "true", "--fused_lora", "true",
+                "--tensor_cache", "true"]
 EXTRA = {"rlhf_trl": [],
          "rlhf_trl_fast": ["--offload_reward_model", "true", *CPU_MEASURES],
          "rlhf_trl_low_memory": ["--offload_reward_model", "true", "--gradient_checkpointing", "true", *CPU_MEASURES],

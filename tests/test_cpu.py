@@ -122,13 +122,15 @@ def test_the_recipe_keys_reach_the_rollouts(assets, sft_run, rm_run, tmp_path, c
 
     monkeypatch.setattr(ppo_engine, "mmap_threshold_raised", raised)
     monkeypatch.setattr(ppo, "set_malloc_mmap_threshold", lambda nbytes: thresholds.append(("run", nbytes)))
+    monkeypatch.setattr(ppo, "install_tensor_cache", lambda headroom: thresholds.append(("cache", headroom)))
     ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "off", "--total_episodes", "8", "--save_strategy", "no"))
     assert calls == [] and thresholds == [("run", 0), ("generate", 0)]  # one update of 8 episodes
     thresholds.clear()
     ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "on", "--total_episodes", "8", "--save_strategy", "no",
-                      "--onednn_decoding", "true", "--malloc_mmap_threshold", "131072"))
+                      "--onednn_decoding", "true", "--malloc_mmap_threshold", "131072", "--tensor_cache", "true",
+                      "--tensor_cache_headroom_mb", "64"))
     assert calls and max(calls) <= 64
-    assert thresholds == [("run", 131072), ("generate", 131072)]
+    assert thresholds == [("run", 131072), ("cache", 64 << 20), ("generate", 131072)]
 
 
 def lora_model(assets, r=4, alpha=8, dropout=0.0):

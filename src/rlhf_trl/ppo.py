@@ -57,7 +57,7 @@ from datasets import Dataset
 
 from .checkpoints import AtomicCheckpointMixin, begin_writing, distributed_state, start_run
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
-from .cpu import set_malloc_mmap_threshold
+from .cpu import install_tensor_cache, set_malloc_mmap_threshold
 from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records
 from .models import (
     BIASING_GENERATION_KEYS,
@@ -761,6 +761,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args, model_args, sft_
             raise ValueError(f"reward_baseline must be a number or 'auto', got {ppo_args.reward_baseline!r}") from None
     if training_args.stop_token is None and training_args.stop_token_id is None:
         training_args.stop_token = "eos"  # responses end at EOS; the reward is read there
+    if training_args.tensor_cache:  # the settings are checked (check_config); before any model is loaded
+        install_tensor_cache(training_args.tensor_cache_headroom_mb << 20)
 
     # data
     template = Template.from_args(data_args)

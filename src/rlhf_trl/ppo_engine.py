@@ -54,7 +54,7 @@ from torch import nn
 from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from . import ppo_math as pm
-from .cpu import fuse_lora, mmap_threshold_raised, onednn_decoding
+from .cpu import fuse_lora, mmap_threshold_raised, onednn_decoding, release_tensor_cache, tensor_cache_installed
 from .models import sampling_generation_config
 from .scoring import eos_mask, model_inputs, sequence_scores, token_scores, truncate_at_eos
 
@@ -137,6 +137,16 @@ class PPOConfig(TrainingArguments):
                                      "to the system when freed (`rlhf_trl.cpu.set_malloc_mmap_threshold`; 131072 "
                                      "cut bench-real's peak RSS by 3.6 GB); 32 MB during the rollout's generate "
                                      "(`rlhf_trl.cpu.mmap_threshold_raised`). 0: glibc's default."})
+    tensor_cache: bool = field(
+        default=False, metadata={"help": "CPU: freed tensor blocks (>= 128 KB) are kept and reused by the next "
+                                         "tensors of their size instead of going back to the system, whose pages the "
+                                         "kernel would zero again every step (`rlhf_trl.cpu.install_tensor_cache`, a "
+                                         "small C++ allocator built on first use; needs a C++ compiler, else a "
+                                         "warning and PyTorch's allocator). Same numbers, bit for bit."})
+    tensor_cache_headroom_mb: int = field(
+        default=0, metadata={"help": "MB (2^20 bytes) the tensor cache may raise the peak of the live tensors' "
+                                     "footprint by (peak RSS for fewer fresh blocks; bench-real meets its time "
+                                     "targets at 0)."})
 
     def __post_init__(self):
         self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
@@ -167,7 +177,7 @@ def check_config(args: "PPOConfig") -> None:
     Raises:
         ValueError: ``num_mini_batches`` < 1 or not dividing each process's rollouts per update
             (``per_device_train_batch_size x gradient_accumulation_steps``), or ``whiten_rewards`` with fewer than 8
-            rollouts per process mini-batch (one line naming the keys).
+            rollouts per process mini-batch, or a negative ``tensor_cache_headroom_mb`` (one line naming the keys).
     """
     if args.num_mini_batches < 1:
         raise ValueError(f"num_mini_batches must be >= 1, got {args.num_mini_batches}")
@@ -176,6 +186,19 @@ def check_config(args: "PPOConfig") -> None:
                                                           "(rollouts per process and update) / num_mini_batches")
     if args.whiten_rewards and local_mini < 8:
         raise ValueError(f"whiten_rewards needs >= 8 rollouts per process mini-batch, got {local_mini}")
+    if args.tensor_cache_headroom_mb < 0:
+        raise ValueError(f"tensor_cache_headroom_mb must be >= 0 MB, got {args.tensor_cache_headroom_mb}")
+
+
+def release_before_new_state(optimizer: torch.optim.Optimizer) -> None:
+    """Before an optimizer step that creates state (AdamW's two moments for a parameter with a gradient and none
+    yet, i.e. the first step): empty the tensor cache (`rlhf_trl.cpu.release_tensor_cache`; a no-op without
+    ``tensor_cache``), so that long-lived state gets blocks of its own size rather than a larger freed activation's.
+    Raises nothing."""
+    state = getattr(optimizer, "state", None)  # DeepSpeed's optimizers keep theirs elsewhere
+    if tensor_cache_installed() and state is not None and any(
+            p.grad is not None and p not in state for g in optimizer.param_groups for p in g["params"]):
+        release_tensor_cache()
 
 
 def _lm_parts(model):
@@ -665,6 +688,7 @@ class PPOEngine(Trainer):
             stats.append({k: v.detach() for k, v in vf.items()})
             del vpred, vf
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside accelerate's
+        release_before_new_state(optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # the value model's gradients go before the policy's activations come
         ro["values"] = values
@@ -685,6 +709,7 @@ class PPOEngine(Trainer):
             for mb, k, idx in self.micro_batches(orders[epoch]):
                 with acc.accumulate(self.model):
                     pg, vf, entropy = self.losses(ro, adv, idx, context, value=value_stats is None)
+                    release_before_new_state(getattr(self.optimizer, "optimizer", self.optimizer))
                     self.optimizer.step()
                     self.optimizer.zero_grad()
                 vf = vf if value_stats is None else value_stats[k]
@@ -801,6 +826,7 @@ class PPOEngine(Trainer):
             data = next(batches)
             ro = self.rollout(data["input_ids"].to(self.accelerator.device), data.get("row"), update)
             gc.collect()
+            release_tensor_cache(reset_peak=True)  # `tensor_cache`: training's footprint is bounded by its own peak
             # each epoch's shuffle of the batch, drawn before anything trains (the same numpy draws as one per epoch)
             orders = [np.random.permutation(args.local_batch_size) for _ in range(args.num_ppo_epochs)]
             value_stats = self.value_step(ro, orders[0]) if self.single_value_forward else None

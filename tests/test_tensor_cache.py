@@ -1,0 +1,197 @@
+"""`rlhf_trl.cpu.install_tensor_cache`: freed CPU tensor blocks are reused (same address, no fresh pages), the
+cache never raises the live footprint's peak by more than its headroom, a larger kept block serves a request only
+when at most an eighth of it goes unused, training through it is bit for bit the same, and without a C++ compiler the run
+goes on with a warning. Each check runs in a subprocess: the cache replaces the process's CPU allocator."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import import_ppo
+from safetensors.torch import load_file
+from test_ppo import ppo_argv
+
+from rlhf_trl import cpu
+from rlhf_trl import ppo_engine
+
+MB = 1 << 20
+
+
+def run_script(script: str, *args: str, env: dict | None = None) -> str:
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def built():
+    try:
+        return cpu.build_tensor_cache()
+    except RuntimeError as err:
+        pytest.skip(f"the tensor cache cannot be built here: {err}")
+
+
+REUSE = """
+import torch
+from rlhf_trl import cpu
+MB = 1 << 20
+assert cpu.install_tensor_cache(headroom_bytes=64 * MB)  # room enough: nothing is evicted here
+def block(nbytes):
+    return torch.empty(nbytes, dtype=torch.uint8)
+a = block(3 * MB); addr = a.data_ptr(); del a
+b = block(3 * MB); assert b.data_ptr() == addr, "same size: the kept block"
+del b
+c = block(3 * MB - (256 << 10)); assert c.data_ptr() == addr, "from the kept 3 MB block: 1/12 of it unused"
+del c
+d = block(2 * MB); assert d.data_ptr() != addr, "2 MB would leave a third of 3 MB unused (> 1/8): a fresh block"
+s = cpu.tensor_cache_stats()
+assert (s["hits"], s["misses"], s["kept_bytes"], s["live_bytes"]) == (2, 2, 3 * MB, 2 * MB), s
+g = block(MB + 4096); grown = g.data_ptr(); del g
+g = block(MB + 8192); assert g.data_ptr() == grown, "one size class (1 MB + 128 KB): a growing tensor reuses it"
+del g
+s = cpu.tensor_cache_stats(); assert s["hits"] == 3 and s["kept_bytes"] == 3 * MB + MB + (128 << 10), s
+assert cpu.release_tensor_cache() == s["kept_bytes"]
+small = block(64 << 10)
+assert cpu.tensor_cache_stats()["misses"] == 3, "< 128 KB: not the cache's"
+del d
+assert cpu.uninstall_tensor_cache() == 2 * MB  # d's block was kept: the last one freed
+e = block(3 * MB); del e  # PyTorch's own allocator again
+assert cpu.tensor_cache_stats()["hits"] == 0
+print("ok")
+"""
+
+
+def test_freed_blocks_are_reused(built):
+    assert run_script(REUSE).split()[-1] == "ok"
+
+
+HEADROOM = """
+import torch, sys
+from rlhf_trl import cpu
+MB = 1 << 20
+assert cpu.install_tensor_cache(headroom_bytes=int(sys.argv[1]) * MB)
+held = [torch.empty(MB, dtype=torch.uint8) for _ in range(8)]  # peak: 8 MB live
+del held  # 8 MB kept
+x = torch.empty(3 * MB, dtype=torch.uint8)  # fits no kept block: a fresh one
+s = cpu.tensor_cache_stats()
+print(s["kept_bytes"] // MB, s["live_bytes"] // MB)
+"""
+
+
+@pytest.mark.parametrize("headroom_mb, kept_mb", [(0, 5), (2, 7), (8, 8)])
+def test_headroom_bounds_the_kept_blocks(built, headroom_mb, kept_mb):
+    """live + kept <= peak (8 MB) + headroom: with a 3 MB tensor live, 5 MB stay kept at 0 headroom, 7 at 2 MB, all
+    8 at 8 MB."""
+    assert run_script(HEADROOM, str(headroom_mb)).split() == [str(kept_mb), "3"]
+
+
+RESET = """
+import torch, sys
+from rlhf_trl import cpu
+MB = 1 << 20
+assert cpu.install_tensor_cache()
+held = [torch.empty(MB, dtype=torch.uint8) for _ in range(8)]  # peak: 8 MB live
+del held
+assert cpu.release_tensor_cache(reset_peak=sys.argv[1] == "reset") == 8 * MB
+one = torch.empty(MB, dtype=torch.uint8); del one  # 1 MB kept
+x = torch.empty(3 * MB, dtype=torch.uint8)  # a miss: within the old 8 MB peak, or a new 3 MB high after a reset
+print(cpu.tensor_cache_stats()["kept_bytes"] // MB)
+"""
+
+
+@pytest.mark.parametrize("reset, kept_mb", [("keep", 1), ("reset", 0)])
+def test_a_reset_peak_bounds_what_follows_by_its_own_peak(built, reset, kept_mb):
+    assert run_script(RESET, reset).split() == [str(kept_mb)]
+
+
+TRAIN = """
+import hashlib, sys, torch
+from transformers import AutoModelForCausalLM
+from rlhf_trl import cpu
+from rlhf_trl.ppo_engine import release_before_new_state
+if sys.argv[2] == "cache":
+    assert cpu.install_tensor_cache(min_bytes=4096)  # the tiny model's tensors are small
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+ids = torch.randint(0, model.config.vocab_size, (4, 48))
+for _ in range(3):
+    model(input_ids=ids, labels=ids).loss.backward()
+    release_before_new_state(opt)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+print(digest, cpu.tensor_cache_stats()["hits"])
+"""
+
+
+def test_training_through_the_cache_is_bit_for_bit_the_same(built, assets):
+    plain_digest, plain_hits = run_script(TRAIN, assets["base_model"], "plain").split()
+    cached_digest, cached_hits = run_script(TRAIN, assets["base_model"], "cache").split()
+    assert cached_digest == plain_digest
+    assert plain_hits == "0" and int(cached_hits) > 100  # the steps after the first reuse their blocks
+
+
+def test_release_before_new_state_empties_the_cache_only_before_state_is_made(monkeypatch):
+    released = []
+    monkeypatch.setattr(ppo_engine, "release_tensor_cache", lambda: released.append(1))
+    monkeypatch.setattr(ppo_engine, "tensor_cache_installed", lambda: True)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w])
+    ppo_engine.release_before_new_state(opt)
+    assert released == []  # no gradient: no state to make
+    w.grad = torch.ones(3)
+    ppo_engine.release_before_new_state(opt)
+    assert released == [1]
+    opt.step()  # AdamW's moments now exist
+    ppo_engine.release_before_new_state(opt)
+    assert released == [1]
+
+
+def test_without_a_compiler_the_run_goes_on_with_a_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RLHF_TRL_CACHE", str(tmp_path))  # no earlier build to reuse
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(RuntimeError, match=r"^tensor_cache: building tensor_cache.cpp with .*no-such-c\+\+ failed"):
+        cpu.build_tensor_cache()
+    assert cpu.install_tensor_cache() is False
+    assert "PyTorch's own CPU allocator stays" in caplog.text
+    assert cpu.tensor_cache_stats()["hits"] == 0 and cpu.release_tensor_cache() == 0
+    assert list(tmp_path.glob("ext/*")) == []  # no half-written library left behind
+
+
+def test_a_negative_headroom_stops_the_run_before_anything_is_read(assets, sft_run, rm_run, tmp_path):
+    ppo = import_ppo()
+    with pytest.raises(ValueError, match=r"^tensor_cache_headroom_mb must be >= 0 MB, got -1$"):
+        ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "out", "--tensor_cache", "true",
+                          "--tensor_cache_headroom_mb", "-1"))
+    assert not cpu.tensor_cache_installed()
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match=r"^tensor_cache: headroom \(-1\) and min_bytes \(0\) must be >= 0 bytes$"):
+        cpu.install_tensor_cache(-1, 0)
+    with pytest.raises(ValueError, match=r"^tensor_cache: max_unused must be in \[0, 1\), got 1.0$"):
+        cpu.install_tensor_cache(max_unused=1.0)
+
+
+@pytest.mark.slow  # two PPO runs of 2 updates in subprocesses (~40 s)
+def test_a_ppo_run_through_the_cache_is_bit_for_bit_the_same(built, assets, sft_run, rm_run, tmp_path):
+    """`tensor_cache: true` end to end (install before the models load, the release before the optimisation phase
+    and before AdamW makes its state): the same policy and value model, bit for bit, as the run without."""
+    weights = {}
+    for mode in ("plain", "cache"):
+        out = tmp_path / mode
+        argv = ppo_argv(assets, sft_run, rm_run, out, "--total_episodes", "16", "--save_strategy", "no",
+                        "--tensor_cache", str(mode == "cache").lower())
+        done = subprocess.run([sys.executable, "-m", "rlhf_trl", "ppo", *argv], capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("tensor_cache: CPU tensors >= 131072 bytes reuse freed blocks" in done.stderr) == (mode == "cache")
+        weights[mode] = {name: load_file(str(out / name / "model.safetensors")) for name in ("merged", "value_model")}
+    for name, plain in weights["plain"].items():
+        cached = weights["cache"][name]
+        assert plain.keys() == cached.keys()
+        assert all(torch.equal(plain[k], cached[k]) for k in plain), name
