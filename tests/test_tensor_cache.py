@@ -1,7 +1,8 @@
 """`rlhf_trl.cpu.install_tensor_cache`: freed CPU tensor blocks are reused (same address, no fresh pages), the
 cache never raises the live footprint's peak by more than its headroom, a larger kept block serves a request only
-when at most an eighth of it goes unused, training through it is bit for bit the same, and without a C++ compiler the run
-goes on with a warning. Each check runs in a subprocess: the cache replaces the process's CPU allocator."""
+when at most an eighth of it goes unused, training and a whole PPO run through it are bit for bit the same, and
+without a C++ compiler the run goes on with a warning. Each check runs in a subprocess: the cache replaces the
+process's CPU allocator."""
 
 import os
 import subprocess

@@ -248,9 +248,9 @@ def install_tensor_cache(headroom_bytes: int = 0, min_bytes: int = 1 << 17, max_
     (`rlhf_trl/csrc/tensor_cache.cpp`, built by `build_tensor_cache`), for the process's later allocations; PPO's
     ``tensor_cache``. A request takes the most recently freed block of the smallest kept size that fits with at most
     ``max_unused`` of it unused (default an eighth: a larger freed block serving a long-lived smaller tensor would
-    raise the peak by what it leaves unused); a request none fits first frees the oldest kept blocks until the live + kept bytes stay
-    within the most live bytes seen so far + ``headroom_bytes``: the cache raises the footprint's peak by at most
-    ``headroom_bytes``.
+    raise the peak by what it leaves unused); a request none fits first frees the oldest kept blocks until the
+    live + kept bytes stay within the most live bytes seen so far + ``headroom_bytes``: the cache raises the
+    footprint's peak by at most ``headroom_bytes``.
 
     Sizes are rounded up to classes (an eighth of their power of two; address space only: the pages past a request
     are never touched), so a tensor that grows a little at a time (the KV cache's ``torch.cat``) reuses one block.
