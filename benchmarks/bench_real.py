@@ -111,12 +111,20 @@ def _reset_peak() -> None:
         pass
 
 
+def _system_cpu_seconds() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 class PhaseMeter:
-    """Attributes wall time, peak RSS and the largest logits tensor to generation / scoring / optimisation."""
+    """Attributes wall time, kernel CPU time (``system_cpu_seconds``: mostly the zeroing of freshly faulted pages),
+    peak RSS and the largest logits tensor to generation / scoring / optimisation."""
 
     def __init__(self):
         self.phase = None
         self.t = time.perf_counter()
+        self.sys = _system_cpu_seconds()
         self.cur = self._empty()
         self.updates: list[dict] = []
         self.shape: dict = {}
@@ -125,19 +133,20 @@ class PhaseMeter:
     @staticmethod
     def _empty() -> dict:
         return {f"{p}_{k}": 0 for p in ("generation", "scoring", "optimisation")
-                for k in ("seconds", "peak_rss_bytes", "largest_logits_bytes")}
+                for k in ("seconds", "system_cpu_seconds", "peak_rss_bytes", "largest_logits_bytes")}
 
     def enter(self, phase: str) -> None:
         if phase == self.phase:
             return
         self.close()
-        self.phase, self.t = phase, time.perf_counter()
+        self.phase, self.t, self.sys = phase, time.perf_counter(), _system_cpu_seconds()
         _reset_peak()
 
     def close(self) -> None:
         if self.phase is None:
             return
         self.cur[f"{self.phase}_seconds"] += time.perf_counter() - self.t
+        self.cur[f"{self.phase}_system_cpu_seconds"] += _system_cpu_seconds() - self.sys
         key = f"{self.phase}_peak_rss_bytes"
         self.cur[key] = max(self.cur[key], status_field("VmHWM"))
         self.phase = None
@@ -475,7 +484,8 @@ def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> 
         sec = median(u[f"{phase}_seconds"] for u in timed)
         total += sec
         out[phase] = {
-            "seconds": sec, "gflop": flops[phase] / 1e9, "gflop_per_second": flops[phase] / sec / 1e9,
+            "seconds": sec, "system_cpu_seconds": median(u.get(f"{phase}_system_cpu_seconds", 0.0) for u in timed),
+            "gflop": flops[phase] / 1e9, "gflop_per_second": flops[phase] / sec / 1e9,
             "fraction_of_matmul_rate": flops[phase] / sec / probe,
             "peak_rss_bytes": max(u[f"{phase}_peak_rss_bytes"] for u in timed),
             "peak_rss_model_copies": max(u[f"{phase}_peak_rss_bytes"] for u in timed) / base_bytes,

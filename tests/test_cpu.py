@@ -184,20 +184,78 @@ def test_fused_lora_leaves_dropout_and_autocast_to_peft(assets):
         assert torch.equal(a, b)
 
 
+def lora_layers(model):
+    return [m for m in model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")]
+
+
+def test_lora_merged_computes_pefts_outputs_and_gives_every_weight_back(assets):
+    """Inside `lora_merged` each adapted layer runs one product with ``W + scaling * B @ A`` (a copy): logits and
+    sampled tokens as peft's to fp32 rounding; on exit every layer has its own weight parameter back, untouched
+    (bit for bit, the same object), also after an exception, and the model computes peft's logits bit for bit."""
+    model, ids = lora_model(assets, 4, 6).eval(), torch.randint(0, 100, (2, 9))
+    params = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    layers = lora_layers(model)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with cpu.lora_merged(model):
+            assert all(m.merged for m in layers)
+            assert all(m.base_layer.weight is not params[n + ".base_layer.weight"][0]
+                       for n, m in model.named_modules() if m in layers)
+            got = model(input_ids=ids).logits
+            torch.manual_seed(3)
+            sampled = model.generate(input_ids=ids, do_sample=True, max_new_tokens=6, pad_token_id=0)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(got, expected)  # a merged product, not peft's three
+        torch.manual_seed(3)
+        assert torch.equal(sampled, model.generate(input_ids=ids, do_sample=True, max_new_tokens=6, pad_token_id=0))
+        with pytest.raises(RuntimeError, match="inside"):
+            with cpu.lora_merged(model):
+                raise RuntimeError("inside")
+        assert torch.equal(model(input_ids=ids).logits, expected)
+    assert not any(m.merged for m in layers)
+    after = dict(model.named_parameters())
+    assert after.keys() == params.keys()
+    for n, (p, value) in params.items():
+        assert after[n] is p and torch.equal(p, value), n
+
+
+def test_lora_merged_leaves_dropout_and_disabled_adapters_alone(assets):
+    """A layer with LoRA dropout, or one whose adapter is disabled, keeps peft's forward and its weight; off, the
+    block changes nothing."""
+    for model, disabled in ((lora_model(assets, dropout=0.5), False), (lora_model(assets), True)):
+        weights = [m.base_layer.weight for m in lora_layers(model)]
+        with model.disable_adapter() if disabled else nullcontext(), cpu.lora_merged(model):
+            assert not any(m.merged for m in lora_layers(model))
+            assert all(m.base_layer.weight is w for m, w in zip(lora_layers(model), weights))
+    model = lora_model(assets)
+    with cpu.lora_merged(model, enabled=False):
+        assert not any(m.merged for m in lora_layers(model))
+
+
 @pytest.mark.slow  # one PPO update (~3 s)
-def test_the_fused_lora_key_reaches_the_policy(assets, sft_run, rm_run, tmp_path):
+def test_the_fused_lora_key_reaches_the_policy(assets, sft_run, rm_run, tmp_path, monkeypatch):
     from transformers import TrainerCallback
 
-    ppo, forwards = import_ppo(), []
+    ppo, forwards, merged, after = import_ppo(), [], [], []
 
     class Seen(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            forwards.extend(m.forward for m in model.policy.modules() if type(m).__name__ == "Linear"
-                            and hasattr(m, "lora_A"))
+            forwards.extend(m.forward for m in lora_layers(model.policy))
 
+        def on_step_end(self, args, state, control, model=None, **kwargs):  # after the update's training
+            after.extend(m.merged for m in lora_layers(model.policy))
+
+    def generate_rollouts(policy, *args):  # the rollout's generate sees merged adapters, training does not
+        merged.append([m.merged for m in lora_layers(policy)])
+        return real(policy, *args)
+
+    real = ppo_engine.generate_rollouts
+    monkeypatch.setattr(ppo_engine, "generate_rollouts", generate_rollouts)
     ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "8", "--save_strategy", "no",
                       "--fused_lora", "true"), callbacks=[Seen()])
     assert forwards and all(getattr(f, "__func__", None) is cpu._fused_lora_forward for f in forwards)
+    assert merged and all(all(flags) and flags for flags in merged)
+    assert after and not any(after)
 
 
 MEASURE = """

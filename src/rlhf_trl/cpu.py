@@ -1,7 +1,8 @@
 """PPO's four CPU measures, all opt-in recipe keys: `onednn_decoding` (faster token-by-token generation: the few-row
 matmuls of decoding through oneDNN instead of MKL), `set_malloc_mmap_threshold` (freed tensors go back to the
 system, for a lower peak RSS; `mmap_threshold_raised` lifts it for the rollout's ``generate``, where it only costs
-page faults), `fuse_lora` (LoRA layers add their low-rank update into the base layer's output in one pass) and
+page faults), `fuse_lora` (LoRA layers add their low-rank update into the base layer's output in one pass;
+`lora_merged`: the rollout's ``generate`` uses a temporary merged copy of each adapted weight) and
 `install_tensor_cache` (``tensor_cache``: freed tensor blocks are reused, not zeroed again by the kernel every step).
 All measured in ``make bench-real`` (README, "Real weights").
 
@@ -190,6 +191,60 @@ def fuse_lora(model: nn.Module) -> int:
             module.forward = _fused_lora_forward.__get__(module)
             count += 1
     return count
+
+
+def _plain_lora(module: nn.Module) -> str | None:
+    """The one active adapter's name when ``module`` is a peft ``lora.Linear`` whose adapter is a plain ``B @ A``
+    (no DoRA or other variant, no LoRA bias, no dropout, not merged or disabled) on a dense ``nn.Linear`` of the
+    adapter's dtype; else None."""
+    names = getattr(module, "active_adapters", None)
+    if names is None or len(names) != 1 or module.disable_adapters or module.merged \
+            or getattr(module, "fan_in_fan_out", False):
+        return None
+    name, base = names[0], getattr(module, "base_layer", None)
+    if name not in module.lora_A or name in getattr(module, "lora_variant", {}) \
+            or module.lora_B[name].bias is not None or not isinstance(module.lora_dropout[name], nn.Identity) \
+            or type(base) is not nn.Linear \
+            or not (base.weight.dtype == module.lora_A[name].weight.dtype == module.lora_B[name].weight.dtype):
+        return None
+    return name
+
+
+@contextmanager
+def lora_merged(model: nn.Module, enabled: bool = True):
+    """Inside the block, every plain peft ``lora.Linear`` of ``model`` (one active adapter: no DoRA or other variant,
+    LoRA bias or dropout, on a dense ``nn.Linear`` of the adapter's dtype) computes ``x @ W'.T + bias`` with
+    ``W' = W + scaling * B @ A`` ``[out, in]``, a temporary copy: one product per layer instead of three (base,
+    ``A``, ``B``), for the rollout's ``generate`` of ``fused_lora``. The base layer's own weight is never written (no
+    merge-unmerge drift): on exit, also after an exception, each layer gets its own ``weight`` parameter back and its
+    adapter is unmerged in name only. Costs one copy of the adapted weights inside the block (Qwen2.5-0.5B, all seven
+    projections: 1.43 GB fp32). Outputs equal peft's to fp32 rounding (the sum ``W + scaling * B @ A`` is rounded
+    once before the product), not bit for bit. For no-grad use: nothing trains through ``W'``. A no-op when
+    ``enabled`` is false or without peft. Raises nothing of its own."""
+    try:
+        from peft.tuners.lora.layer import Linear as LoraLinear
+    except ImportError:
+        LoraLinear = None
+    swapped = []
+    try:
+        if enabled and LoraLinear is not None:
+            with torch.no_grad():
+                for module in model.modules():
+                    name = _plain_lora(module) if type(module) is LoraLinear else None
+                    if name is None:
+                        continue
+                    base = module.base_layer
+                    weight = base._parameters["weight"]
+                    merged = torch.addmm(weight, module.lora_B[name].weight, module.lora_A[name].weight,
+                                         alpha=module.scaling[name])
+                    base._parameters["weight"] = nn.Parameter(merged, requires_grad=False)
+                    swapped.append((module, base, weight, list(module.merged_adapters)))
+                    module.merged_adapters = [name]  # peft's forward: base layer alone
+        yield model
+    finally:
+        for module, base, weight, names in swapped:
+            base._parameters["weight"] = weight
+            module.merged_adapters = names
 
 
 # -- tensor_cache: reuse of freed CPU tensor blocks (a small C++ allocator, built on first use) ----------------------

@@ -54,7 +54,8 @@ from torch import nn
 from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from . import ppo_math as pm
-from .cpu import fuse_lora, mmap_threshold_raised, onednn_decoding, release_tensor_cache, tensor_cache_installed
+from .cpu import (fuse_lora, lora_merged, mmap_threshold_raised, onednn_decoding, release_tensor_cache,
+                  tensor_cache_installed)
 from .models import sampling_generation_config
 from .scoring import eos_mask, model_inputs, sequence_scores, token_scores, truncate_at_eos
 
@@ -126,7 +127,9 @@ class PPOConfig(TrainingArguments):
         default=False, metadata={"help": "LoRA layers of policy and value model add their low-rank update into the "
                                          "base layer's output in one in-place addmm (`rlhf_trl.cpu.fuse_lora`): two "
                                          "passes less over every [tokens, out_features] output, forward and backward; "
-                                         "equal to peft's to fp32 rounding."})
+                                         "rollouts generate with a temporary merged copy of each adapted weight "
+                                         "(`rlhf_trl.cpu.lora_merged`; one copy more during generate). Equal to "
+                                         "peft's to fp32 rounding."})
     single_value_forward: bool = field(
         default=True, metadata={"help": "With 1 PPO epoch, 1 mini-batch, 1 process and whiten_rewards off: the value "
                                         "model's training forward also gives the rollout's values (one value forward "
@@ -598,8 +601,10 @@ class PPOEngine(Trainer):
         pad = tok.pad_token_id
         context = queries.shape[1]
         step = args.local_rollout_forward_batch_size
-        with self.generation_policy() as policy, onednn_decoding(policy, args.onednn_decoding), \
-                mmap_threshold_raised(args.malloc_mmap_threshold):
+        # fused_lora: generate with merged copies of the adapted weights (whole weights on this process only)
+        merge = args.fused_lora and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        with self.generation_policy() as policy, lora_merged(policy, merge), \
+                onednn_decoding(policy, args.onednn_decoding), mmap_threshold_raised(args.malloc_mmap_threshold):
             query_responses, logprobs = generate_rollouts(
                 policy, queries, pad, sampling_config(args, self.eos_token_ids, pad), step)
         out = {k: [] for k in ("ref_logprobs", "values", "scores", "postprocessed")}
