@@ -122,7 +122,8 @@ def _glibc_call(name: str, *args: int) -> bool:
         return False
 
 
-GLIBC_MAX_MMAP_THRESHOLD = 32 << 20  # bytes: glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+# bytes: glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+GLIBC_MAX_MMAP_THRESHOLD = 32 << 20
 
 
 def malloc_trim() -> bool:
@@ -150,20 +151,29 @@ def mmap_threshold_raised(nbytes: int, during: int = GLIBC_MAX_MMAP_THRESHOLD):
         malloc_trim()
 
 
+def _plain_lora(module: nn.Module) -> str | None:
+    """The one active adapter's name when ``module`` (a peft ``lora.Linear``) adds a plain ``scaling * B @ A`` (no DoRA
+    or other variant, no LoRA bias, no dropout, not merged or disabled) to a base layer with a weight of the adapter's
+    dtype; else None. What `_fused_lora_forward` and `lora_merged` take over from peft's forward."""
+    names = module.active_adapters
+    if module.disable_adapters or module.merged or len(names) != 1:
+        return None
+    name, weight = names[0], getattr(module.base_layer, "weight", None)
+    if name not in module.lora_A or name in getattr(module, "lora_variant", {}) \
+            or module.lora_B[name].bias is not None \
+            or not isinstance(module.lora_dropout[name], nn.Identity) or weight is None \
+            or not (weight.dtype == module.lora_A[name].weight.dtype == module.lora_B[name].weight.dtype):
+        return None
+    return name
+
+
 def _fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A peft ``lora.Linear`` forward: ``base(x) + scaling * (x @ A.T) @ B.T`` with the second product added into the
     base layer's output in place (``addmm_``, the scaling as its alpha). peft's own forward (the fallback for every
     case but one plain adapter in one dtype without autocast) forms the product, its scaled copy and the sum: three
     passes over ``[tokens, out_features]`` in the forward and two more in the backward."""
-    names = self.active_adapters
-    if args or kwargs or self.disable_adapters or self.merged or len(names) != 1 or \
-            torch.is_autocast_enabled(x.device.type):
-        return type(self).forward(self, x, *args, **kwargs)
-    name = names[0]
-    base_weight = getattr(self.base_layer, "weight", None)
-    if name not in self.lora_A or name in getattr(self, "lora_variant", {}) or self.lora_B[name].bias is not None \
-            or not isinstance(self.lora_dropout[name], nn.Identity) or base_weight is None \
-            or not (x.dtype == base_weight.dtype == self.lora_A[name].weight.dtype == self.lora_B[name].weight.dtype):
+    name = None if args or kwargs or torch.is_autocast_enabled(x.device.type) else _plain_lora(self)
+    if name is None or x.dtype != self.base_layer.weight.dtype:
         return type(self).forward(self, x, *args, **kwargs)
     rows = x.reshape(-1, x.shape[-1])  # [tokens, in]: the in-place sum then lands on a tensor, not on a view of one
     result = self.base_layer(rows)  # [tokens, out]
@@ -193,23 +203,6 @@ def fuse_lora(model: nn.Module) -> int:
     return count
 
 
-def _plain_lora(module: nn.Module) -> str | None:
-    """The one active adapter's name when ``module`` is a peft ``lora.Linear`` whose adapter is a plain ``B @ A``
-    (no DoRA or other variant, no LoRA bias, no dropout, not merged or disabled) on a dense ``nn.Linear`` of the
-    adapter's dtype; else None."""
-    names = getattr(module, "active_adapters", None)
-    if names is None or len(names) != 1 or module.disable_adapters or module.merged \
-            or getattr(module, "fan_in_fan_out", False):
-        return None
-    name, base = names[0], getattr(module, "base_layer", None)
-    if name not in module.lora_A or name in getattr(module, "lora_variant", {}) \
-            or module.lora_B[name].bias is not None or not isinstance(module.lora_dropout[name], nn.Identity) \
-            or type(base) is not nn.Linear \
-            or not (base.weight.dtype == module.lora_A[name].weight.dtype == module.lora_B[name].weight.dtype):
-        return None
-    return name
-
-
 @contextmanager
 def lora_merged(model: nn.Module, enabled: bool = True):
     """Inside the block, every plain peft ``lora.Linear`` of ``model`` (one active adapter: no DoRA or other variant,
@@ -230,7 +223,9 @@ def lora_merged(model: nn.Module, enabled: bool = True):
         if enabled and LoraLinear is not None:
             with torch.no_grad():
                 for module in model.modules():
-                    name = _plain_lora(module) if type(module) is LoraLinear else None
+                    plain = type(module) is LoraLinear and type(module.base_layer) is nn.Linear \
+                        and not module.fan_in_fan_out
+                    name = _plain_lora(module) if plain else None
                     if name is None:
                         continue
                     base = module.base_layer
