@@ -152,6 +152,29 @@ def test_release_before_new_state_empties_the_cache_only_before_state_is_made(mo
     assert released == [1]
 
 
+def test_each_phase_of_an_update_starts_from_an_empty_cache(assets, sft_run, rm_run, tmp_path, monkeypatch):
+    """The loop empties the cache and restarts its peak before generate, between generate and scoring, and between
+    scoring and training: no phase's footprint is raised by the blocks the phase before it left (training's
+    activations, generate's merged copies and KV cache)."""
+    ppo, events = import_ppo(), []
+
+    def mark(name, real):
+        def wrapper(*args, **kwargs):
+            if not events or events[-1] != name:  # scoring runs once per rollout chunk
+                events.append(name)
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(ppo_engine, "release_tensor_cache",
+                        lambda reset_peak=False: events.append(("release", reset_peak)) or 0)
+    monkeypatch.setattr(ppo_engine, "generate_rollouts", mark("generate", ppo_engine.generate_rollouts))
+    for name in ("score_rollouts", "optimise"):
+        monkeypatch.setattr(ppo_engine.PPOEngine, name, mark(name, getattr(ppo_engine.PPOEngine, name)))
+    ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "16", "--save_strategy", "no"))
+    update = [("release", True), "generate", ("release", True), "score_rollouts", ("release", True), "optimise"]
+    assert events == update * 2
+
+
 def test_without_a_compiler_the_run_goes_on_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RLHF_TRL_CACHE", str(tmp_path))  # no earlier build to reuse
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))

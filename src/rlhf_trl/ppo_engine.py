@@ -148,8 +148,8 @@ class PPOConfig(TrainingArguments):
                                          "warning and PyTorch's allocator). Same numbers, bit for bit."})
     tensor_cache_headroom_mb: int = field(
         default=0, metadata={"help": "MB (2^20 bytes) the tensor cache may raise the peak of the live tensors' "
-                                     "footprint by (peak RSS for fewer fresh blocks; bench-real meets its time "
-                                     "targets at 0)."})
+                                     "footprint by, within each phase of an update (peak RSS for fewer fresh "
+                                     "blocks; bench-real runs at 0)."})
 
     def __post_init__(self):
         self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
@@ -490,8 +490,9 @@ class PPOEngine(Trainer):
         torch.manual_seed(self.local_seed)
         self.eval_dataloader = None
         if eval_dataset is not None:
-            self.eval_dataloader = accelerator.prepare(DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size,
-                                                                  collate_fn=self.data_collator, drop_last=True))
+            self.eval_dataloader = accelerator.prepare(DataLoader(
+                eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=self.data_collator,
+                drop_last=True))
         if self.is_deepspeed_enabled:
             from trl.models.utils import prepare_deepspeed
 
@@ -603,10 +604,14 @@ class PPOEngine(Trainer):
         step = args.local_rollout_forward_batch_size
         # fused_lora: generate with merged copies of the adapted weights (whole weights on this process only)
         merge = args.fused_lora and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+        # `tensor_cache`: each phase (generate, scoring, training) is bounded by its own peak, not by the blocks the
+        # phase before it left (training's activations; generate's merged copies and KV cache)
+        release_tensor_cache(reset_peak=True)
         with self.generation_policy() as policy, lora_merged(policy, merge), \
                 onednn_decoding(policy, args.onednn_decoding), mmap_threshold_raised(args.malloc_mmap_threshold):
             query_responses, logprobs = generate_rollouts(
                 policy, queries, pad, sampling_config(args, self.eos_token_ids, pad), step)
+        release_tensor_cache(reset_peak=True)
         out = {k: [] for k in ("ref_logprobs", "values", "scores", "postprocessed")}
         with self.reward_weights() as reward_model:
             self.score_rollouts(query_responses, context, step, reward_model, out)
