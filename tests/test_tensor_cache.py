@@ -1,7 +1,8 @@
 """`rlhf_trl.cpu.install_tensor_cache`: freed CPU tensor blocks are reused (same address, no fresh pages), the
 cache never raises the live footprint's peak by more than its headroom, a larger kept block serves a request only
-when at most an eighth of it goes unused, training and a whole PPO run through it are bit for bit the same, and
-without a C++ compiler the run goes on with a warning. Each check runs in a subprocess: the cache replaces the
+when at most an eighth of it goes unused, blocks set aside wait untouched and come back, PPO keeps training's blocks
+through the rollout only as far as they fit under training's peak, training and a whole PPO run through it are bit
+for bit the same, and without a C++ compiler the run goes on with a warning. Each check runs in a subprocess: the cache replaces the
 process's CPU allocator."""
 
 import os
@@ -108,11 +109,44 @@ def test_a_reset_peak_bounds_what_follows_by_its_own_peak(built, reset, kept_mb)
     assert run_script(RESET, reset).split() == [str(kept_mb)]
 
 
+ASIDE = """
+import torch
+from rlhf_trl import cpu
+MB = 1 << 20
+assert cpu.install_tensor_cache(headroom_bytes=64 * MB)
+def block(nbytes):
+    return torch.empty(nbytes, dtype=torch.uint8)
+a, b, c = block(2 * MB), block(3 * MB), block(4 * MB)
+addr = {n: t.data_ptr() for n, t in (("a", a), ("b", b), ("c", c))}
+del a, b, c  # freed in this order: c is the most recently freed
+assert cpu.set_aside_tensor_cache(5 * MB) == 4 * MB, "c (4 MB) first; b (3 MB) would pass 5 MB; a (2 MB) neither"
+s = cpu.tensor_cache_stats()
+assert (s["kept_bytes"], s["aside_bytes"], s["peak_live_bytes"]) == (0, 4 * MB, 0), s
+x = block(4 * MB); assert x.data_ptr() != addr["c"], "a block set aside is handed out to nobody"
+del x
+assert cpu.release_tensor_cache() == 4 * MB and cpu.tensor_cache_stats()["aside_bytes"] == 4 * MB, "x's, not c's"
+assert cpu.restore_tensor_cache() == 4 * MB
+s = cpu.tensor_cache_stats()
+assert (s["kept_bytes"], s["aside_bytes"], s["peak_live_bytes"]) == (4 * MB, 0, 4 * MB), s
+y = block(4 * MB); assert y.data_ptr() == addr["c"], "restored: kept again"
+del y
+assert cpu.set_aside_tensor_cache(MB, reset_peak=False) == 0 and cpu.tensor_cache_stats()["peak_live_bytes"] == 4 * MB
+z = block(4 * MB); del z
+assert cpu.set_aside_tensor_cache(8 * MB) == 4 * MB
+assert cpu.uninstall_tensor_cache() == 4 * MB, "blocks set aside go with the cache"
+print("ok")
+"""
+
+
+def test_blocks_set_aside_wait_untouched_and_come_back(built):
+    assert run_script(ASIDE).split()[-1] == "ok"
+
+
 TRAIN = """
 import hashlib, sys, torch
 from transformers import AutoModelForCausalLM
 from rlhf_trl import cpu
-from rlhf_trl.ppo_engine import release_before_new_state
+from rlhf_trl.ppo_engine import state_gets_own_blocks
 if sys.argv[2] == "cache":
     assert cpu.install_tensor_cache(min_bytes=4096)  # the tiny model's tensors are small
 torch.manual_seed(0)
@@ -121,8 +155,8 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ids = torch.randint(0, model.config.vocab_size, (4, 48))
 for _ in range(3):
     model(input_ids=ids, labels=ids).loss.backward()
-    release_before_new_state(opt)
-    opt.step()
+    with state_gets_own_blocks(opt):
+        opt.step()
     opt.zero_grad(set_to_none=True)
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 print(digest, cpu.tensor_cache_stats()["hits"])
@@ -136,25 +170,61 @@ def test_training_through_the_cache_is_bit_for_bit_the_same(built, assets):
     assert plain_hits == "0" and int(cached_hits) > 100  # the steps after the first reuse their blocks
 
 
-def test_release_before_new_state_empties_the_cache_only_before_state_is_made(monkeypatch):
-    released = []
-    monkeypatch.setattr(ppo_engine, "release_tensor_cache", lambda: released.append(1))
+def test_new_optimizer_state_gets_blocks_of_its_own(monkeypatch):
+    """Only a step that makes state sets the kept blocks aside, as many as fit beside the state (2 x 12 bytes here)
+    under the peak so far, and restores them after the step."""
+    calls = []
     monkeypatch.setattr(ppo_engine, "tensor_cache_installed", lambda: True)
+    monkeypatch.setattr(ppo_engine, "tensor_cache_stats", lambda: {"peak_live_bytes": 1000, "live_bytes": 600})
+    monkeypatch.setattr(ppo_engine, "set_aside_tensor_cache",
+                        lambda n, reset_peak=True: calls.append(("set_aside", n, reset_peak)))
+    monkeypatch.setattr(ppo_engine, "restore_tensor_cache", lambda: calls.append("restore"))
     w = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.AdamW([w])
-    ppo_engine.release_before_new_state(opt)
-    assert released == []  # no gradient: no state to make
+    with ppo_engine.state_gets_own_blocks(opt):
+        pass
+    assert calls == []  # no gradient: no state to make
     w.grad = torch.ones(3)
-    ppo_engine.release_before_new_state(opt)
-    assert released == [1]
-    opt.step()  # AdamW's moments now exist
-    ppo_engine.release_before_new_state(opt)
-    assert released == [1]
+    with ppo_engine.state_gets_own_blocks(opt):
+        assert calls == [("set_aside", 1000 - 600 - 2 * 3 * 4, False)]
+        opt.step()  # AdamW's moments now exist
+    assert calls[-1] == "restore"
+    with ppo_engine.state_gets_own_blocks(opt):
+        opt.step()
+    assert len(calls) == 2
+
+
+def test_training_blocks_wait_through_the_rollout_as_far_as_they_fit(monkeypatch):
+    """Set aside: training's peak - the live bytes now - the most generate or scoring rose above its start (the
+    offloaded reward model's weights counted) - the headroom; nothing before an update has trained."""
+    stats = {"peak_live_bytes": 0, "live_bytes": 0}
+    monkeypatch.setattr(ppo_engine, "tensor_cache_installed", lambda: True)
+    monkeypatch.setattr(ppo_engine, "tensor_cache_stats", lambda: dict(stats))
+    engine = ppo_engine.PPOEngine.__new__(ppo_engine.PPOEngine)  # the bookkeeping alone, no models
+    engine.args = ppo_engine.PPOConfig(output_dir="unused", bf16=False, use_cpu=True, tensor_cache_headroom_mb=1)
+    engine.phase_peaks, engine.phase_start_live = {}, 0
+    engine.reward_offload = type("Offloaded", (), {"nbytes": 300 * MB})()
+
+    def phase(name, live_at_end, peak):
+        stats.update(live_bytes=live_at_end * MB, peak_live_bytes=peak * MB)
+        engine.end_phase(name)
+
+    phase("training", 4000, 4000)  # model loading: no update has trained yet
+    assert "training" not in engine.phase_peaks and engine.set_aside_budget() == 0
+    phase("generate", 4000, 5500)  # rose 1500 MB above its start
+    phase("scoring", 4000, 5000)  # 1000 MB + 300 MB of offloaded weights
+    assert engine.phase_peaks == {"generate": 1500 * MB, "scoring": 1300 * MB}
+    assert engine.set_aside_budget() == 0  # nothing has trained yet
+    phase("training", 6000, 9000)  # AdamW's state came: 6000 MB live after training
+    assert engine.set_aside_budget() == (9000 - 6000 - 1500 - 1) * MB
+    stats.update(live_bytes=8000 * MB)
+    assert engine.set_aside_budget() == 0  # no room under training's peak
 
 
 def test_each_phase_of_an_update_starts_from_an_empty_cache(assets, sft_run, rm_run, tmp_path, monkeypatch):
-    """The loop empties the cache and restarts its peak before generate, between generate and scoring, and between
-    scoring and training: no phase's footprint is raised by the blocks the phase before it left (training's
+    """The loop empties the cache and restarts its peak before generate (training's blocks set aside, as far as
+    they fit: none without the cache), between generate and scoring, and between scoring and training (the blocks
+    set aside come back): no phase's footprint is raised by the blocks the phase before it left (training's
     activations, generate's merged copies and KV cache)."""
     ppo, events = import_ppo(), []
 
@@ -167,12 +237,42 @@ def test_each_phase_of_an_update_starts_from_an_empty_cache(assets, sft_run, rm_
 
     monkeypatch.setattr(ppo_engine, "release_tensor_cache",
                         lambda reset_peak=False: events.append(("release", reset_peak)) or 0)
+    monkeypatch.setattr(ppo_engine, "set_aside_tensor_cache",
+                        lambda n, reset_peak=True: events.append(("set_aside", n, reset_peak)) or 0)
+    monkeypatch.setattr(ppo_engine, "restore_tensor_cache", lambda: events.append("restore") or 0)
     monkeypatch.setattr(ppo_engine, "generate_rollouts", mark("generate", ppo_engine.generate_rollouts))
     for name in ("score_rollouts", "optimise"):
         monkeypatch.setattr(ppo_engine.PPOEngine, name, mark(name, getattr(ppo_engine.PPOEngine, name)))
     ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "16", "--save_strategy", "no"))
-    update = [("release", True), "generate", ("release", True), "score_rollouts", ("release", True), "optimise"]
+    update = [("set_aside", 0, True), "generate", ("release", True), "score_rollouts", ("release", True), "restore",
+              "optimise"]
     assert events == update * 2
+
+
+@pytest.mark.slow  # two PPO runs of 3 updates (~25 s)
+def test_the_value_models_gradients_are_kept_between_updates(assets, sft_run, rm_run, tmp_path, monkeypatch):
+    """With the tensor cache, `value_step` adds each update's gradients into the last update's tensors, zeroed,
+    instead of fresh ones: the same tensors every update, and the same weights, bit for bit, as without."""
+    ppo, pointers = import_ppo(), []
+    real_value_step = ppo_engine.PPOEngine.value_step
+
+    def value_step(self, *args):
+        out = real_value_step(self, *args)
+        pointers.append([g.data_ptr() for g in self.value_grads or [] if g is not None])
+        return out
+
+    weights = {}
+    for mode in ("plain", "kept"):
+        if mode == "kept":
+            monkeypatch.setattr(ppo_engine, "tensor_cache_installed", lambda: True)
+            monkeypatch.setattr(ppo_engine.PPOEngine, "value_step", value_step)
+        out = tmp_path / mode
+        ppo.main(ppo_argv(assets, sft_run, rm_run, out, "--total_episodes", "24", "--save_strategy", "no",
+                          "--num_ppo_epochs", "1", "--num_mini_batches", "1"))
+        weights[mode] = load_file(str(out / "value_model" / "model.safetensors"))
+    assert len(pointers) == 3 and pointers[0] and pointers[0] == pointers[1] == pointers[2]
+    assert weights["plain"].keys() == weights["kept"].keys()
+    assert all(torch.equal(weights["plain"][k], weights["kept"][k]) for k in weights["plain"])
 
 
 def test_without_a_compiler_the_run_goes_on_with_a_warning(tmp_path, monkeypatch, caplog):

@@ -335,6 +335,9 @@ def install_tensor_cache(headroom_bytes: int = 0, min_bytes: int = 1 << 17, max_
     lib.rlhf_trl_tensor_cache_release.argtypes = [ctypes.c_int]
     lib.rlhf_trl_tensor_cache_release.restype = ctypes.c_uint64
     lib.rlhf_trl_tensor_cache_uninstall.restype = ctypes.c_uint64
+    lib.rlhf_trl_tensor_cache_set_aside.argtypes = [ctypes.c_uint64, ctypes.c_int]
+    lib.rlhf_trl_tensor_cache_set_aside.restype = ctypes.c_uint64
+    lib.rlhf_trl_tensor_cache_restore.restype = ctypes.c_uint64
     lib.rlhf_trl_tensor_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
     lib.rlhf_trl_tensor_cache_install(headroom_bytes, min_bytes, max_unused)
     _tensor_cache_lib = lib
@@ -355,9 +358,40 @@ def release_tensor_cache(reset_peak: bool = False) -> int:
     return int(_tensor_cache_lib.rlhf_trl_tensor_cache_release(int(reset_peak)))
 
 
+def set_aside_tensor_cache(max_bytes: int, reset_peak: bool = True) -> int:
+    """Keep up to ``max_bytes`` of the tensor cache's kept blocks, the most recently freed first, out of use until
+    `restore_tensor_cache`: they stay resident, no request takes them and `release_tensor_cache` does not free them.
+    Every other kept block is freed; with ``reset_peak`` the budget's "most live bytes so far" becomes the live bytes
+    now (as in `release_tensor_cache`). Blocks set aside before and not restored count among the candidates.
+    PPO sets training's freed blocks aside through the rollout, so the next optimisation phase reuses their pages
+    instead of having the kernel zero fresh ones (`rlhf_trl.ppo_engine.PPOEngine.rollout`), and through an optimizer
+    step that creates state (`rlhf_trl.ppo_engine.state_gets_own_blocks`). Returns the bytes set aside (0 when the
+    cache is not installed).
+
+    Raises:
+        ValueError: a negative ``max_bytes``.
+    """
+    if max_bytes < 0:
+        raise ValueError(f"tensor_cache: max_bytes to set aside must be >= 0, got {max_bytes}")
+    if _tensor_cache_lib is None:
+        return 0
+    return int(_tensor_cache_lib.rlhf_trl_tensor_cache_set_aside(int(max_bytes), int(reset_peak)))
+
+
+def restore_tensor_cache() -> int:
+    """Make the blocks `set_aside_tensor_cache` set aside kept blocks again (the most recently freed is taken first);
+    the budget's "most live bytes so far" becomes at least the live + kept bytes now (blocks that stayed resident do
+    not count as raising the footprint). Returns the bytes restored (0 when the cache is not installed).
+    Raises nothing."""
+    if _tensor_cache_lib is None:
+        return 0
+    return int(_tensor_cache_lib.rlhf_trl_tensor_cache_restore())
+
+
 def uninstall_tensor_cache() -> int:
-    """Give PyTorch its default CPU allocator back and free the kept blocks (blocks still in use go back to the
-    system when their tensors are freed); returns the bytes freed, 0 when not installed. Raises nothing."""
+    """Give PyTorch its default CPU allocator back and free the kept blocks, those set aside too (blocks still in use
+    go back to the system when their tensors are freed); returns the bytes freed, 0 when not installed.
+    Raises nothing."""
     global _tensor_cache_lib
     if _tensor_cache_lib is None:
         return 0
@@ -374,10 +408,11 @@ def tensor_cache_installed() -> bool:
 def tensor_cache_stats() -> dict[str, int]:
     """The tensor cache's counters: ``kept_bytes`` (freed blocks kept now), ``hits`` / ``misses`` (requests of at
     least ``min_bytes`` served from kept blocks / freshly), ``live_blocks``, ``live_bytes`` and ``peak_live_bytes``
-    (blocks handed out, now and at most); all zero when it is not installed. Raises nothing."""
+    (blocks handed out, now and at most since the last reset), ``aside_bytes`` (`set_aside_tensor_cache`); all zero
+    when it is not installed. Raises nothing."""
     import ctypes
 
-    names = ("kept_bytes", "hits", "misses", "live_blocks", "live_bytes", "peak_live_bytes")
+    names = ("kept_bytes", "hits", "misses", "live_blocks", "live_bytes", "peak_live_bytes", "aside_bytes")
     if _tensor_cache_lib is None:
         return dict.fromkeys(names, 0)
     out = (ctypes.c_uint64 * len(names))()

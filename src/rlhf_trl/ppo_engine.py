@@ -55,7 +55,7 @@ from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState
 
 from . import ppo_math as pm
 from .cpu import (fuse_lora, lora_merged, mmap_threshold_raised, onednn_decoding, release_tensor_cache,
-                  tensor_cache_installed)
+                  restore_tensor_cache, set_aside_tensor_cache, tensor_cache_installed, tensor_cache_stats)
 from .models import sampling_generation_config
 from .scoring import eos_mask, model_inputs, sequence_scores, token_scores, truncate_at_eos
 
@@ -145,7 +145,10 @@ class PPOConfig(TrainingArguments):
                                          "tensors of their size instead of going back to the system, whose pages the "
                                          "kernel would zero again every step (`rlhf_trl.cpu.install_tensor_cache`, a "
                                          "small C++ allocator built on first use; needs a C++ compiler, else a "
-                                         "warning and PyTorch's allocator). Same numbers, bit for bit."})
+                                         "warning and PyTorch's allocator); training's freed blocks wait through "
+                                         "the rollout as far as they fit under training's peak, and the value "
+                                         "model's gradient tensors are kept between updates. Same numbers, bit for "
+                                         "bit."})
     tensor_cache_headroom_mb: int = field(
         default=0, metadata={"help": "MB (2^20 bytes) the tensor cache may raise the peak of the live tensors' "
                                      "footprint by, within each phase of an update (peak RSS for fewer fresh "
@@ -193,15 +196,27 @@ def check_config(args: "PPOConfig") -> None:
         raise ValueError(f"tensor_cache_headroom_mb must be >= 0 MB, got {args.tensor_cache_headroom_mb}")
 
 
-def release_before_new_state(optimizer: torch.optim.Optimizer) -> None:
-    """Before an optimizer step that creates state (AdamW's two moments for a parameter with a gradient and none
-    yet, i.e. the first step): empty the tensor cache (`rlhf_trl.cpu.release_tensor_cache`; a no-op without
-    ``tensor_cache``), so that long-lived state gets blocks of its own size rather than a larger freed activation's.
-    Raises nothing."""
+@contextmanager
+def state_gets_own_blocks(optimizer: torch.optim.Optimizer):
+    """Around an optimizer step that creates state (AdamW's two moments for a parameter with a gradient and none yet,
+    i.e. its first step), with ``tensor_cache``: the cache's kept blocks are set aside through the step
+    (`rlhf_trl.cpu.set_aside_tensor_cache`), so that the long-lived state gets fresh blocks of its own size rather
+    than larger freed activations'; only as many as fit beside the new state under the phase's peak so far (the
+    others are freed, as the budget would free them), and those are kept again after the step for the phase's next
+    tensors. A no-op without the cache or new state. Raises nothing."""
     state = getattr(optimizer, "state", None)  # DeepSpeed's optimizers keep theirs elsewhere
-    if tensor_cache_installed() and state is not None and any(
-            p.grad is not None and p not in state for g in optimizer.param_groups for p in g["params"]):
-        release_tensor_cache()
+    new = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p not in state] \
+        if tensor_cache_installed() and state is not None else []
+    if not new:
+        yield
+        return
+    stats = tensor_cache_stats()
+    state_bytes = 2 * sum(p.numel() * p.element_size() for p in new)
+    set_aside_tensor_cache(max(0, stats["peak_live_bytes"] - stats["live_bytes"] - state_bytes), reset_peak=False)
+    try:
+        yield
+    finally:
+        restore_tensor_cache()
 
 
 def _lm_parts(model):
@@ -339,6 +354,7 @@ class OffloadedWeights:
                              "set `offload_reward_model: false`")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         save_file({n: p.detach().contiguous() for n, p in self.params.items()}, path)
+        self.nbytes = sum(p.numel() * p.element_size() for p in self.params.values())  # of weights when read
         self.release()
 
     def release(self) -> None:
@@ -511,6 +527,11 @@ class PPOEngine(Trainer):
                                      and args.num_mini_batches == 1 and not args.whiten_rewards)
         logger.info("values: %s", "from the value model's training forward (single_value_forward)"
                     if self.single_value_forward else "a no-grad forward in the rollout")
+        # `tensor_cache`: the allocator's peak live bytes of each phase of the last update, and the value model's
+        # gradient tensors kept between updates (`value_step`)
+        self.phase_peaks: dict[str, int] = {}
+        self.phase_start_live = 0
+        self.value_grads: list[torch.Tensor | None] | None = None
         self.reward_offload = None
         if args.offload_reward_model and self.reward_model is not None:
             if self.is_deepspeed_enabled or self.is_fsdp_enabled:
@@ -588,6 +609,33 @@ class PPOEngine(Trainer):
                 out["scores"].append(sequence_scores(reward_model, torch.cat((qr[:, :context], post), 1), pad,
                                                      context))
 
+    def end_phase(self, name: str) -> None:
+        """`tensor_cache`: record the allocator's peak live bytes of the phase ``name`` that ends now ("training" only
+        once a rollout came before it), and for "generate" and "scoring" how far that peak rose above the live bytes
+        at the phase's start; the offloaded reward model's weights, read from disk outside the allocator, count in
+        "scoring"."""
+        if not tensor_cache_installed():
+            return
+        stats = tensor_cache_stats()
+        if name != "training" or "scoring" in self.phase_peaks:
+            extra = self.reward_offload.nbytes if name == "scoring" and self.reward_offload is not None else 0
+            self.phase_peaks[name] = stats["peak_live_bytes"] + extra
+            if name != "training":
+                self.phase_peaks[name] -= self.phase_start_live
+        self.phase_start_live = stats["live_bytes"]
+
+    def set_aside_budget(self) -> int:
+        """Bytes of training's freed blocks the rollout may keep resident (`rlhf_trl.cpu.set_aside_tensor_cache`)
+        without raising the run's peak: the last training phase's peak, less the live bytes now, less the most the
+        last generate or scoring phase rose above its start and ``tensor_cache_headroom_mb`` (a phase's footprint
+        is at most its peak + the headroom); 0 until an update has trained."""
+        peaks = self.phase_peaks
+        if not all(k in peaks for k in ("training", "generate", "scoring")):
+            return 0
+        headroom = self.args.tensor_cache_headroom_mb << 20
+        live = tensor_cache_stats()["live_bytes"]
+        return max(0, peaks["training"] - live - max(peaks["generate"], peaks["scoring"]) - headroom)
+
     @torch.no_grad()
     def rollout(self, queries: torch.Tensor, rows: torch.Tensor | None, update: int) -> dict:
         """Steps 1-2 of an update for left-padded prompts ``queries [b, Q]``.
@@ -605,16 +653,21 @@ class PPOEngine(Trainer):
         # fused_lora: generate with merged copies of the adapted weights (whole weights on this process only)
         merge = args.fused_lora and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
         # `tensor_cache`: each phase (generate, scoring, training) is bounded by its own peak, not by the blocks the
-        # phase before it left (training's activations; generate's merged copies and KV cache)
-        release_tensor_cache(reset_peak=True)
+        # phase before it left (training's activations; generate's merged copies and KV cache); training's freed
+        # blocks wait through the rollout as far as they fit under training's own peak (`set_aside_budget`)
+        self.end_phase("training")
+        aside = set_aside_tensor_cache(self.set_aside_budget())
+        logger.debug("tensor_cache: %d MB of training's freed blocks wait through the rollout", aside >> 20)
         with self.generation_policy() as policy, lora_merged(policy, merge), \
                 onednn_decoding(policy, args.onednn_decoding), mmap_threshold_raised(args.malloc_mmap_threshold):
             query_responses, logprobs = generate_rollouts(
                 policy, queries, pad, sampling_config(args, self.eos_token_ids, pad), step)
+        self.end_phase("generate")
         release_tensor_cache(reset_peak=True)
         out = {k: [] for k in ("ref_logprobs", "values", "scores", "postprocessed")}
         with self.reward_weights() as reward_model:
             self.score_rollouts(query_responses, context, step, reward_model, out)
+        self.end_phase("scoring")
         responses = query_responses[:, context:]
         post = torch.cat(out["postprocessed"])
         sequence_lengths = pm.first_true_indices(post == pad) - 1
@@ -676,6 +729,10 @@ class PPOEngine(Trainer):
         one step after both backward passes; the policy steps in `optimise`). Returns each micro-batch's value-loss
         statistics (`ppo_math.value_loss`).
 
+        With ``tensor_cache`` the gradient tensors are kept between updates (one value model's parameters' worth of
+        memory more through the rollout and the policy's step) and zeroed before the next update's first backward,
+        which adds into them instead of taking fresh pages from the kernel: the same sums (0 + g = g).
+
         Same gradient as TRL 1.12's second value forward: the weights have not moved since the rollout, so the
         rollout's values equal the training forward's and the clipped term equals the unclipped one."""
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
@@ -683,6 +740,10 @@ class PPOEngine(Trainer):
         fp32 = (lambda t: t.float()) if acc.native_amp else (lambda t: t)
         values, stats = None, []
         self.model.train()
+        params = [p for p in self.model.value_model.parameters() if p.requires_grad]
+        if self.value_grads is not None:  # `tensor_cache`: the last update's gradient tensors, zeroed: no fresh pages
+            for p, grad in zip(params, self.value_grads):
+                p.grad = None if grad is None else grad.zero_()
         for _, _, idx in self.micro_batches(order):
             with acc.autocast():
                 vpred = fp32(token_scores(self.model.value_model, ro["query_responses"][idx], pad)[:, context - 1: -1])
@@ -698,9 +759,11 @@ class PPOEngine(Trainer):
             stats.append({k: v.detach() for k, v in vf.items()})
             del vpred, vf
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside accelerate's
-        release_before_new_state(optimizer)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)  # the value model's gradients go before the policy's activations come
+        with state_gets_own_blocks(optimizer):
+            optimizer.step()
+        if tensor_cache_installed():
+            self.value_grads = [p.grad for p in params]
+        optimizer.zero_grad(set_to_none=True)  # the policy's step must skip the value model's parameters
         ro["values"] = values
         return stats
 
@@ -719,8 +782,8 @@ class PPOEngine(Trainer):
             for mb, k, idx in self.micro_batches(orders[epoch]):
                 with acc.accumulate(self.model):
                     pg, vf, entropy = self.losses(ro, adv, idx, context, value=value_stats is None)
-                    release_before_new_state(getattr(self.optimizer, "optimizer", self.optimizer))
-                    self.optimizer.step()
+                    with state_gets_own_blocks(getattr(self.optimizer, "optimizer", self.optimizer)):
+                        self.optimizer.step()
                     self.optimizer.zero_grad()
                 vf = vf if value_stats is None else value_stats[k]
                 at = (epoch, mb, k)
@@ -836,7 +899,9 @@ class PPOEngine(Trainer):
             data = next(batches)
             ro = self.rollout(data["input_ids"].to(self.accelerator.device), data.get("row"), update)
             gc.collect()
-            release_tensor_cache(reset_peak=True)  # `tensor_cache`: training's footprint is bounded by its own peak
+            # `tensor_cache`: training's footprint is bounded by its own peak; it starts with the blocks it set aside
+            release_tensor_cache(reset_peak=True)
+            restore_tensor_cache()
             # each epoch's shuffle of the batch, drawn before anything trains (the same numpy draws as one per epoch)
             orders = [np.random.permutation(args.local_batch_size) for _ in range(args.num_ppo_epochs)]
             value_stats = self.value_step(ro, orders[0]) if self.single_value_forward else None

@@ -13,6 +13,9 @@
 // frees the oldest kept blocks until live + kept + request <= the most live bytes seen so far + `headroom` (or
 // live + request when that is a new high): kept blocks never raise the peak of this allocator's footprint by more
 // than `headroom` bytes. `release(reset_peak)` empties the cache and can restart "the most live bytes" from now.
+// `set_aside(max_bytes)` keeps up to max_bytes of the most recently freed kept blocks out of use (resident, neither
+// handed out nor freed by later releases) and frees the rest; `restore()` makes them kept blocks again: one phase's
+// blocks (PPO's training) wait through other phases (the rollout) for the next time that phase needs them.
 // Allocation itself is c10::alloc_cpu (its alignment; THP_MEM_ALLOC_ENABLE huge pages). Plain C entry points for
 // ctypes; no Python headers needed.
 #include <c10/core/Allocator.h>
@@ -37,6 +40,8 @@ struct Cache {
   size_t cached = 0, min_bytes = 0, headroom = 0;  // bytes
   double max_unused = 0;                                // fraction of a kept block a request may leave unused
   size_t live_bytes = 0, peak_live = 0;                 // bytes of handed-out blocks (>= min_bytes): now, most ever
+  std::vector<std::pair<void*, size_t>> aside;          // blocks set aside, most recently freed first
+  size_t aside_bytes = 0;
   uint64_t tick = 0;
   uint64_t hits = 0, misses = 0;
   bool enabled = false;
@@ -146,6 +151,20 @@ size_t release_locked(Cache& c) {
   return n;
 }
 
+// the set-aside blocks become kept blocks again, in their freeing order (the most recently freed one last)
+size_t restore_locked(Cache& c) {
+  size_t n = c.aside_bytes;
+  for (auto it = c.aside.rbegin(); it != c.aside.rend(); ++it) {
+    uint64_t t = ++c.tick;
+    c.free[it->second].emplace_back(it->first, t);
+    c.lru.emplace(t, std::make_pair(it->second, it->first));
+    c.cached += it->second;
+  }
+  c.aside.clear();
+  c.aside_bytes = 0;
+  return n;
+}
+
 }  // namespace
 
 extern "C" {
@@ -173,6 +192,39 @@ uint64_t rlhf_trl_tensor_cache_release(int reset_peak) {
   return release_locked(c);
 }
 
+// Keeps up to max_bytes of the kept blocks (and of any set aside before), the most recently freed first, out of use
+// until rlhf_trl_tensor_cache_restore; frees the others; with reset_peak the most live bytes seen so far become the
+// live bytes now. Returns the bytes set aside.
+uint64_t rlhf_trl_tensor_cache_set_aside(uint64_t max_bytes, int reset_peak) {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> g(c.mu);
+  restore_locked(c);
+  for (auto it = c.lru.rbegin(); it != c.lru.rend(); ++it) {
+    auto [n, p] = it->second;
+    if (c.aside_bytes + n <= max_bytes) {
+      c.aside.emplace_back(p, n);
+      c.aside_bytes += n;
+    } else {
+      c10::free_cpu(p);
+    }
+  }
+  c.lru.clear();
+  c.free.clear();
+  c.cached = 0;
+  if (reset_peak) c.peak_live = c.live_bytes;
+  return c.aside_bytes;
+}
+
+// The blocks set aside become kept blocks again; the most live bytes seen so far become at least live + kept bytes
+// (blocks that were resident all along do not count as raising the footprint). Returns the bytes restored.
+uint64_t rlhf_trl_tensor_cache_restore() {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> g(c.mu);
+  size_t n = restore_locked(c);
+  c.peak_live = std::max(c.peak_live, c.live_bytes + c.cached);
+  return n;
+}
+
 // Stops keeping blocks (frees the kept ones) and gives PyTorch its default CPU allocator back.
 uint64_t rlhf_trl_tensor_cache_uninstall() {
   Cache& c = cache();
@@ -180,13 +232,14 @@ uint64_t rlhf_trl_tensor_cache_uninstall() {
   {
     std::lock_guard<std::mutex> g(c.mu);
     c.enabled = false;
+    restore_locked(c);
     n = release_locked(c);
   }
   c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/200);
   return n;
 }
 
-// out[0..5] = bytes kept now, hits, misses, live blocks, live bytes, most live bytes.
+// out[0..6] = bytes kept now, hits, misses, live blocks, live bytes, most live bytes, bytes set aside.
 void rlhf_trl_tensor_cache_stats(uint64_t* out) {
   Cache& c = cache();
   std::lock_guard<std::mutex> g(c.mu);
@@ -196,6 +249,7 @@ void rlhf_trl_tensor_cache_stats(uint64_t* out) {
   out[3] = c.live.size();
   out[4] = c.live_bytes;
   out[5] = c.peak_live;
+  out[6] = c.aside_bytes;
 }
 
 }
