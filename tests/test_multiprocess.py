@@ -303,3 +303,17 @@ def test_processes_without_a_process_group_refuse_to_start(assets, tmp_path):
     assert proc.returncode != 0
     assert "did not join one process group" in proc.stderr
     assert not out.exists() or not os.listdir(out)
+
+
+def test_a_finished_stage_destroys_its_process_group(tmp_path):
+    """`run_stage` ends the process group when the stage is done: left to the interpreter's exit, gloo's threads can
+    abort a rank that finished and wrote everything (exit -6), and `accelerate launch` reports the run as failed."""
+    import torch.distributed as dist
+
+    from rlhf_trl.cli_launch import end_process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    assert dist.is_initialized()
+    end_process_group()
+    assert not dist.is_initialized()
+    end_process_group()  # one process, no group: nothing to do

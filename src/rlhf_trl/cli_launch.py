@@ -78,6 +78,7 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
             raise
         print(f"rlhf-trl {stage}: error: {one_line(exc)}", file=sys.stderr)
         sys.exit(4)
+    end_process_group()
     if stage == "demo" and "summary" in result:
         print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
         return 0
@@ -93,6 +94,17 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
         for key in sorted(summary)[:30]:
             print(f"  {key}: {summary[key]:.4g}" if isinstance(summary[key], float) else f"  {key}: {summary[key]}")
     return 0
+
+
+def end_process_group() -> None:
+    """Under ``accelerate launch``: destroy the process group once the stage is done. Left alive to the interpreter's
+    exit, gloo's threads can abort a process that has finished and written everything ("terminate called without an
+    active exception", exit -6), and the launcher then reports the whole run as failed. A no-op in one process.
+    Raises nothing of its own."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def print_demo_summary(summary: dict, path: str) -> None:

@@ -349,10 +349,9 @@ def install_tensor_cache(headroom_bytes: int = 0, min_bytes: int = 1 << 17, max_
 def release_tensor_cache(reset_peak: bool = False) -> int:
     """Free every block the tensor cache keeps (`install_tensor_cache`); with ``reset_peak`` the budget's "most live
     bytes so far" becomes the live bytes now, so what follows is bounded by its own peak, not an earlier phase's.
-    Returns the bytes freed (0 when the cache is not installed). PPO calls it before an optimizer step that creates
-    optimizer state (long-lived tensors then get blocks of their own size) and, with ``reset_peak``, between the
-    rollout and the optimisation phase (the rollout's blocks, the offloaded reward model's weights among them, go).
-    Raises nothing."""
+    Blocks set aside (`set_aside_tensor_cache`) stay. Returns the bytes freed (0 when the cache is not installed).
+    PPO calls it with ``reset_peak`` between generate and scoring and between scoring and the optimisation phase
+    (each phase's blocks go before the next phase starts). Raises nothing."""
     if _tensor_cache_lib is None:
         return 0
     return int(_tensor_cache_lib.rlhf_trl_tensor_cache_release(int(reset_peak)))
