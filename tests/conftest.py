@@ -1,5 +1,7 @@
 import json
 import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,41 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = (REPO / ".." / "shared").resolve()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def earlier_sessions_removed(tmp_path_factory):
+    """Remove the temporary directories of earlier test sessions at this session's start.
+
+    Pytest removes them at a session's end, keeping `tmp_path_retention_count` (pyproject: 1, with
+    `tmp_path_retention_policy = "failed"`); a machine whose temp dir still holds sessions kept under pytest's defaults
+    (3 sessions, every directory: up to ~25 GB each with the real-weight runs) would run out of disk before this
+    session ends. The same locked cleanup pytest runs at exit (`_pytest.pathlib.cleanup_numbered_dir`): a session still
+    running holds its lock and is left alone. Nothing is done under ``--basetemp``."""
+    base = tmp_path_factory.getbasetemp()
+    try:
+        from _pytest.pathlib import LOCK_TIMEOUT, cleanup_numbered_dir
+    except ImportError:  # a pytest that moved its helpers: pytest's own cleanup at exit still runs
+        return
+    if base.name.startswith("pytest-") and base.parent.name.startswith("pytest-of-"):
+        cleanup_numbered_dir(base.parent, "pytest-", keep=1,
+                             consider_lock_dead_if_created_before=time.time() - LOCK_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory):
+    """``mktemp(name) -> Path`` for a module's fixtures whose runs write gigabytes (real weights: a merged fp32 policy
+    is 2.4 GB, the value model 1.9 GB); what it made is removed when the module's last test is done, so the suite's
+    disk peak is one module's (~11 GB) rather than the sum (pytest keeps `tmp_path_factory` directories to the end)."""
+    made = []
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

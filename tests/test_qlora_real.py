@@ -101,11 +101,11 @@ def stock(real_model, ids):
 
 
 @pytest.fixture(scope="module")
-def qlora_sft(real_model, ids, tmp_path_factory):
+def qlora_sft(real_model, ids, module_tmp):
     from rlhf_trl import sft
 
     probe = Probe(ids)
-    out = tmp_path_factory.mktemp("qlora_sft")
+    out = module_tmp("qlora_sft")
     result = sft.main(["--config", str(RECIPES / "sft.yaml"), "--model_name_or_path", real_model,
                        "--output_dir", str(out), "--max_steps", "1", "--warmup_steps", "0", "--max_length", "48",
                        "--gradient_accumulation_steps", "1", "--learning_rate", "1e-3", "--eval_split_size", "1",
@@ -114,12 +114,12 @@ def qlora_sft(real_model, ids, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def qlora_rm(real_model, ids, tmp_path_factory):
+def qlora_rm(real_model, ids, module_tmp):
     """The reward model straight on the stock directory (no SFT merge in between: the stages are tested apart)."""
     from rlhf_trl import rm
 
     probe = Probe(ids)
-    out = tmp_path_factory.mktemp("qlora_rm")
+    out = module_tmp("qlora_rm")
     result = rm.main(["--config", str(RECIPES / "rm.yaml"), "--model_name_or_path", real_model,
                       "--output_dir", str(out), "--max_steps", "1", "--max_length", "64",
                       "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",

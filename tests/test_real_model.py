@@ -10,6 +10,7 @@ Skipped when ../shared is absent or the registry is unreachable (the fetch scrip
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -46,10 +47,10 @@ def completion_loss(model, feats) -> float:
 
 
 @pytest.fixture(scope="module")
-def real_sft(real_model, tmp_path_factory):
+def real_sft(real_model, module_tmp):
     from rlhf_trl import sft
 
-    out = tmp_path_factory.mktemp("real_sft")
+    out = module_tmp("real_sft")
     return sft.main(["--config", str(RECIPES / "sft.yaml"), "--model_name_or_path", real_model,
                      "--output_dir", str(out), "--max_steps", "6", "--max_length", "128",
                      "--gradient_accumulation_steps", "1", "--learning_rate", "5e-4", "--eval_split_size", "4",
@@ -57,21 +58,21 @@ def real_sft(real_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def real_rm(real_sft, tmp_path_factory):
+def real_rm(real_sft, module_tmp):
     from rlhf_trl import rm
 
-    out = tmp_path_factory.mktemp("real_rm")
+    out = module_tmp("real_rm")
     return rm.main(["--config", str(RECIPES / "rm.yaml"), "--model_name_or_path", real_sft["merged"],
                     "--output_dir", str(out), "--max_steps", "3", "--max_length", "192",
                     "--gradient_accumulation_steps", "1", "--eval_split_size", "8", "--report_to", "none"])
 
 
 @pytest.fixture(scope="module")
-def real_ppo(real_model, real_rm, tmp_path_factory):
+def real_ppo(real_model, real_rm, module_tmp):
     """2 PPO updates whose policy is the stock directory itself: its sampling settings and EOS list, no reset flag."""
     from rlhf_trl import ppo
 
-    out = tmp_path_factory.mktemp("real_ppo")
+    out = module_tmp("real_ppo")
     return ppo.main(["--config", str(RECIPES / "ppo.yaml"), "--sft_model_path", real_model,
                      "--reward_model_path", real_rm["merged"], "--output_dir", str(out),
                      "--total_episodes", "4", "--per_device_train_batch_size", "2", "--response_length", "12",
@@ -190,6 +191,7 @@ def test_merged_models_reload_and_match_the_adapters(real_model, real_rm, real_p
         adapter_logits = adapted(input_ids=ids).logits
     del adapted, base
     torch.testing.assert_close(merged_logits, adapter_logits, rtol=1e-3, atol=2e-3)
+    shutil.rmtree(tmp_path / "policy")  # 2.4 GB: disk for the RM's merge below
 
     merge.main(["--adapter", os.path.join(real_rm["output_dir"], "adapter"), "--output", str(tmp_path / "rm"),
                 "--dtype", "float32"])
