@@ -36,7 +36,7 @@ def earlier_sessions_removed(tmp_path_factory):
 def module_tmp(tmp_path_factory):
     """``mktemp(name) -> Path`` for a module's fixtures whose runs write gigabytes (real weights: a merged fp32 policy
     is 2.4 GB, the value model 1.9 GB); what it made is removed when the module's last test is done, so the suite's
-    disk peak is one module's (~11 GB) rather than the sum (pytest keeps `tmp_path_factory` directories to the end)."""
+    disk peak is one module's (~9 GB) rather than the sum (pytest keeps `tmp_path_factory` directories to the end)."""
     made = []
 
     def mktemp(name: str) -> Path:

@@ -154,6 +154,34 @@ def test_the_floor_times_each_shape_once_and_counts_it(tmp_path):
     assert calls == [(8, 4, 2), (16, 4, 2)]  # cached across phases and variants
 
 
+def test_decoding_products_are_timed_on_weights_the_cache_does_not_hold(monkeypatch):
+    """At most 64 rows: the runs cycle through distinct weights holding ``cold_bytes`` together (each layout its own
+    set), every one touched before the timed runs; more rows: one weight."""
+    import torch
+
+    assert bench_real.cold_weight_copies(4864, 896) == 62  # 62 x 17.4 MB >= 1 GiB
+    assert bench_real.cold_weight_copies(151936, 896) == 2  # the LM head: 545 MB, at least 2
+    made, seen, randn = [], [], torch.randn
+
+    def counting_randn(*shape):
+        t = randn(*shape)
+        if shape == (32, 32):  # a weight (the inputs are [rows, 32])
+            made.append(t.data_ptr())
+        return t
+
+    monkeypatch.setattr(torch, "randn", counting_randn)
+    monkeypatch.setattr(bench_real, "_timed", lambda fn: seen.append(fn) or 1e-3)
+    copies = bench_real.cold_weight_copies(32, 32, cold_bytes=1 << 16)
+    assert copies == 16
+    assert bench_real.gemm_seconds(8, 32, 32, repeats=3, cold_bytes=1 << 16) == 1e-3
+    layouts = 3 if torch.backends.mkldnn.is_available() else 2
+    assert len(made) == layouts * copies and len(seen) == 3 * layouts
+    assert all(len(set(made[i * copies:(i + 1) * copies])) == copies for i in range(layouts))  # live together
+    made.clear()
+    bench_real.gemm_seconds(128, 32, 32, repeats=1, cold_bytes=1 << 16)
+    assert len(made) == 2  # one weight per layout past 64 rows
+
+
 def test_gemm_seconds_scales_rows_past_the_timed_slab():
     small = bench_real.gemm_seconds(8, 32, 32, repeats=1)
     assert 0 < small < 1
