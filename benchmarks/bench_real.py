@@ -437,7 +437,7 @@ def gemm_seconds(m: int, k: int, n: int, repeats: int = 5, slab: tuple[int, int,
         for _ in range(copies):  # every copy touched once: no first-touch page faults in the timed runs
             kernel()
         best = min(best, *(_timed(kernel) for _ in range(repeats)))
-        del turn, kernel
+        del turn, kernel  # this layout's copies go before the next layout's are made: 1 GiB at a time
     return best * (m * k * n) / (mm * kk * nn)
 
 
@@ -713,9 +713,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(model)
     n = param_counts(cfg)
     # (m, k, n) -> seconds: each product shape timed once, in the parent, between variants. With --reuse the shapes
-    # are timed again and the faster of that and the earlier timing (matmul_floor_timings.json) counts: the VM's
+    # are timed again and the faster of that and the earlier timing (matmul_floor_timings.v2.json) counts: the VM's
     # rate moves by tens of percent over minutes, and a floor is the machine's best.
-    timings_path = out_dir / "matmul_floor_timings.v2.json"  # v2: decoding's products timed on uncached weights
+    # v2: decoding's products timed on uncached weights; the first file's cached timings would win every minimum
+    timings_path = out_dir / "matmul_floor_timings.v2.json"
     earlier = load_timings(timings_path) if args.reuse else {}
     timings: dict = {}
 
