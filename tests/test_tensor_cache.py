@@ -1,8 +1,8 @@
-"""`rlhf_trl.cpu.install_tensor_cache`: freed CPU tensor blocks are reused (same address, no fresh pages), the
-cache never raises the live footprint's peak by more than its headroom, a larger kept block serves a request only
-when at most an eighth of it goes unused, blocks set aside wait untouched and come back, PPO keeps training's blocks
-through the rollout only as far as they fit under training's peak, training and a whole PPO run through it are bit
-for bit the same, and without a C++ compiler the run goes on with a warning. Each check runs in a subprocess: the cache replaces the
+"""`rlhf_trl.cpu.install_tensor_cache`: freed CPU tensor blocks are reused (same address, no fresh pages), a
+larger kept block serves a request only when at most an eighth of it goes unused, a request no kept block fits is
+made of the kept blocks' pages (no fresh page faults), the cache never raises the live footprint's peak by more than
+its headroom, an update frees no kept block between its phases, training and a whole PPO run through it are bit for
+bit the same, and without a C++ compiler the run goes on with a warning. Each check runs in a subprocess: the cache replaces the
 process's CPU allocator."""
 
 import os
@@ -48,13 +48,14 @@ b = block(3 * MB); assert b.data_ptr() == addr, "same size: the kept block"
 del b
 c = block(3 * MB - (256 << 10)); assert c.data_ptr() == addr, "from the kept 3 MB block: 1/12 of it unused"
 del c
-d = block(2 * MB); assert d.data_ptr() != addr, "2 MB would leave a third of 3 MB unused (> 1/8): a fresh block"
+d = block(2 * MB); assert d.data_ptr() != addr, "2 MB would leave a third of 3 MB unused (> 1/8): a new block"
 s = cpu.tensor_cache_stats()
-assert (s["hits"], s["misses"], s["kept_bytes"], s["live_bytes"]) == (2, 2, 3 * MB, 2 * MB), s
+assert (s["hits"], s["misses"], s["kept_bytes"], s["live_bytes"]) == (2, 2, MB, 2 * MB), s
+assert s["recycled_bytes"] == 2 * MB, "made of the kept 3 MB block's first 2 MB; its last 1 MB stays kept"
 g = block(MB + 4096); grown = g.data_ptr(); del g
 g = block(MB + 8192); assert g.data_ptr() == grown, "one size class (1 MB + 128 KB): a growing tensor reuses it"
 del g
-s = cpu.tensor_cache_stats(); assert s["hits"] == 3 and s["kept_bytes"] == 3 * MB + MB + (128 << 10), s
+s = cpu.tensor_cache_stats(); assert s["hits"] == 3 and s["kept_bytes"] == MB + (128 << 10), s
 assert cpu.release_tensor_cache() == s["kept_bytes"]
 small = block(64 << 10)
 assert cpu.tensor_cache_stats()["misses"] == 3, "< 128 KB: not the cache's"
@@ -70,83 +71,59 @@ def test_freed_blocks_are_reused(built):
     assert run_script(REUSE).split()[-1] == "ok"
 
 
+RECYCLE = """
+import resource, torch
+from rlhf_trl import cpu
+MB = 1 << 20
+assert cpu.install_tensor_cache()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+held = [torch.full((MB // 4,), float(i)) for i in range(4)]  # 4 x 1 MB, every page touched
+del held
+before = faults()
+x = torch.ones(3 * MB // 4)  # 3 MB: no kept block fits; made of the three oldest ones' pages
+moved = faults() - before
+s = cpu.tensor_cache_stats()
+assert (s["recycled_bytes"], s["kept_bytes"], s["misses"]) == (3 * MB, MB, 5), s
+assert x.sum().item() == 3 * MB // 4, "the new tensor holds what was written into it"
+before = faults()
+y = torch.ones(3 * MB // 4)  # nothing kept to cover it: 1 MB moved, 2 MB fresh pages
+fresh = faults() - before
+print(moved, fresh)
+"""
+
+
+def test_a_request_no_kept_block_fits_is_made_of_their_pages(built):
+    """3 MB from three kept 1 MB blocks: next to no page faults (the pages are in place), against one per fresh
+    4 KB page for the next 3 MB, two thirds of which no kept block covers."""
+    moved, fresh = map(int, run_script(RECYCLE).split())
+    assert moved < 32 and fresh >= 2 * MB // 4096, (moved, fresh)
+
+
 HEADROOM = """
 import torch, sys
 from rlhf_trl import cpu
 MB = 1 << 20
 assert cpu.install_tensor_cache(headroom_bytes=int(sys.argv[1]) * MB)
-held = [torch.empty(MB, dtype=torch.uint8) for _ in range(8)]  # peak: 8 MB live
-del held  # 8 MB kept
-x = torch.empty(3 * MB, dtype=torch.uint8)  # fits no kept block: a fresh one
+held = [torch.empty(MB, dtype=torch.uint8) for _ in range(16)]  # peak: 16 MB live
+del held  # 16 MB kept
+x = torch.empty(12 * MB, dtype=torch.uint8)  # the pages of 8 kept blocks (8 mappings at most), 4 MB fresh
 s = cpu.tensor_cache_stats()
-print(s["kept_bytes"] // MB, s["live_bytes"] // MB)
+print(s["recycled_bytes"] // MB, s["kept_bytes"] // MB, s["live_bytes"] // MB)
 """
 
 
-@pytest.mark.parametrize("headroom_mb, kept_mb", [(0, 5), (2, 7), (8, 8)])
+@pytest.mark.parametrize("headroom_mb, kept_mb", [(0, 4), (2, 6), (8, 8)])
 def test_headroom_bounds_the_kept_blocks(built, headroom_mb, kept_mb):
-    """live + kept <= peak (8 MB) + headroom: with a 3 MB tensor live, 5 MB stay kept at 0 headroom, 7 at 2 MB, all
-    8 at 8 MB."""
-    assert run_script(HEADROOM, str(headroom_mb)).split() == [str(kept_mb), "3"]
-
-
-RESET = """
-import torch, sys
-from rlhf_trl import cpu
-MB = 1 << 20
-assert cpu.install_tensor_cache()
-held = [torch.empty(MB, dtype=torch.uint8) for _ in range(8)]  # peak: 8 MB live
-del held
-assert cpu.release_tensor_cache(reset_peak=sys.argv[1] == "reset") == 8 * MB
-one = torch.empty(MB, dtype=torch.uint8); del one  # 1 MB kept
-x = torch.empty(3 * MB, dtype=torch.uint8)  # a miss: within the old 8 MB peak, or a new 3 MB high after a reset
-print(cpu.tensor_cache_stats()["kept_bytes"] // MB)
-"""
-
-
-@pytest.mark.parametrize("reset, kept_mb", [("keep", 1), ("reset", 0)])
-def test_a_reset_peak_bounds_what_follows_by_its_own_peak(built, reset, kept_mb):
-    assert run_script(RESET, reset).split() == [str(kept_mb)]
-
-
-ASIDE = """
-import torch
-from rlhf_trl import cpu
-MB = 1 << 20
-assert cpu.install_tensor_cache(headroom_bytes=64 * MB)
-def block(nbytes):
-    return torch.empty(nbytes, dtype=torch.uint8)
-a, b, c = block(2 * MB), block(3 * MB), block(4 * MB)
-addr = {n: t.data_ptr() for n, t in (("a", a), ("b", b), ("c", c))}
-del a, b, c  # freed in this order: c is the most recently freed
-assert cpu.set_aside_tensor_cache(5 * MB) == 4 * MB, "c (4 MB) first; b (3 MB) would pass 5 MB; a (2 MB) neither"
-s = cpu.tensor_cache_stats()
-assert (s["kept_bytes"], s["aside_bytes"], s["peak_live_bytes"]) == (0, 4 * MB, 0), s
-x = block(4 * MB); assert x.data_ptr() != addr["c"], "a block set aside is handed out to nobody"
-del x
-assert cpu.release_tensor_cache() == 4 * MB and cpu.tensor_cache_stats()["aside_bytes"] == 4 * MB, "x's, not c's"
-assert cpu.restore_tensor_cache() == 4 * MB
-s = cpu.tensor_cache_stats()
-assert (s["kept_bytes"], s["aside_bytes"], s["peak_live_bytes"]) == (4 * MB, 0, 4 * MB), s
-y = block(4 * MB); assert y.data_ptr() == addr["c"], "restored: kept again"
-del y
-assert cpu.set_aside_tensor_cache(MB, reset_peak=False) == 0 and cpu.tensor_cache_stats()["peak_live_bytes"] == 4 * MB
-z = block(4 * MB); del z
-assert cpu.set_aside_tensor_cache(8 * MB) == 4 * MB
-assert cpu.uninstall_tensor_cache() == 4 * MB, "blocks set aside go with the cache"
-print("ok")
-"""
-
-
-def test_blocks_set_aside_wait_untouched_and_come_back(built):
-    assert run_script(ASIDE).split()[-1] == "ok"
+    """live + kept <= peak (16 MB) + headroom: a 12 MB tensor made of 8 kept 1 MB blocks and 4 MB of fresh pages
+    leaves 4 MB kept at 0 headroom, 6 at 2 MB, all 8 at 8 MB."""
+    assert run_script(HEADROOM, str(headroom_mb)).split() == ["8", str(kept_mb), "12"]
 
 
 TRAIN = """
 import hashlib, sys, torch
 from transformers import AutoModelForCausalLM
 from rlhf_trl import cpu
-from rlhf_trl.ppo_engine import state_gets_own_blocks
 if sys.argv[2] == "cache":
     assert cpu.install_tensor_cache(min_bytes=4096)  # the tiny model's tensors are small
 torch.manual_seed(0)
@@ -155,8 +132,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ids = torch.randint(0, model.config.vocab_size, (4, 48))
 for _ in range(3):
     model(input_ids=ids, labels=ids).loss.backward()
-    with state_gets_own_blocks(opt):
-        opt.step()
+    opt.step()
     opt.zero_grad(set_to_none=True)
 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 print(digest, cpu.tensor_cache_stats()["hits"])
@@ -170,83 +146,40 @@ def test_training_through_the_cache_is_bit_for_bit_the_same(built, assets):
     assert plain_hits == "0" and int(cached_hits) > 100  # the steps after the first reuse their blocks
 
 
-def test_new_optimizer_state_gets_blocks_of_its_own(monkeypatch):
-    """Only a step that makes state sets the kept blocks aside, as many as fit beside the state (2 x 12 bytes here)
-    under the peak so far, and restores them after the step."""
-    calls = []
-    monkeypatch.setattr(ppo_engine, "tensor_cache_installed", lambda: True)
-    monkeypatch.setattr(ppo_engine, "tensor_cache_stats", lambda: {"peak_live_bytes": 1000, "live_bytes": 600})
-    monkeypatch.setattr(ppo_engine, "set_aside_tensor_cache",
-                        lambda n, reset_peak=True: calls.append(("set_aside", n, reset_peak)))
-    monkeypatch.setattr(ppo_engine, "restore_tensor_cache", lambda: calls.append("restore"))
-    w = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.AdamW([w])
-    with ppo_engine.state_gets_own_blocks(opt):
-        pass
-    assert calls == []  # no gradient: no state to make
-    w.grad = torch.ones(3)
-    with ppo_engine.state_gets_own_blocks(opt):
-        assert calls == [("set_aside", 1000 - 600 - 2 * 3 * 4, False)]
-        opt.step()  # AdamW's moments now exist
-    assert calls[-1] == "restore"
-    with ppo_engine.state_gets_own_blocks(opt):
-        opt.step()
-    assert len(calls) == 2
+PHASES = """
+import json, resource, sys
+from rlhf_trl import cpu, ppo, ppo_engine
+seen = []
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+real_read = ppo_engine.OffloadedWeights.read
+
+def read(self):
+    before, start = cpu.tensor_cache_stats(), faults()
+    real_read(self)
+    after, end = cpu.tensor_cache_stats(), faults()
+    big = sum(n for n in (p.numel() * p.element_size() for p in self.params.values()) if n >= 131072)
+    seen.append({"faults": end - start, "big_pages": big // 4096, "taken": after["recycled_bytes"] -
+                 before["recycled_bytes"] + after["hits"] - before["hits"]})
+
+ppo_engine.OffloadedWeights.read = read
+ppo.main(json.loads(sys.argv[1]))
+print(json.dumps(seen))
+"""
 
 
-def test_training_blocks_wait_through_the_rollout_as_far_as_they_fit(monkeypatch):
-    """Set aside: training's peak - the live bytes now - the most generate or scoring rose above its start (the
-    offloaded reward model's weights counted) - the headroom; nothing before an update has trained."""
-    stats = {"peak_live_bytes": 0, "live_bytes": 0}
-    monkeypatch.setattr(ppo_engine, "tensor_cache_installed", lambda: True)
-    monkeypatch.setattr(ppo_engine, "tensor_cache_stats", lambda: dict(stats))
-    engine = ppo_engine.PPOEngine.__new__(ppo_engine.PPOEngine)  # the bookkeeping alone, no models
-    engine.args = ppo_engine.PPOConfig(output_dir="unused", bf16=False, use_cpu=True, tensor_cache_headroom_mb=1)
-    engine.phase_peaks, engine.phase_start_live = {}, 0
-    engine.reward_offload = type("Offloaded", (), {"nbytes": 300 * MB})()
+@pytest.mark.slow  # a PPO run of 2 updates in a subprocess (~20 s)
+def test_an_update_makes_its_tensors_of_the_last_phases_pages(built, assets, sft_run, rm_run, tmp_path):
+    """Nothing empties the cache between phases, and the offloaded reward model is read back into the allocator's
+    tensors: in the second update its weights (those of >= 128 KB, the cache's) are kept blocks or made of their
+    pages (the first update's freed blocks; moved, not zeroed again)."""
+    import json
 
-    def phase(name, live_at_end, peak):
-        stats.update(live_bytes=live_at_end * MB, peak_live_bytes=peak * MB)
-        engine.end_phase(name)
-
-    phase("training", 4000, 4000)  # model loading: no update has trained yet
-    assert "training" not in engine.phase_peaks and engine.set_aside_budget() == 0
-    phase("generate", 4000, 5500)  # rose 1500 MB above its start
-    phase("scoring", 4000, 5000)  # 1000 MB + 300 MB of offloaded weights
-    assert engine.phase_peaks == {"generate": 1500 * MB, "scoring": 1300 * MB}
-    assert engine.set_aside_budget() == 0  # nothing has trained yet
-    phase("training", 6000, 9000)  # AdamW's state came: 6000 MB live after training
-    assert engine.set_aside_budget() == (9000 - 6000 - 1500 - 1) * MB
-    stats.update(live_bytes=8000 * MB)
-    assert engine.set_aside_budget() == 0  # no room under training's peak
-
-
-def test_each_phase_of_an_update_starts_from_an_empty_cache(assets, sft_run, rm_run, tmp_path, monkeypatch):
-    """The loop empties the cache and restarts its peak before generate (training's blocks set aside, as far as
-    they fit: none without the cache), between generate and scoring, and between scoring and training (the blocks
-    set aside come back): no phase's footprint is raised by the blocks the phase before it left (training's
-    activations, generate's merged copies and KV cache)."""
-    ppo, events = import_ppo(), []
-
-    def mark(name, real):
-        def wrapper(*args, **kwargs):
-            if not events or events[-1] != name:  # scoring runs once per rollout chunk
-                events.append(name)
-            return real(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(ppo_engine, "release_tensor_cache",
-                        lambda reset_peak=False: events.append(("release", reset_peak)) or 0)
-    monkeypatch.setattr(ppo_engine, "set_aside_tensor_cache",
-                        lambda n, reset_peak=True: events.append(("set_aside", n, reset_peak)) or 0)
-    monkeypatch.setattr(ppo_engine, "restore_tensor_cache", lambda: events.append("restore") or 0)
-    monkeypatch.setattr(ppo_engine, "generate_rollouts", mark("generate", ppo_engine.generate_rollouts))
-    for name in ("score_rollouts", "optimise"):
-        monkeypatch.setattr(ppo_engine.PPOEngine, name, mark(name, getattr(ppo_engine.PPOEngine, name)))
-    ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "16", "--save_strategy", "no"))
-    update = [("set_aside", 0, True), "generate", ("release", True), "score_rollouts", ("release", True), "restore",
-              "optimise"]
-    assert events == update * 2
+    argv = ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "16", "--save_strategy", "no",
+                    "--tensor_cache", "true", "--offload_reward_model", "true")
+    seen = json.loads(run_script(PHASES, json.dumps(argv)).splitlines()[-1])
+    assert len(seen) == 3  # each update's scoring, then the end of training
+    assert seen[1]["big_pages"] > 0 and seen[1]["taken"] > 0, seen
+    assert seen[1]["faults"] < seen[1]["big_pages"] // 4, seen  # measured: 1 page fault for 459 pages of weights
 
 
 @pytest.mark.slow  # two PPO runs of 3 updates (~25 s)
@@ -303,8 +236,8 @@ def test_bad_settings_are_refused():
 
 @pytest.mark.slow  # two PPO runs of 2 updates in subprocesses (~40 s)
 def test_a_ppo_run_through_the_cache_is_bit_for_bit_the_same(built, assets, sft_run, rm_run, tmp_path):
-    """`tensor_cache: true` end to end (install before the models load, the release before the optimisation phase
-    and before AdamW makes its state): the same policy and value model, bit for bit, as the run without."""
+    """`tensor_cache: true` end to end (installed before the models load; every phase's tensors from the kept
+    blocks' pages): the same policy and value model, bit for bit, as the run without."""
     weights = {}
     for mode in ("plain", "cache"):
         out = tmp_path / mode

@@ -298,9 +298,12 @@ def install_tensor_cache(headroom_bytes: int = 0, min_bytes: int = 1 << 17, max_
     (`rlhf_trl/csrc/tensor_cache.cpp`, built by `build_tensor_cache`), for the process's later allocations; PPO's
     ``tensor_cache``. A request takes the most recently freed block of the smallest kept size that fits with at most
     ``max_unused`` of it unused (default an eighth: a larger freed block serving a long-lived smaller tensor would
-    raise the peak by what it leaves unused); a request none fits first frees the oldest kept blocks until the
-    live + kept bytes stay within the most live bytes seen so far + ``headroom_bytes``: the cache raises the
-    footprint's peak by at most ``headroom_bytes``.
+    raise the peak by what it leaves unused). A request none fits is made of the pages of the oldest kept blocks,
+    whatever their sizes, moved into its address range (``mremap``: no page is zeroed again; fresh pages only for
+    what they do not cover), and then the oldest kept blocks are freed until the live + kept bytes stay within the
+    most live bytes seen so far + ``headroom_bytes``: the cache raises the footprint's peak by at most
+    ``headroom_bytes``, and one phase's freed blocks (PPO's training activations) become the next phase's tensors (the
+    rollout's KV cache, the offloaded reward model's weights) without going back to the system in between.
 
     Sizes are rounded up to classes (an eighth of their power of two; address space only: the pages past a request
     are never touched), so a tensor that grows a little at a time (the KV cache's ``torch.cat``) reuses one block.
@@ -309,8 +312,9 @@ def install_tensor_cache(headroom_bytes: int = 0, min_bytes: int = 1 << 17, max_
     unmaps it when freed, so the kernel zeroes every activation page again every step: on Qwen2.5-0.5B's value model
     (fp32, 8 x 320 tokens, forward + backward, the 2-core EPYC of bench-real) 21 % of the step in ``clear_page_erms``
     (``perf``); at 4 x 320 tokens 22.7-25.3 s -> 16.1-19.5 s per step with the cache, and bench-real's optimisation
-    phase 113.5 -> 77-85 s per update at the same peak RSS. The same numbers bit for bit (only where tensors live
-    changes). Returns True once installed; False, with a warning naming the cause, where it cannot be (no C++
+    phase 113.5 -> 77-85 s per update at the same peak RSS. On a VM whose host takes freed pages back (the Intel Xeon
+    of bench-real's sixth set), zeroing ran at ~0.5 GB/s and the kept blocks' pages moved into other sizes cut the
+    kernel time of an update from 11-15 s to 5 s. The same numbers bit for bit (only where tensors live changes). Returns True once installed; False, with a warning naming the cause, where it cannot be (no C++
     compiler, a failed build, not Linux): the run goes on with PyTorch's own allocator.
 
     Raises:
@@ -332,12 +336,9 @@ def install_tensor_cache(headroom_bytes: int = 0, min_bytes: int = 1 << 17, max_
         logger.warning("%s; PyTorch's own CPU allocator stays", err)
         return False
     lib.rlhf_trl_tensor_cache_install.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_double]
-    lib.rlhf_trl_tensor_cache_release.argtypes = [ctypes.c_int]
+    lib.rlhf_trl_tensor_cache_release.argtypes = []
     lib.rlhf_trl_tensor_cache_release.restype = ctypes.c_uint64
     lib.rlhf_trl_tensor_cache_uninstall.restype = ctypes.c_uint64
-    lib.rlhf_trl_tensor_cache_set_aside.argtypes = [ctypes.c_uint64, ctypes.c_int]
-    lib.rlhf_trl_tensor_cache_set_aside.restype = ctypes.c_uint64
-    lib.rlhf_trl_tensor_cache_restore.restype = ctypes.c_uint64
     lib.rlhf_trl_tensor_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
     lib.rlhf_trl_tensor_cache_install(headroom_bytes, min_bytes, max_unused)
     _tensor_cache_lib = lib
@@ -346,50 +347,17 @@ def install_tensor_cache(headroom_bytes: int = 0, min_bytes: int = 1 << 17, max_
     return True
 
 
-def release_tensor_cache(reset_peak: bool = False) -> int:
-    """Free every block the tensor cache keeps (`install_tensor_cache`); with ``reset_peak`` the budget's "most live
-    bytes so far" becomes the live bytes now, so what follows is bounded by its own peak, not an earlier phase's.
-    Blocks set aside (`set_aside_tensor_cache`) stay. Returns the bytes freed (0 when the cache is not installed).
-    PPO calls it with ``reset_peak`` between generate and scoring and between scoring and the optimisation phase
-    (each phase's blocks go before the next phase starts). Raises nothing."""
+def release_tensor_cache() -> int:
+    """Free every block the tensor cache keeps (`install_tensor_cache`), back to the system. Returns the bytes freed
+    (0 when the cache is not installed). Raises nothing."""
     if _tensor_cache_lib is None:
         return 0
-    return int(_tensor_cache_lib.rlhf_trl_tensor_cache_release(int(reset_peak)))
-
-
-def set_aside_tensor_cache(max_bytes: int, reset_peak: bool = True) -> int:
-    """Keep up to ``max_bytes`` of the tensor cache's kept blocks, the most recently freed first, out of use until
-    `restore_tensor_cache`: they stay resident, no request takes them and `release_tensor_cache` does not free them.
-    Every other kept block is freed; with ``reset_peak`` the budget's "most live bytes so far" becomes the live bytes
-    now (as in `release_tensor_cache`). Blocks set aside before and not restored count among the candidates.
-    PPO sets training's freed blocks aside through the rollout, so the next optimisation phase reuses their pages
-    instead of having the kernel zero fresh ones (`rlhf_trl.ppo_engine.PPOEngine.rollout`), and through an optimizer
-    step that creates state (`rlhf_trl.ppo_engine.state_gets_own_blocks`). Returns the bytes set aside (0 when the
-    cache is not installed).
-
-    Raises:
-        ValueError: a negative ``max_bytes``.
-    """
-    if max_bytes < 0:
-        raise ValueError(f"tensor_cache: max_bytes to set aside must be >= 0, got {max_bytes}")
-    if _tensor_cache_lib is None:
-        return 0
-    return int(_tensor_cache_lib.rlhf_trl_tensor_cache_set_aside(int(max_bytes), int(reset_peak)))
-
-
-def restore_tensor_cache() -> int:
-    """Make the blocks `set_aside_tensor_cache` set aside kept blocks again (the most recently freed is taken first);
-    the budget's "most live bytes so far" becomes at least the live + kept bytes now (blocks that stayed resident do
-    not count as raising the footprint). Returns the bytes restored (0 when the cache is not installed).
-    Raises nothing."""
-    if _tensor_cache_lib is None:
-        return 0
-    return int(_tensor_cache_lib.rlhf_trl_tensor_cache_restore())
+    return int(_tensor_cache_lib.rlhf_trl_tensor_cache_release())
 
 
 def uninstall_tensor_cache() -> int:
-    """Give PyTorch its default CPU allocator back and free the kept blocks, those set aside too (blocks still in use
-    go back to the system when their tensors are freed); returns the bytes freed, 0 when not installed.
+    """Give PyTorch its default CPU allocator back and free the kept blocks (blocks still in use go back to the
+    system when their tensors are freed); returns the bytes freed, 0 when not installed.
     Raises nothing."""
     global _tensor_cache_lib
     if _tensor_cache_lib is None:
@@ -407,11 +375,11 @@ def tensor_cache_installed() -> bool:
 def tensor_cache_stats() -> dict[str, int]:
     """The tensor cache's counters: ``kept_bytes`` (freed blocks kept now), ``hits`` / ``misses`` (requests of at
     least ``min_bytes`` served from kept blocks / freshly), ``live_blocks``, ``live_bytes`` and ``peak_live_bytes``
-    (blocks handed out, now and at most since the last reset), ``aside_bytes`` (`set_aside_tensor_cache`); all zero
-    when it is not installed. Raises nothing."""
+    (blocks handed out, now and at most so far), ``recycled_bytes`` (kept blocks' pages moved into requests no kept
+    block served); all zero when it is not installed. Raises nothing."""
     import ctypes
 
-    names = ("kept_bytes", "hits", "misses", "live_blocks", "live_bytes", "peak_live_bytes", "aside_bytes")
+    names = ("kept_bytes", "hits", "misses", "live_blocks", "live_bytes", "peak_live_bytes", "recycled_bytes")
     if _tensor_cache_lib is None:
         return dict.fromkeys(names, 0)
     out = (ctypes.c_uint64 * len(names))()

@@ -54,8 +54,7 @@ from torch import nn
 from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from . import ppo_math as pm
-from .cpu import (fuse_lora, lora_merged, mmap_threshold_raised, onednn_decoding, release_tensor_cache,
-                  restore_tensor_cache, set_aside_tensor_cache, tensor_cache_installed, tensor_cache_stats)
+from .cpu import fuse_lora, lora_merged, mmap_threshold_raised, onednn_decoding, tensor_cache_installed
 from .models import sampling_generation_config
 from .scoring import eos_mask, model_inputs, sequence_scores, token_scores, truncate_at_eos
 
@@ -145,14 +144,13 @@ class PPOConfig(TrainingArguments):
                                          "tensors of their size instead of going back to the system, whose pages the "
                                          "kernel would zero again every step (`rlhf_trl.cpu.install_tensor_cache`, a "
                                          "small C++ allocator built on first use; needs a C++ compiler, else a "
-                                         "warning and PyTorch's allocator); training's freed blocks wait through "
-                                         "the rollout as far as they fit under training's peak, and the value "
-                                         "model's gradient tensors are kept between updates. Same numbers, bit for "
-                                         "bit."})
+                                         "warning and PyTorch's allocator); a request no kept block fits is made "
+                                         "of the pages of the oldest kept blocks (one phase's freed blocks become "
+                                         "the next phase's tensors), and the value model's gradient tensors are "
+                                         "kept between updates. Same numbers, bit for bit."})
     tensor_cache_headroom_mb: int = field(
         default=0, metadata={"help": "MB (2^20 bytes) the tensor cache may raise the peak of the live tensors' "
-                                     "footprint by, within each phase of an update (peak RSS for fewer fresh "
-                                     "blocks; bench-real runs at 0)."})
+                                     "footprint by (peak RSS for fewer fresh blocks; bench-real runs at 0)."})
 
     def __post_init__(self):
         self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
@@ -194,29 +192,6 @@ def check_config(args: "PPOConfig") -> None:
         raise ValueError(f"whiten_rewards needs >= 8 rollouts per process mini-batch, got {local_mini}")
     if args.tensor_cache_headroom_mb < 0:
         raise ValueError(f"tensor_cache_headroom_mb must be >= 0 MB, got {args.tensor_cache_headroom_mb}")
-
-
-@contextmanager
-def state_gets_own_blocks(optimizer: torch.optim.Optimizer):
-    """Around an optimizer step that creates state (AdamW's two moments for a parameter with a gradient and none yet,
-    i.e. its first step), with ``tensor_cache``: the cache's kept blocks are set aside through the step
-    (`rlhf_trl.cpu.set_aside_tensor_cache`), so that the long-lived state gets fresh blocks of its own size rather
-    than larger freed activations'; only as many as fit beside the new state under the phase's peak so far (the
-    others are freed, as the budget would free them), and those are kept again after the step for the phase's next
-    tensors. A no-op without the cache or new state. Raises nothing."""
-    state = getattr(optimizer, "state", None)  # DeepSpeed's optimizers keep theirs elsewhere
-    new = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p not in state] \
-        if tensor_cache_installed() and state is not None else []
-    if not new:
-        yield
-        return
-    stats = tensor_cache_stats()
-    state_bytes = 2 * sum(p.numel() * p.element_size() for p in new)
-    set_aside_tensor_cache(max(0, stats["peak_live_bytes"] - stats["live_bytes"] - state_bytes), reset_peak=False)
-    try:
-        yield
-    finally:
-        restore_tensor_cache()
 
 
 def _lm_parts(model):
@@ -370,11 +345,28 @@ class OffloadedWeights:
             self.release()
 
     def read(self) -> None:
-        from safetensors import safe_open
+        """Read the weights back, bit for bit, into tensors of PyTorch's CPU allocator (with ``tensor_cache``: the
+        pages of blocks training freed, not fresh ones the kernel zeroes), straight from the file's safetensors
+        layout (an 8-byte little-endian header length, the JSON header, the data).
 
-        with safe_open(self.path, framework="pt", device="cpu") as f:
+        Raises:
+            RuntimeError: a tensor's bytes in the file do not match its parameter (the file changed underneath).
+        """
+        import json
+        import struct
+
+        with open(self.path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
             for name, p in self.params.items():
-                p.data = f.get_tensor(name).to(p.device)
+                start, end = header[name]["data_offsets"]
+                t = torch.empty(header[name]["shape"], dtype=p.dtype)
+                f.seek(8 + size + start)
+                if end - start != t.numel() * t.element_size() or \
+                        f.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) != end - start:
+                    raise RuntimeError(f"offload_reward_model: {self.path}: {name} does not hold "
+                                       f"{list(t.shape)} {t.dtype} values")
+                p.data = t.to(p.device)
 
     def restore(self) -> None:
         """Read the weights back for good and delete the file (the module is an ordinary module again)."""
@@ -527,10 +519,7 @@ class PPOEngine(Trainer):
                                      and args.num_mini_batches == 1 and not args.whiten_rewards)
         logger.info("values: %s", "from the value model's training forward (single_value_forward)"
                     if self.single_value_forward else "a no-grad forward in the rollout")
-        # `tensor_cache`: the allocator's peak live bytes of each phase of the last update, and the value model's
-        # gradient tensors kept between updates (`value_step`)
-        self.phase_peaks: dict[str, int] = {}
-        self.phase_start_live = 0
+        # `tensor_cache`: the value model's gradient tensors kept between updates (`value_step`)
         self.value_grads: list[torch.Tensor | None] | None = None
         self.reward_offload = None
         if args.offload_reward_model and self.reward_model is not None:
@@ -609,33 +598,6 @@ class PPOEngine(Trainer):
                 out["scores"].append(sequence_scores(reward_model, torch.cat((qr[:, :context], post), 1), pad,
                                                      context))
 
-    def end_phase(self, name: str) -> None:
-        """`tensor_cache`: record the allocator's peak live bytes of the phase ``name`` that ends now ("training" only
-        once a rollout came before it), and for "generate" and "scoring" how far that peak rose above the live bytes
-        at the phase's start; the offloaded reward model's weights, read from disk outside the allocator, count in
-        "scoring"."""
-        if not tensor_cache_installed():
-            return
-        stats = tensor_cache_stats()
-        if name != "training" or "scoring" in self.phase_peaks:
-            extra = self.reward_offload.nbytes if name == "scoring" and self.reward_offload is not None else 0
-            self.phase_peaks[name] = stats["peak_live_bytes"] + extra
-            if name != "training":
-                self.phase_peaks[name] -= self.phase_start_live
-        self.phase_start_live = stats["live_bytes"]
-
-    def set_aside_budget(self) -> int:
-        """Bytes of training's freed blocks the rollout may keep resident (`rlhf_trl.cpu.set_aside_tensor_cache`)
-        without raising the run's peak: the last training phase's peak, less the live bytes now, less the most the
-        last generate or scoring phase rose above its start and ``tensor_cache_headroom_mb`` (a phase's footprint
-        is at most its peak + the headroom); 0 until an update has trained."""
-        peaks = self.phase_peaks
-        if not all(k in peaks for k in ("training", "generate", "scoring")):
-            return 0
-        headroom = self.args.tensor_cache_headroom_mb << 20
-        live = tensor_cache_stats()["live_bytes"]
-        return max(0, peaks["training"] - live - max(peaks["generate"], peaks["scoring"]) - headroom)
-
     @torch.no_grad()
     def rollout(self, queries: torch.Tensor, rows: torch.Tensor | None, update: int) -> dict:
         """Steps 1-2 of an update for left-padded prompts ``queries [b, Q]``.
@@ -652,22 +614,13 @@ class PPOEngine(Trainer):
         step = args.local_rollout_forward_batch_size
         # fused_lora: generate with merged copies of the adapted weights (whole weights on this process only)
         merge = args.fused_lora and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
-        # `tensor_cache`: each phase (generate, scoring, training) is bounded by its own peak, not by the blocks the
-        # phase before it left (training's activations; generate's merged copies and KV cache); training's freed
-        # blocks wait through the rollout as far as they fit under training's own peak (`set_aside_budget`)
-        self.end_phase("training")
-        aside = set_aside_tensor_cache(self.set_aside_budget())
-        logger.debug("tensor_cache: %d MB of training's freed blocks wait through the rollout", aside >> 20)
         with self.generation_policy() as policy, lora_merged(policy, merge), \
                 onednn_decoding(policy, args.onednn_decoding), mmap_threshold_raised(args.malloc_mmap_threshold):
             query_responses, logprobs = generate_rollouts(
                 policy, queries, pad, sampling_config(args, self.eos_token_ids, pad), step)
-        self.end_phase("generate")
-        release_tensor_cache(reset_peak=True)
         out = {k: [] for k in ("ref_logprobs", "values", "scores", "postprocessed")}
         with self.reward_weights() as reward_model:
             self.score_rollouts(query_responses, context, step, reward_model, out)
-        self.end_phase("scoring")
         responses = query_responses[:, context:]
         post = torch.cat(out["postprocessed"])
         sequence_lengths = pm.first_true_indices(post == pad) - 1
@@ -759,8 +712,7 @@ class PPOEngine(Trainer):
             stats.append({k: v.detach() for k, v in vf.items()})
             del vpred, vf
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside accelerate's
-        with state_gets_own_blocks(optimizer):
-            optimizer.step()
+        optimizer.step()
         if tensor_cache_installed():
             self.value_grads = [p.grad for p in params]
         optimizer.zero_grad(set_to_none=True)  # the policy's step must skip the value model's parameters
@@ -782,8 +734,7 @@ class PPOEngine(Trainer):
             for mb, k, idx in self.micro_batches(orders[epoch]):
                 with acc.accumulate(self.model):
                     pg, vf, entropy = self.losses(ro, adv, idx, context, value=value_stats is None)
-                    with state_gets_own_blocks(getattr(self.optimizer, "optimizer", self.optimizer)):
-                        self.optimizer.step()
+                    self.optimizer.step()
                     self.optimizer.zero_grad()
                 vf = vf if value_stats is None else value_stats[k]
                 at = (epoch, mb, k)
@@ -899,9 +850,6 @@ class PPOEngine(Trainer):
             data = next(batches)
             ro = self.rollout(data["input_ids"].to(self.accelerator.device), data.get("row"), update)
             gc.collect()
-            # `tensor_cache`: training's footprint is bounded by its own peak; it starts with the blocks it set aside
-            release_tensor_cache(reset_peak=True)
-            restore_tensor_cache()
             # each epoch's shuffle of the batch, drawn before anything trains (the same numpy draws as one per epoch)
             orders = [np.random.permutation(args.local_batch_size) for _ in range(args.num_ppo_epochs)]
             value_stats = self.value_step(ro, orders[0]) if self.single_value_forward else None

@@ -3,24 +3,26 @@
 // Why: a training step allocates the same activation shapes every step. PyTorch's default CPU allocator hands
 // large blocks to glibc, which maps each (>= 32 MB, or >= M_MMAP_THRESHOLD) afresh and unmaps it when freed, so
 // the kernel zeroes every activation page again at every step: 15-25 % of a Qwen2.5-0.5B value-model step on the
-// CPUs of bench-real. Kept blocks are reused with their pages already in place.
+// CPUs of bench-real (on a VM whose host takes freed pages back, zeroing ran at ~0.5 GB/s: 23 % in
+// clear_page_erms). Kept blocks are reused with their pages already in place.
 //
 // What: requests of at least `min_bytes` are rounded up to a size class (an eighth of their power of two: at most
 // 12.5 % more address space, no more resident memory, as the pages past the request are never touched), so a
 // tensor that grows a little at a time (the KV cache's torch.cat at every decoding step) reuses one block for many
-// steps. Freed blocks are kept by size class; a request takes the most recently freed block of the
-// smallest kept size that fits and leaves at most `max_unused` of it unused. A request no kept block serves first
-// frees the oldest kept blocks until live + kept + request <= the most live bytes seen so far + `headroom` (or
-// live + request when that is a new high): kept blocks never raise the peak of this allocator's footprint by more
-// than `headroom` bytes. `release(reset_peak)` empties the cache and can restart "the most live bytes" from now.
-// `set_aside(max_bytes)` keeps up to max_bytes of the most recently freed kept blocks out of use (resident, neither
-// handed out nor freed by later releases) and frees the rest; `restore()` makes them kept blocks again: one phase's
-// blocks (PPO's training) wait through other phases (the rollout) for the next time that phase needs them.
-// Allocation itself is c10::alloc_cpu (its alignment; THP_MEM_ALLOC_ENABLE huge pages). Plain C entry points for
-// ctypes; no Python headers needed.
+// steps. Each block is its own anonymous mapping. Freed blocks are kept by size class; a request takes the most
+// recently freed block of the smallest kept size that fits and leaves at most `max_unused` of it unused. A request
+// no kept block serves is made of the pages of the oldest kept blocks, moved into its address range with mremap
+// (no page is zeroed again; a block's unused tail stays kept; at most kMaxPieces mappings per block), fresh pages
+// only for what they do not cover; then the oldest kept blocks are freed until live + kept <= the most live bytes
+// seen so far + `headroom` (or live when that is a new high): kept blocks never raise the peak of this allocator's
+// footprint by more than `headroom` bytes, and one phase's freed blocks become the next phase's tensors whatever
+// their sizes (PPO's training activations, the rollout's KV cache and merged weights, the reward model's weights).
+// `release` frees the kept blocks. Plain C entry points for ctypes; no Python headers needed.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -35,15 +37,14 @@ namespace {
 struct Cache {
   std::mutex mu;
   std::unordered_map<void*, size_t> live;               // block -> size, every block this allocator handed out
+  std::unordered_map<void*, std::vector<size_t>> pieces;  // block -> lengths of the mappings it is made of (>1 only)
   std::map<size_t, std::deque<std::pair<void*, uint64_t>>> free;  // size -> kept blocks, oldest first
   std::map<uint64_t, std::pair<size_t, void*>> lru;     // free tick -> kept block, for eviction oldest first
   size_t cached = 0, min_bytes = 0, headroom = 0;  // bytes
   double max_unused = 0;                                // fraction of a kept block a request may leave unused
   size_t live_bytes = 0, peak_live = 0;                 // bytes of handed-out blocks (>= min_bytes): now, most ever
-  std::vector<std::pair<void*, size_t>> aside;          // blocks set aside, most recently freed first
-  size_t aside_bytes = 0;
   uint64_t tick = 0;
-  uint64_t hits = 0, misses = 0;
+  uint64_t hits = 0, misses = 0, recycled = 0;  // recycled: bytes of kept blocks' pages moved into misses
   bool enabled = false;
 };
 
@@ -58,15 +59,91 @@ void take(Cache& c, void* p, size_t n) {
   c.peak_live = std::max(c.peak_live, c.live_bytes);
 }
 
+// A block's memory: its own anonymous mapping (page-aligned; sizes are page multiples), so that its pages can move
+// into other blocks (mremap) instead of going back to the kernel.
+void* map_block(size_t n) {
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  return p;
+}
+
+void unmap_block(Cache& c, void* p, size_t n) {
+  c.pieces.erase(p);
+  munmap(p, n);
+}
+
+// the lengths of the mappings block p (n bytes) is made of, in address order
+std::vector<size_t> pieces_of(Cache& c, void* p, size_t n) {
+  auto it = c.pieces.find(p);
+  if (it == c.pieces.end()) return {n};
+  std::vector<size_t> out = std::move(it->second);
+  c.pieces.erase(it);
+  return out;
+}
+
+void keep(Cache& c, void* p, size_t n, uint64_t t) {
+  c.free[n].emplace_back(p, t);
+  c.lru.emplace(t, std::make_pair(n, p));
+  c.cached += n;
+}
+
+// removes kept block (n bytes at p, freed at tick t) from the kept lists
+void unkeep(Cache& c, void* p, size_t n, uint64_t t) {
+  auto blocks = c.free.find(n);
+  auto& dq = blocks->second;
+  for (auto it = dq.begin(); it != dq.end(); ++it) {
+    if (it->first == p) {
+      dq.erase(it);
+      break;
+    }
+  }
+  if (dq.empty()) c.free.erase(blocks);
+  c.lru.erase(t);
+  c.cached -= n;
+}
+
 void evict_oldest(Cache& c) {
   auto first = c.lru.begin();
   auto [n, p] = first->second;
-  c.lru.erase(first);
-  auto blocks = c.free.find(n);
-  blocks->second.pop_front();  // ticks rise: the oldest block overall is the oldest of its size
-  if (blocks->second.empty()) c.free.erase(blocks);
-  c.cached -= n;
-  c10::free_cpu(p);
+  unkeep(c, p, n, first->first);
+  unmap_block(c, p, n);
+}
+
+constexpr size_t kMaxPieces = 8;  // mappings one block may be made of (bounds the process's mapping count)
+
+// Fills a fresh n-byte block at p with the pages of the oldest kept blocks (moved, not copied: no page is zeroed
+// again); a kept block's unused tail stays kept, with its age. Returns the bytes moved; the rest of p is fresh.
+size_t recycle_into(Cache& c, char* p, size_t n, std::vector<size_t>& got) {
+  size_t off = 0;
+  while (off < n && !c.lru.empty() && got.size() < kMaxPieces) {
+    auto first = c.lru.begin();
+    uint64_t t = first->first;
+    auto [m, q] = first->second;
+    unkeep(c, q, m, t);
+    std::vector<size_t> qp = pieces_of(c, q, m);
+    char* src = static_cast<char*>(q);
+    size_t used = 0, i = 0;
+    for (; i < qp.size() && off < n && got.size() < kMaxPieces; ++i) {
+      size_t len = std::min(qp[i], n - off);
+      if (mremap(src + used, len, len, MREMAP_MAYMOVE | MREMAP_FIXED, p + off) == MAP_FAILED) break;
+      got.push_back(len);
+      off += len;
+      used += len;
+      if (len < qp[i]) {  // the rest of this mapping stays where it is
+        qp[i] -= len;
+        break;
+      }
+    }
+    if (used < m) {  // what is left of q is still a kept block, as old as q was
+      std::vector<size_t> rest(qp.begin() + i, qp.end());
+      void* r = src + used;
+      if (rest.size() > 1) c.pieces[r] = std::move(rest);
+      keep(c, r, m - used, t);
+      if (i < qp.size() && off < n && got.size() < kMaxPieces) break;  // mremap failed: stop recycling
+    }
+  }
+  c.recycled += off;
+  return off;
 }
 
 void cached_delete(void* p) {
@@ -80,12 +157,11 @@ void cached_delete(void* p) {
       c.live.erase(it);
       c.live_bytes -= n;
       if (c.enabled) {  // live + kept stays the same: within the budget
-        uint64_t t = ++c.tick;
-        c.free[n].emplace_back(p, t);
-        c.lru.emplace(t, std::make_pair(n, p));
-        c.cached += n;
-        return;
+        keep(c, p, n, ++c.tick);
+      } else {
+        unmap_block(c, p, n);
       }
+      return;
     }
   }
   c10::free_cpu(p);
@@ -117,17 +193,20 @@ struct CachingCPUAllocator final : at::Allocator {
         return {p, p, &cached_delete, at::Device(at::DeviceType::CPU)};
       }
       ++c.misses;
-      // A fresh block: first free the oldest kept blocks until live + kept + n stays within the most live bytes
-      // seen so far + headroom (or live + n when that is a new high).
+      // A new block, made of the pages of the oldest kept blocks as far as they go (fresh pages for the rest);
+      // then the oldest kept blocks are freed until live + kept + n stays within the most live bytes seen so far +
+      // headroom (or live + n when that is a new high).
+      char* p = static_cast<char*>(map_block(n));
+      std::vector<size_t> got;
+      size_t moved = recycle_into(c, p, n, got);
+      if (!got.empty() && moved < n) got.push_back(n - moved);
+      if (got.size() > 1) c.pieces[p] = std::move(got);
       size_t budget = std::max(c.peak_live + c.headroom, c.live_bytes + n);
       while (c.cached > 0 && c.live_bytes + c.cached + n > budget) evict_oldest(c);
-    }
-    void* p = c10::alloc_cpu(n);
-    if (n >= c.min_bytes && n > 0) {
-      std::lock_guard<std::mutex> g(c.mu);
       take(c, p, n);
       return {p, p, &cached_delete, at::Device(at::DeviceType::CPU)};
     }
+    void* p = c10::alloc_cpu(n);
     return {p, p, &c10::free_cpu, at::Device(at::DeviceType::CPU)};
   }
   // raw_allocate / raw_deallocate (oneDNN's buffers): blocks it does not know go to c10::free_cpu
@@ -144,24 +223,10 @@ CachingCPUAllocator* the_allocator() {
 
 size_t release_locked(Cache& c) {
   size_t n = c.cached;
-  for (auto& kv : c.lru) c10::free_cpu(kv.second.second);
+  for (auto& kv : c.lru) unmap_block(c, kv.second.second, kv.second.first);
   c.lru.clear();
   c.free.clear();
   c.cached = 0;
-  return n;
-}
-
-// the set-aside blocks become kept blocks again, in their freeing order (the most recently freed one last)
-size_t restore_locked(Cache& c) {
-  size_t n = c.aside_bytes;
-  for (auto it = c.aside.rbegin(); it != c.aside.rend(); ++it) {
-    uint64_t t = ++c.tick;
-    c.free[it->second].emplace_back(it->first, t);
-    c.lru.emplace(t, std::make_pair(it->second, it->first));
-    c.cached += it->second;
-  }
-  c.aside.clear();
-  c.aside_bytes = 0;
   return n;
 }
 
@@ -183,46 +248,11 @@ int rlhf_trl_tensor_cache_install(uint64_t headroom_bytes, uint64_t min_bytes, d
   return 0;
 }
 
-// Frees every kept block; with reset_peak, the most live bytes seen so far become the live bytes now (the budget
-// starts again from here). Returns the bytes freed.
-uint64_t rlhf_trl_tensor_cache_release(int reset_peak) {
+// Frees every kept block. Returns the bytes freed.
+uint64_t rlhf_trl_tensor_cache_release() {
   Cache& c = cache();
   std::lock_guard<std::mutex> g(c.mu);
-  if (reset_peak) c.peak_live = c.live_bytes;
   return release_locked(c);
-}
-
-// Keeps up to max_bytes of the kept blocks (and of any set aside before), the most recently freed first, out of use
-// until rlhf_trl_tensor_cache_restore; frees the others; with reset_peak the most live bytes seen so far become the
-// live bytes now. Returns the bytes set aside.
-uint64_t rlhf_trl_tensor_cache_set_aside(uint64_t max_bytes, int reset_peak) {
-  Cache& c = cache();
-  std::lock_guard<std::mutex> g(c.mu);
-  restore_locked(c);
-  for (auto it = c.lru.rbegin(); it != c.lru.rend(); ++it) {
-    auto [n, p] = it->second;
-    if (c.aside_bytes + n <= max_bytes) {
-      c.aside.emplace_back(p, n);
-      c.aside_bytes += n;
-    } else {
-      c10::free_cpu(p);
-    }
-  }
-  c.lru.clear();
-  c.free.clear();
-  c.cached = 0;
-  if (reset_peak) c.peak_live = c.live_bytes;
-  return c.aside_bytes;
-}
-
-// The blocks set aside become kept blocks again; the most live bytes seen so far become at least live + kept bytes
-// (blocks that were resident all along do not count as raising the footprint). Returns the bytes restored.
-uint64_t rlhf_trl_tensor_cache_restore() {
-  Cache& c = cache();
-  std::lock_guard<std::mutex> g(c.mu);
-  size_t n = restore_locked(c);
-  c.peak_live = std::max(c.peak_live, c.live_bytes + c.cached);
-  return n;
 }
 
 // Stops keeping blocks (frees the kept ones) and gives PyTorch its default CPU allocator back.
@@ -232,14 +262,14 @@ uint64_t rlhf_trl_tensor_cache_uninstall() {
   {
     std::lock_guard<std::mutex> g(c.mu);
     c.enabled = false;
-    restore_locked(c);
     n = release_locked(c);
   }
   c10::SetCPUAllocator(c10::GetDefaultCPUAllocator(), /*priority=*/200);
   return n;
 }
 
-// out[0..6] = bytes kept now, hits, misses, live blocks, live bytes, most live bytes, bytes set aside.
+// out[0..6] = bytes kept now, hits, misses, live blocks, live bytes, most live bytes, bytes of kept blocks' pages
+// moved into misses.
 void rlhf_trl_tensor_cache_stats(uint64_t* out) {
   Cache& c = cache();
   std::lock_guard<std::mutex> g(c.mu);
@@ -249,7 +279,7 @@ void rlhf_trl_tensor_cache_stats(uint64_t* out) {
   out[3] = c.live.size();
   out[4] = c.live_bytes;
   out[5] = c.peak_live;
-  out[6] = c.aside_bytes;
+  out[6] = c.recycled;
 }
 
 }
