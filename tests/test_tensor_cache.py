@@ -85,10 +85,14 @@ x = torch.ones(3 * MB // 4)  # 3 MB: no kept block fits; made of the three oldes
 moved = faults() - before
 s = cpu.tensor_cache_stats()
 assert (s["recycled_bytes"], s["kept_bytes"], s["misses"]) == (3 * MB, MB, 5), s
+assert s["mappings"] == 3 + 1, "x: three pieces; the kept 1 MB block: one"
 assert x.sum().item() == 3 * MB // 4, "the new tensor holds what was written into it"
 before = faults()
 y = torch.ones(3 * MB // 4)  # nothing kept to cover it: 1 MB moved, 2 MB fresh pages
 fresh = faults() - before
+assert cpu.tensor_cache_stats()["mappings"] == 3 + 2, "y: the last kept block's pages and a fresh 2 MB"
+del x, y
+assert cpu.release_tensor_cache() == 6 * MB and cpu.tensor_cache_stats()["mappings"] == 0
 print(moved, fresh)
 """
 

@@ -376,10 +376,12 @@ def tensor_cache_stats() -> dict[str, int]:
     """The tensor cache's counters: ``kept_bytes`` (freed blocks kept now), ``hits`` / ``misses`` (requests of at
     least ``min_bytes`` served from kept blocks / freshly), ``live_blocks``, ``live_bytes`` and ``peak_live_bytes``
     (blocks handed out, now and at most so far), ``recycled_bytes`` (kept blocks' pages moved into requests no kept
-    block served); all zero when it is not installed. Raises nothing."""
+    block served), ``mappings`` (that the live and kept blocks are made of: at most 8 per block, and blocks stay one
+    each beyond half of ``vm.max_map_count``); all zero when it is not installed. Raises nothing."""
     import ctypes
 
-    names = ("kept_bytes", "hits", "misses", "live_blocks", "live_bytes", "peak_live_bytes", "recycled_bytes")
+    names = ("kept_bytes", "hits", "misses", "live_blocks", "live_bytes", "peak_live_bytes", "recycled_bytes",
+             "mappings")
     if _tensor_cache_lib is None:
         return dict.fromkeys(names, 0)
     out = (ctypes.c_uint64 * len(names))()

@@ -25,6 +25,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -44,6 +45,7 @@ struct Cache {
   double max_unused = 0;                                // fraction of a kept block a request may leave unused
   size_t live_bytes = 0, peak_live = 0;                 // bytes of handed-out blocks (>= min_bytes): now, most ever
   uint64_t tick = 0;
+  size_t mappings = 0, max_mappings = 0;  // the mappings all blocks are made of; recycling stops near the bound
   uint64_t hits = 0, misses = 0, recycled = 0;  // recycled: bytes of kept blocks' pages moved into misses
   bool enabled = false;
 };
@@ -68,7 +70,9 @@ void* map_block(size_t n) {
 }
 
 void unmap_block(Cache& c, void* p, size_t n) {
-  c.pieces.erase(p);
+  auto it = c.pieces.find(p);
+  c.mappings -= it == c.pieces.end() ? 1 : it->second.size();
+  if (it != c.pieces.end()) c.pieces.erase(it);
   munmap(p, n);
 }
 
@@ -115,12 +119,14 @@ constexpr size_t kMaxPieces = 8;  // mappings one block may be made of (bounds t
 // again); a kept block's unused tail stays kept, with its age. Returns the bytes moved; the rest of p is fresh.
 size_t recycle_into(Cache& c, char* p, size_t n, std::vector<size_t>& got) {
   size_t off = 0;
-  while (off < n && !c.lru.empty() && got.size() < kMaxPieces) {
+  // near the process's mapping limit (vm.max_map_count) blocks stay one mapping each
+  while (off < n && !c.lru.empty() && got.size() < kMaxPieces && c.mappings + 2 * kMaxPieces < c.max_mappings) {
     auto first = c.lru.begin();
     uint64_t t = first->first;
     auto [m, q] = first->second;
     unkeep(c, q, m, t);
     std::vector<size_t> qp = pieces_of(c, q, m);
+    c.mappings -= qp.size();
     char* src = static_cast<char*>(q);
     size_t used = 0, i = 0;
     for (; i < qp.size() && off < n && got.size() < kMaxPieces; ++i) {
@@ -137,6 +143,7 @@ size_t recycle_into(Cache& c, char* p, size_t n, std::vector<size_t>& got) {
     if (used < m) {  // what is left of q is still a kept block, as old as q was
       std::vector<size_t> rest(qp.begin() + i, qp.end());
       void* r = src + used;
+      c.mappings += rest.size();
       if (rest.size() > 1) c.pieces[r] = std::move(rest);
       keep(c, r, m - used, t);
       if (i < qp.size() && off < n && got.size() < kMaxPieces) break;  // mremap failed: stop recycling
@@ -173,6 +180,15 @@ size_t size_class(size_t n) {
   return (n + step - 1) / step * step;
 }
 
+size_t release_locked(Cache& c) {
+  size_t n = c.cached;
+  for (auto& kv : c.lru) unmap_block(c, kv.second.second, kv.second.first);
+  c.lru.clear();
+  c.free.clear();
+  c.cached = 0;
+  return n;
+}
+
 struct CachingCPUAllocator final : at::Allocator {
   at::DataPtr allocate(size_t n) override {
     Cache& c = cache();
@@ -196,10 +212,16 @@ struct CachingCPUAllocator final : at::Allocator {
       // A new block, made of the pages of the oldest kept blocks as far as they go (fresh pages for the rest);
       // then the oldest kept blocks are freed until live + kept + n stays within the most live bytes seen so far +
       // headroom (or live + n when that is a new high).
-      char* p = static_cast<char*>(map_block(n));
+      void* fresh = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (fresh == MAP_FAILED) {  // out of memory or of mappings (vm.max_map_count): the kept blocks go first
+        release_locked(c);
+        fresh = map_block(n);
+      }
+      char* p = static_cast<char*>(fresh);
       std::vector<size_t> got;
       size_t moved = recycle_into(c, p, n, got);
       if (!got.empty() && moved < n) got.push_back(n - moved);
+      c.mappings += std::max<size_t>(got.size(), 1);
       if (got.size() > 1) c.pieces[p] = std::move(got);
       size_t budget = std::max(c.peak_live + c.headroom, c.live_bytes + n);
       while (c.cached > 0 && c.live_bytes + c.cached + n > budget) evict_oldest(c);
@@ -221,14 +243,6 @@ CachingCPUAllocator* the_allocator() {
   return a;
 }
 
-size_t release_locked(Cache& c) {
-  size_t n = c.cached;
-  for (auto& kv : c.lru) unmap_block(c, kv.second.second, kv.second.first);
-  c.lru.clear();
-  c.free.clear();
-  c.cached = 0;
-  return n;
-}
 
 }  // namespace
 
@@ -243,6 +257,14 @@ int rlhf_trl_tensor_cache_install(uint64_t headroom_bytes, uint64_t min_bytes, d
     c.headroom = headroom_bytes;
     c.max_unused = max_unused;
     c.enabled = true;
+    // half of vm.max_map_count (the kernel's per-process limit; 65530 by default) for the cache's blocks
+    size_t limit = 65530;
+    if (FILE* f = fopen("/proc/sys/vm/max_map_count", "r")) {
+      unsigned long v = 0;
+      if (fscanf(f, "%lu", &v) == 1 && v > 0) limit = v;
+      fclose(f);
+    }
+    c.max_mappings = limit / 2;
   }
   c10::SetCPUAllocator(the_allocator(), /*priority=*/200);
   return 0;
@@ -268,8 +290,8 @@ uint64_t rlhf_trl_tensor_cache_uninstall() {
   return n;
 }
 
-// out[0..6] = bytes kept now, hits, misses, live blocks, live bytes, most live bytes, bytes of kept blocks' pages
-// moved into misses.
+// out[0..7] = bytes kept now, hits, misses, live blocks, live bytes, most live bytes, bytes of kept blocks' pages
+// moved into misses, mappings the live and kept blocks are made of.
 void rlhf_trl_tensor_cache_stats(uint64_t* out) {
   Cache& c = cache();
   std::lock_guard<std::mutex> g(c.mu);
@@ -280,6 +302,7 @@ void rlhf_trl_tensor_cache_stats(uint64_t* out) {
   out[4] = c.live_bytes;
   out[5] = c.peak_live;
   out[6] = c.recycled;
+  out[7] = c.mappings;
 }
 
 }
