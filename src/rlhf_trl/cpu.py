@@ -314,8 +314,9 @@ def install_tensor_cache(headroom_bytes: int = 0, min_bytes: int = 1 << 17, max_
     (``perf``); at 4 x 320 tokens 22.7-25.3 s -> 16.1-19.5 s per step with the cache, and bench-real's optimisation
     phase 113.5 -> 77-85 s per update at the same peak RSS. On a VM whose host takes freed pages back (the Intel Xeon
     of bench-real's sixth set), zeroing ran at ~0.5 GB/s and the kept blocks' pages moved into other sizes cut the
-    kernel time of an update from 11-15 s to 5 s. The same numbers bit for bit (only where tensors live changes). Returns True once installed; False, with a warning naming the cause, where it cannot be (no C++
-    compiler, a failed build, not Linux): the run goes on with PyTorch's own allocator.
+    kernel time of an update from 11-15 s to 5 s. The same numbers bit for bit (only where tensors live changes).
+    Returns True once installed; False, with a warning naming the cause, where it cannot be (no C++ compiler, a
+    failed build, not Linux): the run goes on with PyTorch's own allocator.
 
     Raises:
         ValueError: a negative ``headroom_bytes`` or ``min_bytes``; ``max_unused`` outside [0, 1).
