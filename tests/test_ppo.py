@@ -9,7 +9,7 @@ from conftest import RECIPES
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from rlhf_trl import ppo
+from rlhf_trl import ppo, ppo_engine
 from rlhf_trl.ppo import AdaptiveKLController, TrainingDivergedError, rollout_generation_config
 
 
@@ -354,3 +354,39 @@ def test_single_value_forward_gives_the_same_update_with_one_value_forward_less(
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6,
                                        msg=lambda m, name=name, k=k: f"{name} {k}: {m}")
+
+
+def test_the_inverse_cdf_sampler_draws_every_rollout_token(assets, sft_run, rm_run, tmp_path, monkeypatch):
+    """`rollout_sampler: inverse_cdf`: each decoding step of the rollout draws its 8 tokens through
+    `ppo_math.inverse_cdf_sample` (not `torch.multinomial`'s exponential draws), and the drawn tokens are the
+    rollout's responses; an unknown sampler stops the run before anything is written."""
+    import rlhf_trl.ppo_math as pm
+
+    drawn = []
+    real = pm.inverse_cdf_sample
+    monkeypatch.setattr(pm, "inverse_cdf_sample", lambda probs, u: drawn.append(real(probs, u)) or drawn[-1])
+    responses = []
+    real_generate = ppo_engine.generate_rollouts
+
+    def generate_rollouts(policy, queries, *args, **kwargs):
+        out = real_generate(policy, queries, *args, **kwargs)
+        responses.append((out[0][:, queries.shape[1]:], args[0]))  # the responses, the pad id
+        return out
+
+    monkeypatch.setattr(ppo_engine, "generate_rollouts", generate_rollouts)
+    ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "8", "--response_length", "12",
+                      "--save_strategy", "no", "--rollout_sampler", "inverse_cdf"))
+    assert len(responses) == 1 and len(drawn) >= 1 and all(d.shape == (8,) for d in drawn)
+    steps = torch.stack(drawn, 1)  # [8, steps]: each step's draws, in order
+    sampled, pad = responses[0][0][:, :steps.shape[1]], responses[0][1]
+    real_tokens = sampled != pad  # after its EOS a row gets padding, not its draws
+    assert real_tokens[:, 0].all() and torch.equal(sampled[real_tokens], steps[real_tokens])
+    with pytest.raises(ValueError, match=r"argument --rollout_sampler/--rollout-sampler: invalid choice: 'gumbel' "
+                                         r"\(choose from 'multinomial', 'inverse_cdf'\)$"):
+        ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "bad", "--rollout_sampler", "gumbel"))
+    assert not (tmp_path / "bad").exists()
+    recipe = ppo_engine.PPOConfig(output_dir=str(tmp_path / "bad"), use_cpu=True, bf16=False)
+    recipe.rollout_sampler = "gumbel"  # a recipe's value that no command-line parser checked
+    with pytest.raises(ValueError, match=r"^rollout_sampler must be 'multinomial' or 'inverse_cdf', got 'gumbel'$"):
+        ppo_engine.check_config(recipe)
+

@@ -125,3 +125,42 @@ def test_response_logprobs_feed_the_lm_head_contiguous_rows():
     qr = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 0], [3, 4, 5, 6, 7, 8, 9, 11]])
     response_logprobs(model, qr, 3, 0, temperature=0.7, chunk_size=2).sum().backward()
     assert seen and all(seen)  # every chunk, the backward's recomputation included
+
+
+def test_inverse_cdf_sample_by_hand_and_in_distribution():
+    """Inverting the CDF at u: by hand on one row, never a zero-probability entry, and over 200,000 draws the
+    frequencies of `torch.multinomial`'s distribution (within 5 standard errors)."""
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3]])
+    for u, want in ((0.0, 1), (0.19, 1), (0.2, 3), (0.69, 3), (0.7, 4), (0.999, 4)):
+        assert pm.inverse_cdf_sample(probs, torch.tensor([u], dtype=torch.float64)).tolist() == [want]
+    unnormalised = probs * 7.0  # any positive row total
+    assert pm.inverse_cdf_sample(unnormalised, torch.tensor([0.5], dtype=torch.float64)).tolist() == [3]
+    gen = torch.Generator().manual_seed(0)
+    n = 200_000
+    draws = pm.inverse_cdf_sample(probs.expand(n, -1), torch.rand(n, dtype=torch.float64, generator=gen))
+    freq = torch.bincount(draws, minlength=5).double() / n
+    p = probs[0].double()
+    assert freq[0] == 0 and freq[2] == 0
+    assert torch.all((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / n) + 1e-12), freq
+
+
+def test_the_inverse_cdf_rollout_sampler_routes_generates_draws():
+    """Inside `rollout_sampler("inverse_cdf")` a `[batch, V]` multinomial draw is `inverse_cdf_sample` at one
+    `torch.rand` uniform per row (the same numbers for the same seed); other calls and the block's end leave
+    PyTorch's own; an unknown name is refused."""
+    from rlhf_trl.ppo_engine import rollout_sampler
+
+    real = torch.multinomial
+    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), -1)
+    torch.manual_seed(3)
+    want = pm.inverse_cdf_sample(probs, torch.rand(4, dtype=torch.float64))
+    with rollout_sampler("inverse_cdf"):
+        torch.manual_seed(3)
+        got = torch.multinomial(probs, num_samples=1)
+        assert torch.multinomial(probs, num_samples=3).shape == (4, 3)  # PyTorch's for anything else
+    assert torch.equal(got[:, 0], want) and torch.multinomial is real
+    with rollout_sampler("multinomial"):
+        assert torch.multinomial is real
+    with pytest.raises(ValueError, match=r"^rollout_sampler must be 'multinomial' or 'inverse_cdf', got 'gumbel'$"):
+        with rollout_sampler("gumbel"):
+            pass

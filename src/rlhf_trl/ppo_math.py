@@ -48,6 +48,18 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
+def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One draw per row of ``probs [batch, V]`` (non-negative, any positive row total), by inverting the row's CDF at
+    ``uniform [batch]`` (in [0, 1)): ``[batch]`` indices, distributed as ``torch.multinomial(probs, 1)``'s but drawn
+    from one uniform per row instead of multinomial's ``V`` exponential draws (the inverse-transform method,
+    Devroye 1986, II.2). The CDF is PyTorch's ``cumsum`` (accumulated in double on the CPU, stored in the input's
+    dtype: in fp32 an entry below ~1e-7 of the row total is drawn with the mass of its rounded CDF step); an entry of
+    probability 0 is never drawn (the first index whose CDF exceeds ``uniform x total``)."""
+    cdf = probs.cumsum(-1)
+    target = (uniform.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
     """Mean of ``values`` where ``mask`` is true (same shapes); over ``axis`` or everything."""
     if axis is not None:
