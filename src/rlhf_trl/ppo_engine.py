@@ -30,7 +30,8 @@ no ``[batch, seq_len, vocab]`` tensor (nor its softmax, nor their gradients) is 
 
 Deliberate differences from TRL 1.12 (none changes a number on a tokenizer with one EOS id, the oracle's case):
 every id of an EOS list ends a response (TRL: one id), the missing-EOS penalty and ``val/num_eos_tokens`` count any
-of them; an adaptive KL coefficient, reward functions, ``logging_steps``, exact resume and a divergence stop exist.
+of them; an adaptive KL coefficient, reward functions, ``logging_steps``, exact resume, a divergence stop and an opt-in
+inverse-CDF sampler for rollouts (``rollout_sampler``: the same distribution, other tokens for a seed) exist.
 
 Runs under ``accelerate`` like TRL's trainer: one process, DDP (``accelerate launch``), DeepSpeed ZeRO-2/3 (the
 reward and reference models are prepared for inference; ZeRO-3 gathers the policy for generation when
