@@ -201,8 +201,7 @@ def check_config(args: "PPOConfig") -> None:
         raise ValueError(f"whiten_rewards needs >= 8 rollouts per process mini-batch, got {local_mini}")
     if args.tensor_cache_headroom_mb < 0:
         raise ValueError(f"tensor_cache_headroom_mb must be >= 0 MB, got {args.tensor_cache_headroom_mb}")
-    if args.rollout_sampler not in ("multinomial", "inverse_cdf"):
-        raise ValueError(f"rollout_sampler must be 'multinomial' or 'inverse_cdf', got {args.rollout_sampler!r}")
+    check_rollout_sampler(args.rollout_sampler)
 
 
 def _lm_parts(model):
@@ -299,6 +298,12 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
     return query_responses, logprobs
 
 
+def check_rollout_sampler(name: str) -> None:
+    """Raises ValueError (one line) unless ``name`` is a ``rollout_sampler``: 'multinomial' or 'inverse_cdf'."""
+    if name not in ("multinomial", "inverse_cdf"):
+        raise ValueError(f"rollout_sampler must be 'multinomial' or 'inverse_cdf', got {name!r}")
+
+
 @contextmanager
 def rollout_sampler(name: str):
     """Within the block, ``generate``'s draws (``torch.multinomial(probs, num_samples=1)`` on ``[batch, V]``) come from
@@ -308,8 +313,7 @@ def rollout_sampler(name: str):
     Raises:
         ValueError: another ``name``.
     """
-    if name not in ("multinomial", "inverse_cdf"):
-        raise ValueError(f"rollout_sampler must be 'multinomial' or 'inverse_cdf', got {name!r}")
+    check_rollout_sampler(name)
     if name == "multinomial":
         yield
         return

@@ -62,11 +62,10 @@ void take(Cache& c, void* p, size_t n) {
 }
 
 // A block's memory: its own anonymous mapping (page-aligned; sizes are page multiples), so that its pages can move
-// into other blocks (mremap) instead of going back to the kernel.
+// into other blocks (mremap) instead of going back to the kernel. nullptr when the kernel refuses.
 void* map_block(size_t n) {
   void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) throw std::bad_alloc();
-  return p;
+  return p == MAP_FAILED ? nullptr : p;
 }
 
 void unmap_block(Cache& c, void* p, size_t n) {
@@ -212,10 +211,11 @@ struct CachingCPUAllocator final : at::Allocator {
       // A new block, made of the pages of the oldest kept blocks as far as they go (fresh pages for the rest);
       // then the oldest kept blocks are freed until live + kept + n stays within the most live bytes seen so far +
       // headroom (or live + n when that is a new high).
-      void* fresh = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (fresh == MAP_FAILED) {  // out of memory or of mappings (vm.max_map_count): the kept blocks go first
+      void* fresh = map_block(n);
+      if (fresh == nullptr) {  // out of memory or of mappings (vm.max_map_count): the kept blocks go first
         release_locked(c);
         fresh = map_block(n);
+        if (fresh == nullptr) throw std::bad_alloc();
       }
       char* p = static_cast<char*>(fresh);
       std::vector<size_t> got;
@@ -242,7 +242,6 @@ CachingCPUAllocator* the_allocator() {
   static CachingCPUAllocator* a = new CachingCPUAllocator();
   return a;
 }
-
 
 }  // namespace
 
