@@ -44,7 +44,9 @@ probe in the parent and in each variant's process before its run, the faster cou
 of percent over minutes): the distance to the limit. The matmul floor (`update_gemms`, `matmul_floor`): the same
 update's layer and LM-head products at their real shapes (decoding's few rows included, where the whole weight is
 read per step), each timed alone in the parent between the runs: what any implementation of the update would spend
-in matrix products on this machine with these kernels, a lower bound. Peak RSS of each phase (``VmHWM`` reset at each
+in matrix products on this machine with these kernels, a lower bound. The floor of all products (`other_gemms`
+added): also attention's own products, the LoRA adapters' and gradient checkpointing's recomputed forwards, which
+the update runs too (the issue's "matmul work of the update"). Peak RSS of each phase (``VmHWM`` reset at each
 phase start through ``/proc/self/clear_refs``), in bytes and in copies of one fp32 base model. Largest tensors: the
 bytes of the biggest logits tensor each phase produced (``[rows, tokens, 151936]`` fp32: generation keeps the
 scores of every step of every row, scoring the reference pass, optimisation the micro-batch's forward).
@@ -362,8 +364,9 @@ def update_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: 
                     reward model (body), value model (body; not with ``single_value_forward``)
       optimisation  per micro-batch: LoRA policy forward + input gradients (body and LM head), value model forward
                     + input gradients (+ weight gradients when trained in full, not ``lean``)
-    LoRA adapters, score heads, attention's own products (``QK^T``, ``PV``: ~4% of a forward at 320 tokens) are
-    left out: the list is a lower bound of the update's matmul work (FLOPs within ~1% of `phase_flops`)."""
+    LoRA adapters, score heads, attention's own products (``QK^T``, ``PV``: ~4% of a forward at 320 tokens) and
+    gradient checkpointing's recomputed forwards are left out (`other_gemms` lists them but the score heads): the
+    FLOPs are `phase_flops`'s."""
     rows, prompt, seq = shape["rows"], shape["prompt_tokens"], shape["sequence_tokens"]
     new, layers = seq - prompt, cfg["num_hidden_layers"]
     chunk = min(int(settings.get("local_rollout_forward_batch_size", rows)), rows)
@@ -448,6 +451,103 @@ def cold_weight_copies(n: int, k: int, cold_bytes: int = 1 << 30) -> int:
     return max(2, -(-cold_bytes // (4 * n * k)))
 
 
+POLICY_LORA = (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))  # the child's
+VALUE_LORA = (16, ("q_proj", "v_proj"))  # rlhf_trl_lean's value adapter: value_lora_target_modules unset = peft's
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # `layer_linears` order
+
+
+def other_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: bool = True,
+                single_value_forward: bool = False, fused_lora: bool = False, recompute: bool = False) -> dict:
+    """The matrix products of one PPO update that `update_gemms` leaves out, by phase: ``{phase: {(b, m, k, n):
+    count}}``, ``b`` products ``[m, k] @ [k, n]`` (a batched product over sequences x heads; b = 1: a plain one)
+    ``count`` times (a float: a causal attention product over a square counts 1/2, the half no implementation needs).
+      attention     ``QK^T`` and ``PV`` of every forward (prefill, each decoding step against its cache, the scoring
+                    forwards, the training forwards) and the four input-gradient products of each training backward
+      LoRA          the adapters' own products (rank r, `POLICY_LORA`; the value model's `VALUE_LORA` with ``lean``):
+                    per token in generation without ``fused_lora`` (with it: one ``B @ A`` merge per projection per
+                    ``generate`` call), forward + input and weight gradients in training; none in scoring (the
+                    reference and a shared base's reward are the adapter switched off)
+      recompute     with gradient checkpointing, each training forward's body (layers, attention, LoRA) once more
+    The same arguments as `update_gemms` (plus ``fused_lora`` and ``recompute``, `variant_extras`)."""
+    rows, prompt, seq = shape["rows"], shape["prompt_tokens"], shape["sequence_tokens"]
+    new, layers, heads = seq - prompt, cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    d = cfg["hidden_size"] // heads
+    chunk = min(int(settings.get("local_rollout_forward_batch_size", rows)), rows)
+    micro = min(int(settings.get("per_device_train_batch_size", rows)), rows)
+    calls, micro_batches = -(-rows // chunk), -(-rows // micro)
+    dims = dict(zip(PROJECTIONS, layer_linears(cfg)))
+    out = {"generation": {}, "scoring": {}, "optimisation": {}}
+
+    def add(phase, b, m, k, n, count):
+        key = (int(b), int(m), int(k), int(n))
+        out[phase][key] = out[phase].get(key, 0) + count
+
+    def attention(phase, seqs, queries, keys, count, backward=False):
+        half = 0.5 if queries == keys else 1.0  # causal over a square: half of it
+        b = seqs * heads
+        add(phase, b, queries, d, keys, count * layers * half)  # Q K^T
+        add(phase, b, queries, keys, d, count * layers * half)  # P V
+        if backward:  # dP = dO V^T; dV = P^T dO, dQ = dS K, dK = dS^T Q
+            add(phase, b, queries, d, keys, count * layers * half)
+            add(phase, b, keys, queries, d, 3 * count * layers * half)
+
+    def lora(phase, tokens, adapter, count, backward=False):
+        r, targets = adapter
+        for name in targets:
+            i, o = dims[name]
+            add(phase, 1, tokens, i, r, count * layers)  # x A^T
+            add(phase, 1, tokens, r, o, count * layers)  # (x A^T) B^T
+            if backward:
+                add(phase, 1, tokens, o, r, count * layers)  # dY B
+                add(phase, 1, o, tokens, r, count * layers)  # dB = dY^T (x A^T)
+                add(phase, 1, r, tokens, i, count * layers)  # dA = (dY B)^T x
+                add(phase, 1, tokens, r, i, count * layers)  # dx += (dY B) A
+
+    def body_forward(phase, tokens, count):
+        for i, o in layer_linears(cfg):
+            add(phase, 1, tokens, i, o, count * layers)
+
+    attention("generation", chunk, prompt, prompt, calls)
+    for step in range(1, new):  # decoding step t feeds token t against prompt + t cached positions
+        attention("generation", chunk, 1, prompt + step, calls)
+    if fused_lora:
+        for name in POLICY_LORA[1]:
+            i, o = dims[name]
+            add("generation", 1, o, POLICY_LORA[0], i, calls * layers)  # B @ A, once per generate call
+    else:
+        lora("generation", chunk * prompt, POLICY_LORA, calls)
+        lora("generation", chunk, POLICY_LORA, calls * (new - 1))
+    value_in_scoring = not single_value_forward
+    attention("scoring", chunk, seq, seq, calls * (3 if value_in_scoring else 2))  # reference, reward (, value)
+    if lean and value_in_scoring:
+        lora("scoring", chunk * seq, VALUE_LORA, calls)
+    tokens = micro * seq
+    for adapter in (POLICY_LORA, VALUE_LORA if lean else None):
+        attention("optimisation", micro, seq, seq, micro_batches, backward=True)
+        if adapter:
+            lora("optimisation", tokens, adapter, micro_batches, backward=True)
+        if recompute:
+            body_forward("optimisation", tokens, micro_batches)
+            attention("optimisation", micro, seq, seq, micro_batches)
+            if adapter:
+                lora("optimisation", tokens, adapter, micro_batches)
+    return out
+
+
+def product_seconds(*key: int, repeats: int = 5) -> float:
+    """Seconds of one product of the floor: an `other_gemms` key ``(b, m, k, n)``, ``b`` fp32 ``[m, k] @ [k, n]``
+    products in one ``torch.bmm``, the best of ``repeats`` runs on warm operands (the lower bound: attention's
+    operands are a few MB, an adapter's weights a few hundred KB); an `update_gemms` key ``(m, k, n)``: `gemm_seconds`."""
+    if len(key) == 3:
+        return gemm_seconds(*key, repeats=repeats)
+    import torch
+
+    b, m, k, n = key
+    x, y = torch.randn(b, m, k), torch.randn(b, k, n)
+    torch.bmm(x, y)
+    return min(_timed(lambda: torch.bmm(x, y)) for _ in range(repeats))
+
+
 def matmul_floor(gemms: dict, timings: dict, timer=gemm_seconds) -> dict:
     """Seconds of each phase's products (`update_gemms`) timed one shape at a time: a lower bound for any
     implementation of the update on this machine with these kernels. ``timings`` caches ``{(m, k, n): seconds}``
@@ -496,6 +596,13 @@ def variant_work(run: dict) -> dict:
             "single_value_forward": run.get("single_value_forward", False)}
 
 
+def variant_extras(run: dict) -> dict:
+    """What `other_gemms` needs beyond `variant_work`: ``fused_lora`` (the rollout generates on merged copies: no
+    adapter products per token) and ``recompute`` (gradient checkpointing: each training forward runs twice)."""
+    extra = EXTRA.get(run["variant"], [])
+    return {"fused_lora": "--fused_lora" in extra, "recompute": "--gradient_checkpointing" in extra}
+
+
 def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> dict:
     """One variant's figures; its FLOP rates against the higher of ``probe`` (the parent's) and the rate its own
     process measured before the run: the machine's best, so that a slow probe never flatters a variant."""
@@ -525,23 +632,31 @@ def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> 
 
 
 def load_timings(path: Path) -> dict:
-    """``{(m, k, n): seconds}`` from a `save_timings` file; empty when there is none."""
+    """``{(m, k, n) or (b, m, k, n): seconds}`` from a `save_timings` file; empty when there is none."""
     if not path.is_file():
         return {}
-    return {tuple(row[:3]): row[3] for row in json.loads(path.read_text())}
+    return {tuple(row[:-1]): row[-1] for row in json.loads(path.read_text())}
 
 
 def save_timings(path: Path, timings: dict) -> None:
     path.write_text(json.dumps([[*key, sec] for key, sec in sorted(timings.items())]))
 
 
-def add_floor(out: dict, run: dict, cfg: dict, settings: dict, timings: dict, timer=gemm_seconds) -> None:
+def add_floor(out: dict, run: dict, cfg: dict, settings: dict, timings: dict, timer=None) -> None:
     """Adds to a variant's summary ``out`` its matmul floor (`update_gemms` of its own run: shape, micro-batches,
-    LM-head span, value forward) in seconds per phase and in all, and ``seconds_vs_matmul_floor``."""
+    LM-head span, value forward) in seconds per phase and in all, and ``seconds_vs_matmul_floor``; and the floor of
+    all its products (`other_gemms` too: attention, LoRA, recomputed forwards), ``matmul_floor_all_seconds`` and
+    ``seconds_vs_matmul_floor_all``. ``timer(*key)``: seconds of one product, ``(m, k, n)`` or ``(b, m, k, n)``."""
+    timer = timer or product_seconds
     gemms = update_gemms(cfg, run["shape"], settings, **variant_work(run))
     floor = matmul_floor(gemms, timings, timer)
     out["matmul_floor_seconds"] = dict(floor, total=sum(floor.values()))
     out["seconds_vs_matmul_floor"] = out["seconds_per_update"] / out["matmul_floor_seconds"]["total"]
+    other = matmul_floor(other_gemms(cfg, run["shape"], settings, **variant_work(run), **variant_extras(run)),
+                         timings, timer)
+    every = {phase: floor[phase] + other[phase] for phase in floor}
+    out["matmul_floor_all_seconds"] = dict(every, total=sum(every.values()))
+    out["seconds_vs_matmul_floor_all"] = out["seconds_per_update"] / out["matmul_floor_all_seconds"]["total"]
 
 
 def write_markdown(bench: dict, path: Path) -> None:
@@ -553,8 +668,9 @@ def write_markdown(bench: dict, path: Path) -> None:
              f"fp32 matmul probe: {bench['matmul_gflop_per_second']:.1f} GFLOP/s; one base model in fp32: "
              f"{bench['base_model_bytes'] / GB:.2f} GB", "",
              "| variant | s/update | generation s | scoring s | optimisation s | x matmul work | matmul floor s (x) "
-             "| peak RSS GB (copies) | gen / score / opt peak copies | largest logits MB (gen / score / opt) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| all products' floor s (x) | peak RSS GB (copies) | gen / score / opt peak copies "
+             "| largest logits MB (gen / score / opt) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in bench["variants"].items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error'][:80]} |")
@@ -566,6 +682,8 @@ def write_markdown(bench: dict, path: Path) -> None:
             f"({o['fraction_of_matmul_rate']:.0%}) | {r['seconds_vs_matmul_work']:.2f} | "
             + (f"{r['matmul_floor_seconds']['total']:.1f} ({r['seconds_vs_matmul_floor']:.2f}) | "
                if "matmul_floor_seconds" in r else "- | ") +
+            (f"{r['matmul_floor_all_seconds']['total']:.1f} ({r['seconds_vs_matmul_floor_all']:.2f}) | "
+             if "matmul_floor_all_seconds" in r else "- | ") +
             f"{r['peak_rss_bytes'] / GB:.1f} ({r['peak_rss_model_copies']:.1f}) | "
             f"{g['peak_rss_model_copies']:.1f} / {s['peak_rss_model_copies']:.1f} / {o['peak_rss_model_copies']:.1f} | "
             f"{g['largest_logits_bytes'] / 1e6:.0f} / {s['largest_logits_bytes'] / 1e6:.0f} / "
@@ -587,7 +705,10 @@ def write_markdown(bench: dict, path: Path) -> None:
               "micro-batches and LM-head span) each timed alone in the parent between the runs, the best of two "
               "operand layouts (and of oneDNN for decoding's few rows), summed (per phase in bench_real.json); "
               "attention's products, elementwise passes, AdamW and sampling left out: a lower bound for any "
-              "implementation of the same update here. (x): s/update / floor."]
+              "implementation of the same update here. (x): s/update / floor. All products' floor: the same plus "
+              "the products `update_gemms` leaves out (`other_gemms`): attention's QK^T and PV (and their input "
+              "gradients; half of each causal square), the LoRA adapters' own products, and with gradient "
+              "checkpointing the recomputed forwards; each timed alone the same way."]
     trl = bench["variants"].get("plain_trl", {})
     if "seconds_per_update" in trl and any("seconds_vs_plain_trl" in r for k, r in bench["variants"].items()
                                            if k != "plain_trl"):
@@ -721,8 +842,8 @@ def main(argv: list[str] | None = None) -> int:
     earlier = load_timings(timings_path) if args.reuse else {}
     timings: dict = {}
 
-    def timer(m, k, n):
-        return min(gemm_seconds(m, k, n), earlier.get((m, k, n), float("inf")))
+    def timer(*key):
+        return min(product_seconds(*key), earlier.get(key, float("inf")))
     base_bytes = 4 * n["total"]  # fp32 weights of one base model (embeddings and LM head included)
     bench = {"model": model, "model_name": os.path.basename(model.rstrip("/")), "size": args.size, "settings": size,
              "prompt_set": prompt_set,

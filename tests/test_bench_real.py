@@ -140,6 +140,53 @@ def test_the_floor_runs_the_products_whose_flops_phase_flops_counts(tmp_path, sv
     assert gemms["optimisation"].get((4864, 1280, 896), 0) == (0 if lean else 2 * 2 * 24)  # value weight gradients
 
 
+def _product_flops(products: dict) -> float:
+    return sum(2 * b * m * k * n * count for (b, m, k, n), count in products.items())
+
+
+def test_the_floor_of_all_products_adds_attention_lora_and_recomputed_forwards():
+    """`other_gemms` at the issue's setting (8 rows of 256 + 64 tokens, micro-batches of 4, 24 layers, 14 heads of
+    64): counted by hand."""
+    shape = {"rows": 8, "prompt_tokens": 256, "sequence_tokens": 320}
+    settings = dict(bench_real.SIZES["issue"], per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    fast = bench_real.other_gemms(QWEN_05B, shape, settings, lean=False, full_head=False, single_value_forward=True,
+                                  fused_lora=True)
+    gen, opt = fast["generation"], fast["optimisation"]
+    assert gen[(8 * 14, 256, 64, 256)] == 0.5 * 24  # prefill's Q K^T: half of the causal square, 24 layers
+    assert gen[(8 * 14, 1, 64, 257)] == gen[(8 * 14, 1, 319, 64)] == 24  # decoding steps 1 and 63 against the cache
+    assert (8 * 14, 1, 64, 320) not in gen  # the last sampled token is never fed back
+    assert gen[(1, 4864, 16, 896)] == 2 * 24  # fused LoRA: gate's and up's B @ A, once per generate call
+    assert (1, 2048, 896, 16) not in gen  # no adapter products per token
+    assert fast["scoring"] == {(8 * 14, 320, 64, 320): 0.5 * 24 * 2, (8 * 14, 320, 320, 64): 0.5 * 24 * 2}
+    # training, policy and value, 2 micro-batches: QK^T and dP = dO V^T; PV, dV, dQ, dK
+    assert opt[(4 * 14, 320, 64, 320)] == 2 * 2 * 24 * 2 * 0.5
+    assert opt[(4 * 14, 320, 320, 64)] == 2 * 2 * 24 * 4 * 0.5
+    # the policy's adapters: x A^T on 896 inputs (all but down's), dY B on 896 outputs (q, o, down)
+    assert opt[(1, 1280, 896, 16)] == (6 + 3) * 24 * 2
+    assert opt[(1, 16, 1280, 4864)] == 24 * 2  # down's dA
+    assert (1, 1280, 896, 4864) not in opt  # no recomputed forward
+    lean = bench_real.other_gemms(QWEN_05B, shape, settings, lean=True, full_head=False, single_value_forward=True,
+                                  fused_lora=True, recompute=True)
+    assert lean["optimisation"][(1, 1280, 896, 4864)] == 2 * 24 * 2 * 2  # gate and up recomputed, both models
+    assert lean["optimisation"][(4 * 14, 320, 64, 320)] == opt[(4 * 14, 320, 64, 320)] + 2 * 24 * 2 * 0.5
+    body = sum(i * o for i, o in bench_real.layer_linears(QWEN_05B)) * 24
+    value_lora = 16 * (896 + 896) + 16 * (896 + 128)  # q_proj and v_proj, rank 16
+    assert _product_flops(lean["optimisation"]) - _product_flops(opt) == pytest.approx(
+        2 * 2 * body * 1280 * 2  # recomputed body forwards
+        + 2 * 2 * 24 * (2 * 0.5) * 2 * 56 * 320 * 64 * 320  # recomputed QK^T and PV
+        + 24 * 2 * 2 * 4 * value_lora * 1280  # the value adapter: forward + backward (3 forwards' work) + recompute
+        + 24 * 2 * 2 * 16 * 22912 * 1280)  # the policy adapter's recomputed forward (rank 16 x sum of in + out)
+    trl = bench_real.other_gemms(QWEN_05B, shape, settings, lean=False, full_head=True)
+    assert trl["generation"][(1, 8, 896, 16)] == 6 * 24 * 63  # peft's adapters at every decoding step
+    assert len(trl["scoring"]) == 2 and trl["scoring"][(8 * 14, 320, 64, 320)] == 0.5 * 24 * 3  # + value forward
+
+
+def test_product_seconds_times_batched_products_and_plain_ones():
+    assert 0 < bench_real.product_seconds(4, 16, 8, 16, repeats=1) < 1
+    assert 0 < bench_real.product_seconds(1, 16, 8, 16, repeats=1) < 1
+    assert 0 < bench_real.product_seconds(128, 8, 16, repeats=1) < 1  # `update_gemms`' (m, k, n)
+
+
 def test_the_floor_times_each_shape_once_and_counts_it(tmp_path):
     gemms = {"generation": {(8, 4, 2): 3}, "scoring": {(8, 4, 2): 1, (16, 4, 2): 2}, "optimisation": {}}
     calls = []
@@ -201,12 +248,16 @@ def test_the_report_puts_each_variant_beside_its_floor_and_trl(tmp_path):
         run = {"variant": variant, "updates": [dict(update, optimisation_seconds=seconds)],
                "threads": 2, "peak_rss_bytes": 8, "shape": shape}
         out = bench_real.summarise(run, {"body": 10, "head": 3}, {}, probe=100.0, base_bytes=2)
-        bench_real.add_floor(out, run, cfg, {}, timings, timer=lambda m, k, n: 0.01)
+        bench_real.add_floor(out, run, cfg, {}, timings, timer=lambda *key: 0.01)
         bench["variants"][variant] = out
     fast, trl = bench["variants"]["rlhf_trl_fast"], bench["variants"]["plain_trl"]
     assert fast["matmul_floor_seconds"]["total"] == pytest.approx(0.01 * sum(
         sum(p.values()) for p in bench_real.update_gemms(cfg, shape, {}, False, False).values()))
     assert fast["seconds_vs_matmul_floor"] == pytest.approx(30.0 / fast["matmul_floor_seconds"]["total"])
+    others = bench_real.other_gemms(cfg, shape, {}, False, False, fused_lora=True)  # rlhf_trl_fast: fused LoRA
+    assert fast["matmul_floor_all_seconds"]["total"] == pytest.approx(
+        fast["matmul_floor_seconds"]["total"] + 0.01 * sum(sum(p.values()) for p in others.values()))
+    assert fast["seconds_vs_matmul_floor_all"] == pytest.approx(30.0 / fast["matmul_floor_all_seconds"]["total"])
     for r in bench["variants"].values():
         r["seconds_vs_plain_trl"] = r["seconds_per_update"] / trl["seconds_per_update"]
         r["peak_rss_vs_plain_trl"] = 1.0
@@ -214,6 +265,8 @@ def test_the_report_puts_each_variant_beside_its_floor_and_trl(tmp_path):
     text = (tmp_path / "b.md").read_text()
     floor = fast["matmul_floor_seconds"]["total"]
     assert "| rlhf_trl_fast | 30.0 |" in text and f"{floor:.1f} ({30.0 / floor:.2f}) |" in text
+    every = fast["matmul_floor_all_seconds"]["total"]
+    assert f"{floor:.1f} ({30.0 / floor:.2f}) | {every:.1f} ({30.0 / every:.2f}) |" in text
     assert f"rlhf_trl_fast {floor:.1f} s ({floor / 40.0:.2f}x)" in text and "rlhf_trl_fast 0.75x s" in text
 
 
@@ -234,5 +287,6 @@ def test_the_report_has_no_trl_line_without_an_engine_variant(tmp_path):
 def test_floor_timings_round_trip(tmp_path):
     path = tmp_path / "matmul_floor_timings.json"
     assert bench_real.load_timings(path) == {}
-    bench_real.save_timings(path, {(8, 896, 151936): 0.05, (1280, 896, 4864): 0.07})
-    assert bench_real.load_timings(path) == {(8, 896, 151936): 0.05, (1280, 896, 4864): 0.07}
+    bench_real.save_timings(path, {(8, 896, 151936): 0.05, (1280, 896, 4864): 0.07, (56, 320, 64, 320): 0.002})
+    assert bench_real.load_timings(path) == {(8, 896, 151936): 0.05, (1280, 896, 4864): 0.07,
+                                             (56, 320, 64, 320): 0.002}

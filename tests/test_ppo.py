@@ -2,6 +2,7 @@
 
 import json
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -390,3 +391,87 @@ def test_the_inverse_cdf_sampler_draws_every_rollout_token(assets, sft_run, rm_r
     with pytest.raises(ValueError, match=r"^rollout_sampler must be 'multinomial' or 'inverse_cdf', got 'gumbel'$"):
         ppo_engine.check_config(recipe)
 
+
+
+def _tiny_value_model(seed=0):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    return Qwen2ForSequenceClassification(config).float()
+
+
+def test_the_value_models_embedding_gradient_adds_only_the_looked_up_rows():
+    """`rows_only_embedding_gradient`: two micro-batches' backward passes give the embedding the same dense gradient
+    as the default lookup (to fp32 rounding), without a zero-filled [vocab, hidden] tensor per backward; the other
+    parameters' gradients are bit for bit the default's; on exit the lookup is dense again."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(1, 300, (4, 12), generator=torch.Generator().manual_seed(1))
+    grads, kernels = {}, {}
+    for mode in ("dense", "rows"):
+        model = _tiny_value_model()
+        context = ppo_engine.rows_only_embedding_gradient(model) if mode == "rows" else nullcontext()
+        with context, profile(activities=[ProfilerActivity.CPU]) as prof:
+            for rows in (ids[:2], ids[2:]):  # micro-batches sharing tokens
+                model(input_ids=rows).logits.square().sum().backward()
+        kernels[mode] = {e.key: e.count for e in prof.key_averages()}
+        grads[mode] = {k: p.grad for k, p in model.named_parameters()}
+        assert not model.get_input_embeddings().sparse and not any(g.is_sparse for g in grads[mode].values())
+    name = "model.embed_tokens.weight"
+    torch.testing.assert_close(grads["rows"][name], grads["dense"][name], rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(grads["rows"][k], grads["dense"][k]) for k in grads["dense"] if k != name)
+    assert kernels["dense"].get("aten::embedding_dense_backward") == 2
+    assert "aten::embedding_dense_backward" not in kernels["rows"]
+
+
+def test_a_frozen_or_lora_wrapped_embedding_is_left_as_it_is():
+    from peft import LoraConfig, get_peft_model
+
+    frozen = _tiny_value_model()
+    frozen.get_input_embeddings().weight.requires_grad_(False)
+    lora = get_peft_model(_tiny_value_model(), LoraConfig(r=4, target_modules=["q_proj"], task_type="SEQ_CLS"))
+    for model in (frozen, lora):
+        with ppo_engine.rows_only_embedding_gradient(model):
+            assert not model.get_input_embeddings().sparse
+            model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        assert model.get_input_embeddings().weight.grad is None
+
+
+def test_rollouts_skip_the_no_op_min_p_filter_with_the_same_tokens(assets, monkeypatch):
+    """`sampling_generation_config` sets min_p 0.0 (a checkpoint's min_p must not leak in), which still builds
+    transformers' MinPLogitsWarper (a softmax and a top-k per decoding step, removing nothing): `generate_rollouts`
+    unsets it when the model has no min_p of its own. Same tokens and log-probs, bit for bit; a model whose
+    generation config has a min_p keeps the 0.0 (its min_p is not filled in)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.generation import logits_process
+
+    from rlhf_trl.models import load_tokenizer
+
+    tok = load_tokenizer(assets["tokenizer"])
+    policy = AutoModelForCausalLM.from_pretrained(assets["base_model"]).eval()
+    queries = torch.randint(3, 200, (4, 6), generator=torch.Generator().manual_seed(0))
+    config = ppo_engine.sampling_config(ppo_engine.PPOConfig(output_dir="unused", response_length=8, bf16=False), None,
+                                        tok.pad_token_id)
+    assert config.min_p == 0.0
+    built = []
+    real = logits_process.MinPLogitsWarper.__init__
+    monkeypatch.setattr(logits_process.MinPLogitsWarper, "__init__",
+                        lambda self, min_p, **kw: built.append(min_p) or real(self, min_p, **kw))
+    torch.manual_seed(1)
+    skipped = ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
+    assert built == [] and config.min_p == 0.0  # the caller's config is not changed
+    torch.manual_seed(1)
+    mask = queries != tok.pad_token_id
+    with torch.no_grad():  # what the rollout did before: the config as given, the no-op filter built
+        out = policy.generate(input_ids=queries.masked_fill(~mask, 0), attention_mask=mask, generation_config=config,
+                              return_dict_in_generate=True, output_scores=True)
+    assert built == [0.0]
+    assert torch.equal(skipped[0], out.sequences)
+    logprobs = torch.stack([ppo_engine.pm.selective_log_softmax(s[:, None], out.sequences[:, 6 + t, None])[:, 0]
+                            for t, s in enumerate(out.scores)], 1)
+    assert torch.equal(skipped[1], logprobs)
+    policy.generation_config.min_p = 0.05
+    ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
+    assert built == [0.0, 0.0]  # the model's own min_p would otherwise come in: the 0.0 stays
