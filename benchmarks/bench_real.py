@@ -537,7 +537,8 @@ def other_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: b
 def product_seconds(*key: int, repeats: int = 5) -> float:
     """Seconds of one product of the floor: an `other_gemms` key ``(b, m, k, n)``, ``b`` fp32 ``[m, k] @ [k, n]``
     products in one ``torch.bmm``, the best of ``repeats`` runs on warm operands (the lower bound: attention's
-    operands are a few MB, an adapter's weights a few hundred KB); an `update_gemms` key ``(m, k, n)``: `gemm_seconds`."""
+    operands are a few MB, an adapter's weights a few hundred KB); an `update_gemms` key ``(m, k, n)``:
+    `gemm_seconds`."""
     if len(key) == 3:
         return gemm_seconds(*key, repeats=repeats)
     import torch
