@@ -550,9 +550,9 @@ def product_seconds(*key: int, repeats: int = 5) -> float:
 
 
 def matmul_floor(gemms: dict, timings: dict, timer=gemm_seconds) -> dict:
-    """Seconds of each phase's products (`update_gemms`) timed one shape at a time: a lower bound for any
-    implementation of the update on this machine with these kernels. ``timings`` caches ``{(m, k, n): seconds}``
-    across variants (filled here with ``timer``)."""
+    """Seconds of each phase's products (`update_gemms` or `other_gemms`) timed one shape at a time: a lower bound for
+    any implementation of the update on this machine with these kernels. ``timings`` caches ``{key: seconds}`` (keys
+    ``(m, k, n)`` or ``(b, m, k, n)``) across variants (filled here with ``timer(*key)``)."""
     floor = {}
     for phase, products in gemms.items():
         for key in products:
