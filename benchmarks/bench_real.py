@@ -103,6 +103,9 @@ EXTRA = {"rlhf_trl": [],
          "rlhf_trl_lean": ["--value_use_peft", "true", "--share_reward_value_base", "true",
                            "--gradient_checkpointing", "true", *CPU_MEASURES]}
 GB = 1e9
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # `layer_linears` order
+POLICY_LORA = (16, PROJECTIONS)  # every run's policy adapter: rank, target modules (the child's settings)
+VALUE_LORA = (16, ("q_proj", "v_proj"))  # rlhf_trl_lean's value adapter: value_lora_target_modules unset = peft's
 
 
 # -- the child: one PPO run with phase timers ---------------------------------------------------------------------
@@ -258,8 +261,8 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
                 "save_strategy": "no", "logging_steps": "1", "output_dir": str(work / variant), "use_cpu": "true",
                 "num_sample_generations": "0",
                 "sft_model_path": model, "reward_model_path": model, "dataset_name": prompts,
-                "max_prompt_length": "256", "use_peft": "true", "lora_r": "16", "lora_alpha": "32",
-                "lora_target_modules": "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj",
+                "max_prompt_length": "256", "use_peft": "true", "lora_r": str(POLICY_LORA[0]), "lora_alpha": "32",
+                "lora_target_modules": " ".join(POLICY_LORA[1]),
                 "dtype": "float32", "eval_split_size": "4", "per_device_eval_batch_size": "2",
                 "overwrite_output_dir": "true"}
     probe = matmul_probe(repeats=10)  # this process's own rate: the VM's steal time moves it by up to 40% over minutes
@@ -449,11 +452,6 @@ def cold_weight_copies(n: int, k: int, cold_bytes: int = 1 << 30) -> int:
     """How many distinct fp32 ``[n, k]`` weights `gemm_seconds` cycles through so that together they hold at least
     ``cold_bytes`` (at least 2)."""
     return max(2, -(-cold_bytes // (4 * n * k)))
-
-
-POLICY_LORA = (16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))  # the child's
-VALUE_LORA = (16, ("q_proj", "v_proj"))  # rlhf_trl_lean's value adapter: value_lora_target_modules unset = peft's
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # `layer_linears` order
 
 
 def other_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: bool = True,

@@ -758,6 +758,7 @@ class PPOEngine(Trainer):
         With ``tensor_cache`` the gradient tensors are kept between updates (one value model's parameters' worth of
         memory more through the rollout and the policy's step) and zeroed before the next update's first backward,
         which adds into them instead of taking fresh pages from the kernel: the same sums (0 + g = g).
+        A value model trained in full adds its embedding's gradient row by row (`rows_only_embedding_gradient`).
 
         Same gradient as TRL 1.12's second value forward: the weights have not moved since the rollout, so the
         rollout's values equal the training forward's and the clipped term equals the unclipped one."""
