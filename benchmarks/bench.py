@@ -40,6 +40,7 @@ are not meaningful.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -276,12 +277,13 @@ def ppo_breakdown(paths: dict, mode: dict, run_dir: Path) -> dict:
         (TRL's ``generate`` helper: ``return_dict_in_generate`` and ``output_scores``, whose logits become the
         rollout log-probs); (seconds, new tokens)."""
         policy, queries, pad = captured["policy"], captured["queries"], captured["pad"]
+        config = copy.deepcopy(captured["config"])
+        config.return_dict_in_generate, config.output_scores = True, True
         t = time.perf_counter()
         tokens = 0
         for i in range(0, queries.shape[0], captured["chunk"]):
             q = queries[i: i + captured["chunk"]]
-            out = policy.generate(input_ids=q, attention_mask=q != pad, generation_config=captured["config"],
-                                  return_dict_in_generate=True, output_scores=True).sequences
+            out = policy.generate(input_ids=q, attention_mask=q != pad, generation_config=config).sequences
             tokens += out.shape[0] * (out.shape[1] - q.shape[1])
         return time.perf_counter() - t, tokens
 

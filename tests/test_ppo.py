@@ -475,3 +475,42 @@ def test_rollouts_skip_the_no_op_min_p_filter_with_the_same_tokens(assets, monke
     policy.generation_config.min_p = 0.05
     ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
     assert built == [0.0, 0.0]  # the model's own min_p would otherwise come in: the 0.0 stays
+
+
+def test_rollout_log_probs_take_one_log_softmax_per_decoding_step(assets, monkeypatch):
+    """`generate_rollouts` turns each decoding step's sampling logits ``[rows, vocab]`` into the sampled tokens'
+    log-probs with one logsumexp over all rows of the step, not one per row and step (selective_log_softmax's
+    per-row loop): the same values (bit for bit at the demo's vocabulary; log_softmax + gather to 1e-6), and
+    ``rows x steps`` logsumexp calls become ``steps``."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_trl.models import load_tokenizer
+
+    tok = load_tokenizer(assets["tokenizer"])
+    policy = AutoModelForCausalLM.from_pretrained(assets["base_model"]).eval()
+    queries = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
+    config = ppo_engine.sampling_config(ppo_engine.PPOConfig(output_dir="unused", response_length=7, bf16=False), None,
+                                        tok.pad_token_id)
+    calls = []
+    real_lse = torch.logsumexp
+    monkeypatch.setattr(torch, "logsumexp", lambda x, *a, **kw: calls.append(tuple(x.shape)) or real_lse(x, *a, **kw))
+    torch.manual_seed(3)
+    query_responses, logprobs = ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 3)
+    assert calls == [(3, policy.config.vocab_size)] * 14  # 2 generate calls of 3 rows x 7 steps: one per step
+    monkeypatch.setattr(torch, "logsumexp", real_lse)
+    torch.manual_seed(3)
+    mask = queries != tok.pad_token_id
+    expected = []
+    with torch.no_grad():
+        for i in (0, 3):
+            out = policy.generate(input_ids=queries[i:i + 3].masked_fill(~mask[i:i + 3], 0),
+                                  attention_mask=mask[i:i + 3], generation_config=config, return_dict_in_generate=True,
+                                  output_scores=True)
+            assert torch.equal(out.sequences, query_responses[i:i + 3])
+            ids = out.sequences[:, 5:]
+            per_row = torch.stack([ppo_engine.pm.selective_log_softmax(s[:, None], ids[:, t, None])[:, 0]
+                                   for t, s in enumerate(out.scores)], 1)
+            full = torch.log_softmax(torch.stack(out.scores, 1), -1).gather(-1, ids[..., None])[..., 0]
+            torch.testing.assert_close(per_row, full, rtol=0, atol=1e-6)
+            expected.append(per_row)
+    assert torch.equal(logprobs, torch.cat(expected))

@@ -3,7 +3,7 @@
 The command puts PyTorch's large CPU tensors (>= 2 MB) on transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, read
 by PyTorch once, at its first allocation: so here, before anything imports torch). Every fresh activation or gradient
 tensor is then faulted in 2 MB at a time instead of 4 KB: a PPO update on the real 0.5B model at 8 x 320 tokens took
-297 -> 245-279 s (four runs) with the same peak RSS (README, "Real weights"). Numerics are unchanged (it is where
+297 -> 245-279 s (four runs) with the same peak RSS (benchmarks/HISTORY.md). Numerics are unchanged (it is where
 memory comes from, not how it is used). ``THP_MEM_ALLOC_ENABLE=0`` in the environment turns it off; a no-op where
 the kernel's THP setting is ``never``.
 """

@@ -4,7 +4,7 @@ system, for a lower peak RSS; `mmap_threshold_raised` lifts it for the rollout's
 page faults), `fuse_lora` (LoRA layers add their low-rank update into the base layer's output in one pass;
 `lora_merged`: the rollout's ``generate`` uses a temporary merged copy of each adapted weight) and
 `install_tensor_cache` (``tensor_cache``: freed tensor blocks are reused, not zeroed again by the kernel every step).
-All measured in ``make bench-real`` (README, "Real weights").
+All measured in ``make bench-real`` (README, "Benchmarks"; every set in benchmarks/HISTORY.md).
 
 Each decoding step multiplies every weight matrix by one row per sequence. For so few rows, MKL's fp32 GEMM on the
 AMD EPYC CPUs measured here (`benchmarks/bench_real.py`) runs at a fraction of the machine's rate: Qwen2.5-0.5B's LM
