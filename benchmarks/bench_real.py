@@ -418,8 +418,8 @@ def gemm_seconds(m: int, k: int, n: int, repeats: int = 5, slab: tuple[int, int,
     cache. For at most 64 rows the runs therefore cycle through `cold_weight_copies` distinct weights (together at
     least ``cold_bytes``, beyond any last-level cache), each run on the next: timing one weight again and again
     would find a 17 MB MLP matrix in the cache and give a floor no decoding step can reach (measured on the 2-core
-    Xeon VM of benchmarks/HISTORY.md's sixth set: an 8-row MLP product 0.78 ms cached, 1.15 ms from memory; an attention
-    projection 0.11 vs 0.24 ms; the LM head 32.9 vs 34.7 ms)."""
+    Xeon VM of benchmarks/HISTORY.md's sixth set: an 8-row MLP product 0.78 ms cached, 1.15 ms from memory; an
+    attention projection 0.11 vs 0.24 ms; the LM head 32.9 vs 34.7 ms)."""
     import itertools
 
     import torch
