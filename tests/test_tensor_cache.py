@@ -109,9 +109,9 @@ import torch, sys
 from rlhf_trl import cpu
 MB = 1 << 20
 assert cpu.install_tensor_cache(headroom_bytes=int(sys.argv[1]) * MB)
-held = [torch.empty(MB, dtype=torch.uint8) for _ in range(16)]  # peak: 16 MB live
+held = [torch.empty(MB // 8, dtype=torch.uint8) for _ in range(128)]  # peak: 16 MB live in 128 KB blocks
 del held  # 16 MB kept
-x = torch.empty(12 * MB, dtype=torch.uint8)  # the pages of 8 kept blocks (8 mappings at most), 4 MB fresh
+x = torch.empty(12 * MB, dtype=torch.uint8)  # the pages of 64 kept blocks (64 mappings at most): 8 MB, 4 MB fresh
 s = cpu.tensor_cache_stats()
 print(s["recycled_bytes"] // MB, s["kept_bytes"] // MB, s["live_bytes"] // MB)
 """
@@ -119,8 +119,8 @@ print(s["recycled_bytes"] // MB, s["kept_bytes"] // MB, s["live_bytes"] // MB)
 
 @pytest.mark.parametrize("headroom_mb, kept_mb", [(0, 4), (2, 6), (8, 8)])
 def test_headroom_bounds_the_kept_blocks(built, headroom_mb, kept_mb):
-    """live + kept <= peak (16 MB) + headroom: a 12 MB tensor made of 8 kept 1 MB blocks and 4 MB of fresh pages
-    leaves 4 MB kept at 0 headroom, 6 at 2 MB, all 8 at 8 MB."""
+    """live + kept <= peak (16 MB) + headroom: a 12 MB tensor made of 64 kept 128 KB blocks (a block is at most 64
+    mappings) and 4 MB of fresh pages leaves 4 MB kept at 0 headroom, 6 at 2 MB, all 8 at 8 MB."""
     assert run_script(HEADROOM, str(headroom_mb)).split() == ["8", str(kept_mb), "12"]
 
 

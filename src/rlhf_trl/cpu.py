@@ -377,7 +377,7 @@ def tensor_cache_stats() -> dict[str, int]:
     """The tensor cache's counters: ``kept_bytes`` (freed blocks kept now), ``hits`` / ``misses`` (requests of at
     least ``min_bytes`` served from kept blocks / freshly), ``live_blocks``, ``live_bytes`` and ``peak_live_bytes``
     (blocks handed out, now and at most so far), ``recycled_bytes`` (kept blocks' pages moved into requests no kept
-    block served), ``mappings`` (that the live and kept blocks are made of: at most 8 per block, and blocks stay one
+    block served), ``mappings`` (that the live and kept blocks are made of: at most 64 per block, and blocks stay one
     each beyond half of ``vm.max_map_count``); all zero when it is not installed. Raises nothing."""
     import ctypes
 
