@@ -439,21 +439,29 @@ def test_a_frozen_or_lora_wrapped_embedding_is_left_as_it_is():
         assert model.get_input_embeddings().weight.grad is None
 
 
-def test_rollouts_skip_the_no_op_min_p_filter_with_the_same_tokens(assets, monkeypatch):
-    """`sampling_generation_config` sets min_p 0.0 (a checkpoint's min_p must not leak in), which still builds
-    transformers' MinPLogitsWarper (a softmax and a top-k per decoding step, removing nothing): `generate_rollouts`
-    unsets it when the model has no min_p of its own. Same tokens and log-probs, bit for bit; a model whose
-    generation config has a min_p keeps the 0.0 (its min_p is not filled in)."""
+def _demo_rollout_setup(assets, response_length: int):
+    """The demo's tokenizer, its base model as an eval-mode policy, and the rollout's sampling config (no EOS stop,
+    ``response_length`` new tokens)."""
     from transformers import AutoModelForCausalLM
-    from transformers.generation import logits_process
 
     from rlhf_trl.models import load_tokenizer
 
     tok = load_tokenizer(assets["tokenizer"])
     policy = AutoModelForCausalLM.from_pretrained(assets["base_model"]).eval()
+    config = ppo_engine.sampling_config(
+        ppo_engine.PPOConfig(output_dir="unused", response_length=response_length, bf16=False), None, tok.pad_token_id)
+    return tok, policy, config
+
+
+def test_rollouts_skip_the_no_op_min_p_filter_with_the_same_tokens(assets, monkeypatch):
+    """`sampling_generation_config` sets min_p 0.0 (a checkpoint's min_p must not leak in), which still builds
+    transformers' MinPLogitsWarper (a softmax and a top-k per decoding step, removing nothing): `generate_rollouts`
+    unsets it when the model has no min_p of its own. Same tokens and log-probs, bit for bit; a model whose
+    generation config has a min_p keeps the 0.0 (its min_p is not filled in)."""
+    from transformers.generation import logits_process
+
+    tok, policy, config = _demo_rollout_setup(assets, response_length=8)
     queries = torch.randint(3, 200, (4, 6), generator=torch.Generator().manual_seed(0))
-    config = ppo_engine.sampling_config(ppo_engine.PPOConfig(output_dir="unused", response_length=8, bf16=False), None,
-                                        tok.pad_token_id)
     assert config.min_p == 0.0
     built = []
     real = logits_process.MinPLogitsWarper.__init__
@@ -482,15 +490,8 @@ def test_rollout_log_probs_take_one_log_softmax_per_decoding_step(assets, monkey
     log-probs with one logsumexp over all rows of the step, not one per row and step (selective_log_softmax's
     per-row loop): the same values (bit for bit at the demo's vocabulary; log_softmax + gather to 1e-6), and
     ``rows x steps`` logsumexp calls become ``steps``."""
-    from transformers import AutoModelForCausalLM
-
-    from rlhf_trl.models import load_tokenizer
-
-    tok = load_tokenizer(assets["tokenizer"])
-    policy = AutoModelForCausalLM.from_pretrained(assets["base_model"]).eval()
+    tok, policy, config = _demo_rollout_setup(assets, response_length=7)
     queries = torch.randint(3, 200, (6, 5), generator=torch.Generator().manual_seed(0))
-    config = ppo_engine.sampling_config(ppo_engine.PPOConfig(output_dir="unused", response_length=7, bf16=False), None,
-                                        tok.pad_token_id)
     calls = []
     real_lse = torch.logsumexp
     monkeypatch.setattr(torch, "logsumexp", lambda x, *a, **kw: calls.append(tuple(x.shape)) or real_lse(x, *a, **kw))
