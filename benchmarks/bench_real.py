@@ -20,7 +20,7 @@ Variants, each one PPO run in its own process (so that peak RSS is its own), sam
   rlhf_trl_fast    the same layout (full value model) with ``offload_reward_model: true`` (the reward model's
                    weights on disk between rollouts) and the CPU measures ``malloc_mmap_threshold: 131072`` (freed
                    tensors go back to the system), ``onednn_decoding: true`` (decoding matmuls through oneDNN),
-                   ``fused_lora``, ``tensor_cache`` and ``rollout_sampler: inverse_cdf`` (`CPU_MEASURES`)
+                   ``fused_lora``, ``fused_kernels``, ``tensor_cache`` and ``rollout_sampler: inverse_cdf`` (`CPU_MEASURES`)
   rlhf_trl_low_memory  rlhf_trl_fast plus ``gradient_checkpointing: true``
   rlhf_trl_lean    ``rlhf-trl ppo`` with ``value_use_peft`` + ``share_reward_value_base`` (one copy of weights for
                    reward and value model), ``gradient_checkpointing: true`` and the CPU measures
@@ -96,7 +96,7 @@ SIZES = {
 }
 VARIANTS = ("plain_trl", "rlhf_trl", "rlhf_trl_fast", "rlhf_trl_low_memory", "rlhf_trl_lean")
 CPU_MEASURES = ["--malloc_mmap_threshold", "131072", "--onednn_decoding", "true", "--fused_lora", "true",
-                "--tensor_cache", "true", "--rollout_sampler", "inverse_cdf"]
+                "--fused_kernels", "true", "--tensor_cache", "true", "--rollout_sampler", "inverse_cdf"]
 EXTRA = {"rlhf_trl": [],
          "rlhf_trl_fast": ["--offload_reward_model", "true", *CPU_MEASURES],
          "rlhf_trl_low_memory": ["--offload_reward_model", "true", "--gradient_checkpointing", "true", *CPU_MEASURES],

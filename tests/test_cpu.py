@@ -81,6 +81,25 @@ def test_large_and_gradient_calls_keep_the_default_kernels(policy, calls):
     assert calls == [] and torch.equal(grad_inside, grad_before) and grad_inside.requires_grad
 
 
+def test_onednn_linear_takes_dense_tensors_with_the_converting_kernels_values(monkeypatch):
+    """`onednn_linear` calls oneDNN's dense-in, dense-out linear (no conversion of input and output per call) and
+    gives what ``mkldnn_linear`` on converted tensors gives, bit for bit (with and without bias, 2-D, 3-D and
+    non-contiguous input); without that op it falls back to the converting one."""
+    if cpu._LINEAR_POINTWISE is None:
+        pytest.skip("this PyTorch has no mkldnn._linear_pointwise (or no oneDNN)")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(384, 96), torch.randn(384)
+    for x in (torch.randn(8, 96), torch.randn(8, 1, 96), torch.randn(96, 5).t()):
+        for b in (bias, None):
+            dense = cpu.onednn_linear(x, weight, b)
+            converted = torch._C._nn.mkldnn_linear(x.reshape(-1, 96).contiguous().to_mkldnn(), weight, b).to_dense()
+            assert dense.shape == (*x.shape[:-1], 384) and dense.layout == torch.strided
+            assert torch.equal(dense, converted.reshape(dense.shape))
+            monkeypatch.setattr(cpu, "_LINEAR_POINTWISE", None)
+            assert torch.equal(cpu.onednn_linear(x, weight, b), dense)
+            monkeypatch.undo()
+
+
 def test_disabled_or_raising_blocks_leave_the_model_as_it_was(policy, calls):
     ids = torch.randint(3, 200, (2, 1))
     with torch.no_grad(), cpu.onednn_decoding(policy, enabled=False, min_weight_elements=0):
@@ -256,6 +275,101 @@ def test_the_fused_lora_key_reaches_the_policy(assets, sft_run, rm_run, tmp_path
     assert forwards and all(getattr(f, "__func__", None) is cpu._fused_lora_forward for f in forwards)
     assert merged and all(all(flags) and flags for flags in merged)
     assert after and not any(after)
+
+
+def base_model(assets):
+    return AutoModelForCausalLM.from_pretrained(assets["base_model"])
+
+
+def test_fused_kernels_compute_the_layers_outputs_and_gradients_and_keep_less(assets):
+    """`fuse_kernels`: every Qwen2 MLP's silu(gate) * up and every RMSNorm in one kernel pass forward and one
+    backward: logits and every gradient (the norms' weights included) as PyTorch's to fp32 rounding, the same numbers
+    every run; the backward keeps one ``[tokens, intermediate]`` tensor less per layer (silu(gate)) and each norm
+    keeps its input and one number per row; NaN gates give NaN, as PyTorch's silu; other dtypes, strided inputs and
+    autocast take PyTorch's operations, bit for bit."""
+    plain, fused = base_model(assets), base_model(assets)
+    mlps = [m for m in fused.modules() if type(m).__name__ == "Qwen2MLP"]
+    norms = [m for m in fused.modules() if type(m).__name__ == "Qwen2RMSNorm"]
+    assert len(mlps) == fused.config.num_hidden_layers and len(norms) == 2 * len(mlps) + 1
+    assert cpu.fuse_kernels(fused) == len(mlps) + len(norms)
+    if cpu._fused_lib is None:
+        pytest.skip("no C++ compiler with OpenMP here: fuse_kernels changed nothing")
+    assert cpu.fuse_kernels(fused) == 0  # already fused
+    ids = torch.randint(0, 100, (2, 9))
+    (a, grads_a), (b, grads_b) = forward_backward(plain, ids), forward_backward(fused, ids)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert grads_a.keys() == grads_b.keys() and any("norm" in k for k in grads_a)
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    again = forward_backward(fused, ids)
+    assert torch.equal(again[0], b) and all(torch.equal(again[1][k], grads_b[k]) for k in grads_b)
+
+    def kept(model):  # (number, bytes) of the tensors the graph keeps for the backward
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            model(input_ids=ids).logits.sum()
+        return sum(sizes)
+
+    tokens, hidden = ids.numel(), fused.config.hidden_size
+    intermediate = tokens * fused.config.intermediate_size * 4  # bytes of one [tokens, intermediate] fp32 tensor
+    # per norm PyTorch's operations keep x twice (pow, mul), rsqrt twice (its own output, mul), x * rsqrt and the
+    # weight; the kernel keeps x, the weight and 1 / rms per row (fp32: 4 bytes each)
+    norm_plain = 4 * (3 * tokens * hidden + 2 * tokens + hidden)
+    norm_fused = 4 * (tokens * hidden + tokens + hidden)
+    assert kept(plain) - kept(fused) == len(mlps) * intermediate + len(norms) * (norm_plain - norm_fused)
+    gate = torch.tensor([float("nan"), -100.0, 0.0, 3.0, 100.0])
+    torch.testing.assert_close(cpu.swiglu(gate, torch.ones(5)), torch.nn.functional.silu(gate), equal_nan=True)
+    gate, up = torch.randn(3, 8, 16), torch.randn(3, 8, 16)
+    for g, u in ((gate.double(), up.double()), (gate.transpose(1, 2), up.transpose(1, 2))):
+        assert torch.equal(cpu.swiglu(g, u), torch.nn.functional.silu(g) * u)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(cpu.swiglu(gate, up), torch.nn.functional.silu(gate) * up)
+    norm, x = norms[0], torch.randn(3, hidden, 8)
+    for x in (x.transpose(1, 2).double(), x.transpose(1, 2)):  # fp64; strided
+        assert torch.equal(norm(x), type(norm).forward(norm, x))
+
+
+def test_fused_kernels_without_a_compiler_leave_the_model_alone(assets, tmp_path, monkeypatch, caplog):
+    """No C++ compiler: one warning naming the cause, no module changed, the run goes on with PyTorch's ops."""
+    import logging
+
+    monkeypatch.setattr(cpu, "_fused_lib", None)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setattr(cpu, "_tensor_cache_build_dir", lambda: tmp_path / "ext")
+    model = base_model(assets)
+    with caplog.at_level(logging.WARNING, logger="rlhf_trl.cpu"):
+        assert cpu.fuse_kernels(model) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"fused_kernels: building fused_kernels.cpp with {tmp_path / 'no-such-c++'} failed: [Errno 2] No such file or "
+        f"directory: '{tmp_path / 'no-such-c++'}'; PyTorch's own operations stay"]
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.slow  # one PPO update (~3 s)
+def test_the_fused_kernels_key_reaches_every_model(assets, sft_run, rm_run, tmp_path):
+    """``fused_kernels: true``: the policy's (and so the reference's), the value model's and the reward model's MLPs
+    and RMSNorms all run the kernels."""
+    from transformers import TrainerCallback
+
+    ppo, seen = import_ppo(), {}
+
+    def forwards(model):
+        return {type(x).__name__: vars(x).get("forward") for x in model.modules()
+                if type(x).__name__ in ("Qwen2MLP", "Qwen2RMSNorm")}
+
+    class Seen(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            seen["policy"], seen["value"] = forwards(model.policy), forwards(model.value_model)
+
+    trainer = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "8", "--save_strategy", "no",
+                                "--fused_kernels", "true"), callbacks=[Seen()])["trainer"]
+    if cpu._fused_lib is None:
+        pytest.skip("no C++ compiler with OpenMP here")
+    seen["reward"] = forwards(trainer.reward_model)
+    for name, found in seen.items():
+        assert getattr(found.get("Qwen2MLP"), "__func__", None) is cpu._fused_mlp_forward, name
+        assert getattr(found.get("Qwen2RMSNorm"), "__func__", None) is cpu._fused_rms_norm_forward, name
 
 
 MEASURE = """

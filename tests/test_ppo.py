@@ -483,6 +483,13 @@ def test_rollouts_skip_the_no_op_min_p_filter_with_the_same_tokens(assets, monke
     policy.generation_config.min_p = 0.05
     ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
     assert built == [0.0, 0.0]  # the model's own min_p would otherwise come in: the 0.0 stays
+    # what a PPO run does: `rollout_generation_config` gives the policy PPO's sampling config first (a stock min_p
+    # logged and overridden); its rollouts then build no MinP filter either
+    stock = rollout_generation_config(policy, "demo", [], tok.pad_token_id, 1.0)
+    assert stock.min_p == 0.05 and policy.generation_config.min_p is None
+    torch.manual_seed(1)
+    again = ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
+    assert built == [0.0, 0.0] and torch.equal(again[0], skipped[0]) and torch.equal(again[1], skipped[1])
 
 
 def test_rollout_log_probs_take_one_log_softmax_per_decoding_step(assets, monkeypatch):

@@ -110,6 +110,43 @@ def test_chunked_response_logprobs_equal_whole_ones_with_gradients():
     assert lp.shape == (2, 5)
 
 
+def test_a_frozen_lm_head_gives_its_gradient_rows_in_the_forward_pass(monkeypatch):
+    """A frozen plain LM head (a LoRA policy's) takes `FrozenHeadLogprobs`: one LM-head product per chunk (none in the
+    backward pass: no recomputation), log-probs and entropy bit for bit those of the checkpointed path, and the
+    trained parameters' gradients those of plain autograd through whole logits, to fp32 rounding. A head that trains
+    keeps the checkpointed path."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlhf_trl.ppo_engine import FrozenHeadLogprobs, response_logprobs
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0))
+    model.lm_head.weight.requires_grad_(False)
+    qr = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 0], [3, 4, 5, 6, 7, 8, 9, 11]])  # prompt 3 tokens, response 5
+    weights = torch.randn(2, 5)  # a loss that weighs each position's log-prob differently
+    heads, applied = [], []
+    model.lm_head.register_forward_pre_hook(lambda module, args: heads.append(1))
+    real = FrozenHeadLogprobs.apply
+    monkeypatch.setattr(FrozenHeadLogprobs, "apply", lambda *a: applied.append(1) or real(*a))
+    lp, ent = response_logprobs(model, qr, 3, 0, temperature=0.7, chunk_size=2, with_entropy=True)
+    assert len(applied) == len(heads) == 3  # chunks of 2, 2 and 1 positions
+    (lp * weights).sum().backward()
+    assert len(heads) == 3
+    rank_one = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    logits = model(input_ids=qr, attention_mask=qr != 0).logits[:, 2:-1] / (0.7 + 1e-7)
+    (pm.selective_log_softmax(logits, qr[:, 3:]) * weights).sum().backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(rank_one[name], p.grad, rtol=1e-5, atol=1e-6)
+    model.lm_head.weight.requires_grad_(True)  # a trained head: checkpointed chunks, the head in the backward too
+    heads.clear()
+    lp2, ent2 = response_logprobs(model, qr, 3, 0, temperature=0.7, chunk_size=2, with_entropy=True)
+    lp2.sum().backward()
+    assert len(heads) == 6 and torch.equal(lp2, lp) and torch.equal(ent2, ent)
+
+
 def test_response_logprobs_feed_the_lm_head_contiguous_rows():
     """The response positions are a strided slice of the hidden states; the LM head gets them contiguous, so that
     its product is one matmul (a strided 3-D input goes through a broadcast bmm: measured 1.75 s against ~0.7 s per

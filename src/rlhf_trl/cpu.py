@@ -1,9 +1,11 @@
-"""PPO's four CPU measures, all opt-in recipe keys: `onednn_decoding` (faster token-by-token generation: the few-row
+"""PPO's CPU measures, all opt-in recipe keys: `onednn_decoding` (faster token-by-token generation: the few-row
 matmuls of decoding through oneDNN instead of MKL), `set_malloc_mmap_threshold` (freed tensors go back to the
 system, for a lower peak RSS; `mmap_threshold_raised` lifts it for the rollout's ``generate``, where it only costs
 page faults), `fuse_lora` (LoRA layers add their low-rank update into the base layer's output in one pass;
-`lora_merged`: the rollout's ``generate`` uses a temporary merged copy of each adapted weight) and
-`install_tensor_cache` (``tensor_cache``: freed tensor blocks are reused, not zeroed again by the kernel every step).
+`lora_merged`: the rollout's ``generate`` uses a temporary merged copy of each adapted weight), `fuse_kernels`
+(``fused_kernels``: the gated MLPs' ``silu(gate) * up`` and the RMSNorms in one C++ pass forward and one backward)
+and `install_tensor_cache` (``tensor_cache``: freed tensor blocks are reused, not zeroed again by the kernel every
+step).
 All measured in ``make bench-real`` (README, "Benchmarks"; every set in benchmarks/HISTORY.md).
 
 Each decoding step multiplies every weight matrix by one row per sequence. For so few rows, MKL's fp32 GEMM on the
@@ -33,10 +35,22 @@ logger = logging.getLogger(__name__)
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` through oneDNN: ``x [..., in]``, ``weight [out, in]`` (dense, read in place),
-    ``bias [out]`` -> ``[..., out]`` (fp32, CPU)."""
+    ``bias [out]`` -> ``[..., out]`` (fp32, CPU). Through ``mkldnn._linear_pointwise``, which takes and gives dense
+    tensors, where this PyTorch has it (2.x with oneDNN); else ``mkldnn_linear``, whose input and output are
+    converted to and from oneDNN's own tensors (~40-80 us per call, 0.3-0.6 s of a 64-token rollout of 8 rows on
+    Qwen2.5-0.5B's 24 layers). The same kernel: the same values, bit for bit."""
     shape = x.shape
-    y = torch._C._nn.mkldnn_linear(x.reshape(-1, shape[-1]).contiguous().to_mkldnn(), weight, bias)
-    return y.to_dense().reshape(*shape[:-1], weight.shape[0])
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    if _LINEAR_POINTWISE is not None:
+        y = _LINEAR_POINTWISE(x2, weight, bias, "none", [], "")
+    else:
+        y = torch._C._nn.mkldnn_linear(x2.to_mkldnn(), weight, bias).to_dense()
+    return y.reshape(*shape[:-1], weight.shape[0])
+
+
+# oneDNN's linear on dense tensors (registered by PyTorch builds with oneDNN; a private op, so looked up, not assumed)
+_LINEAR_POINTWISE = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None) \
+    if torch.backends.mkldnn.is_available() else None
 
 
 def _eligible(module: nn.Module, min_weight_elements: int) -> bool:
@@ -242,6 +256,162 @@ def lora_merged(model: nn.Module, enabled: bool = True):
             module.merged_adapters = names
 
 
+# -- fused_kernels: the gated MLP's silu(gate) * up and RMSNorm in one pass each (C++, built on first use) ------------
+_fused_lib = None  # the loaded kernel library, once `fuse_kernels` has built it
+# classes whose forward is down(silu(gate(x)) * up(x)), and weight * (x * rsqrt(mean(x^2) + eps)) (Baichuan's: "MLP",
+# "RMSNorm", in its remote code)
+MLP_CLASSES = ("Qwen2MLP", "LlamaMLP", "MistralMLP", "Qwen3MLP", "MLP")
+RMS_NORM_CLASSES = ("Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "RMSNorm")
+
+
+def _cpu_flags_key() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``): a ``-march=native`` build is only reused on the same kind of CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def load_fused_kernels(build_dir: Path | None = None):
+    """The kernels of ``rlhf_trl/csrc/fused_kernels.cpp`` built (``-O3 -march=native -fopenmp``, on PyTorch's own
+    libgomp, ~1 s once; `_build_library`) and loaded, or None with a warning naming the cause (no compiler or no
+    OpenMP, a failed build, not Linux). Cached for the process."""
+    import ctypes
+
+    global _fused_lib
+    if _fused_lib is not None:
+        return _fused_lib
+    if not sys.platform.startswith("linux"):
+        logger.warning("fused_kernels: Linux only; PyTorch's own operations stay")
+        return None
+    torch_lib = Path(torch.__file__).parent / "lib"
+    try:
+        lib = ctypes.CDLL(str(_build_library("fused_kernels", ["-O3", "-march=native", "-fopenmp"],
+                                             [f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}"], build_dir,
+                                             key_extra=_cpu_flags_key())))
+    except (RuntimeError, OSError) as err:
+        logger.warning("%s; PyTorch's own operations stay", err)
+        return None
+    ptr, n = ctypes.c_void_p, ctypes.c_int64
+    lib.rlhf_trl_swiglu_forward.argtypes = [ptr, ptr, ptr, n]
+    lib.rlhf_trl_swiglu_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, n]
+    lib.rlhf_trl_rms_norm_forward.argtypes = [ptr, ptr, ptr, ptr, n, n, ctypes.c_float]
+    lib.rlhf_trl_rms_norm_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, n, n]
+    _fused_lib = lib
+    return lib
+
+
+def _plain_fp32(*tensors: torch.Tensor) -> bool:
+    """The kernels' case: loaded, contiguous fp32 CPU tensors, no autocast."""
+    return (_fused_lib is not None and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                                           for t in tensors) and not torch.is_autocast_enabled("cpu"))
+
+
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` for contiguous fp32 CPU tensors of one shape ``[..., intermediate]``, forward and backward
+    one pass each (`rlhf_trl/csrc/fused_kernels.cpp`). Keeps ``gate`` and ``up`` for the backward (PyTorch's
+    silu-then-mul also keeps ``silu(gate)``: one ``[tokens, intermediate]`` tensor less per layer). The same function
+    as ``F.silu(gate) * up`` to fp32 rounding (its exp is within 2 ulp), not bit for bit."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(gate)
+        _fused_lib.rlhf_trl_swiglu_forward(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad = grad.contiguous()
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        _fused_lib.rlhf_trl_swiglu_backward(grad.data_ptr(), gate.data_ptr(), up.data_ptr(), d_gate.data_ptr(),
+                                            d_up.data_ptr(), gate.numel())
+        return d_gate, d_up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (``[..., intermediate]`` each): `SwiGLU` where the kernels apply (loaded; contiguous fp32
+    CPU tensors of one shape; no autocast), else PyTorch's ``F.silu(gate) * up``."""
+    if gate.shape == up.shape and _plain_fp32(gate, up):
+        return SwiGLU.apply(gate, up)
+    return nn.functional.silu(gate) * up
+
+
+class RMSNorm(torch.autograd.Function):
+    """``weight * (x * rsqrt(mean(x^2, -1) + eps))`` for a contiguous fp32 CPU ``x [..., dim]`` and ``weight [dim]``,
+    forward and backward one pass per row each (`rlhf_trl/csrc/fused_kernels.cpp`); keeps ``x`` and one ``1 / rms``
+    per row for the backward; the weight's gradient only when it trains. The same function as Qwen2's / Llama's
+    RMSNorm to fp32 rounding (other summation orders), not bit for bit; the same numbers every run."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        dim = x.shape[-1]
+        rows = x.numel() // dim
+        y, rstd = torch.empty_like(x), x.new_empty(rows)
+        _fused_lib.rlhf_trl_rms_norm_forward(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows,
+                                             dim, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = torch.empty_like(x)
+        d_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        _fused_lib.rlhf_trl_rms_norm_backward(grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(),
+                                              dx.data_ptr(), 0 if d_weight is None else d_weight.data_ptr(),
+                                              rstd.numel(), x.shape[-1])
+        return dx, d_weight, None
+
+
+def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's forward, ``down(silu(gate(x)) * up(x))``, with the middle as `swiglu`."""
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _fused_rms_norm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm's forward as `RMSNorm` where it applies (else the class's own forward, bit for bit)."""
+    if self.weight.shape == x.shape[-1:] and _plain_fp32(x, self.weight):
+        return RMSNorm.apply(x, self.weight, self.eps_value)
+    return type(self).forward(self, x)
+
+
+def fuse_kernels(model: nn.Module) -> int:
+    """Give every gated SiLU MLP (a module of a class in `MLP_CLASSES` with ``gate_proj``, ``up_proj``, ``down_proj``
+    and a SiLU ``act_fn``) and every RMSNorm (`RMS_NORM_CLASSES`, a ``[dim]`` weight and an epsilon) of ``model``
+    (Qwen2, Llama, Mistral, Baichuan) a forward through one-pass kernels (`swiglu`, `RMSNorm`): PPO's
+    ``fused_kernels``. PyTorch runs ``silu(gate) * up`` as five passes over ``[tokens, intermediate]`` forward and nine
+    backward (three and five here) and an RMSNorm as six operations each way (one pass per row here). On
+    Qwen2.5-0.5B at 4 x 320 tokens a forward + backward of the body with every weight training takes 7.98 instead of
+    8.29 s (the 2-core bench VM, alternating runs). Outputs and gradients equal PyTorch's to fp32 rounding; other
+    dtypes, strided inputs and autocast take PyTorch's operations (an RMSNorm: its class's own forward). Returns the
+    number of modules changed (0, with a warning, where the kernels cannot be built)."""
+    from transformers.activations import SiLUActivation
+
+    def mlp(m):
+        return (type(m).__name__ in MLP_CLASSES and isinstance(getattr(m, "act_fn", None), (nn.SiLU, SiLUActivation))
+                and all(isinstance(getattr(m, k, None), nn.Module) for k in ("gate_proj", "up_proj", "down_proj")))
+
+    def norm(m):
+        w = getattr(m, "weight", None)
+        eps = getattr(m, "variance_epsilon", getattr(m, "epsilon", None))
+        return (type(m).__name__ in RMS_NORM_CLASSES and isinstance(w, torch.Tensor) and w.dim() == 1
+                and isinstance(eps, float) and getattr(m, "bias", None) is None)
+
+    found = [(m, _fused_mlp_forward if mlp(m) else _fused_rms_norm_forward) for m in model.modules()
+             if "forward" not in vars(m) and (mlp(m) or norm(m))]
+    if not found or load_fused_kernels() is None:
+        return 0
+    for module, forward in found:
+        if forward is _fused_rms_norm_forward:
+            module.eps_value = getattr(module, "variance_epsilon", getattr(module, "epsilon", None))
+        module.forward = forward.__get__(module)
+    return len(found)
+
+
 # -- tensor_cache: reuse of freed CPU tensor blocks (a small C++ allocator, built on first use) ----------------------
 _tensor_cache_lib = None  # the loaded library once installed
 
@@ -250,37 +420,34 @@ def _tensor_cache_build_dir() -> Path:
     return Path(os.environ.get("RLHF_TRL_CACHE", Path.home() / ".cache" / "rlhf_trl")) / "ext"
 
 
-def build_tensor_cache(build_dir: Path | None = None) -> Path:
-    """Compiles ``rlhf_trl/csrc/tensor_cache.cpp`` against this PyTorch's C++ headers and ``libc10`` (``c++`` or
-    ``$CXX``, ~1-2 s) into ``build_dir`` (default ``~/.cache/rlhf_trl/ext``, or ``$RLHF_TRL_CACHE/ext``), named by a
-    hash of the source, the torch version and its C++ ABI, so a rebuilt torch gets a fresh build; reused when present.
-    Written to a temporary name and renamed, so concurrent processes never load a half-written file. Returns the
-    shared library's path.
+def _build_library(stem: str, compile_flags: list[str], link_flags: list[str], build_dir: Path | None,
+                   key_extra: str = "") -> Path:
+    """Compiles ``rlhf_trl/csrc/<stem>.cpp`` into a shared library in ``build_dir`` (default ``~/.cache/rlhf_trl/ext``
+    or ``$RLHF_TRL_CACHE/ext``), named by a hash of the source, the flags, the torch version and ``key_extra``, so a
+    rebuilt torch (or another CPU, for ``-march=native``) gets a fresh build; reused when present. Written to a
+    temporary name and renamed, so concurrent processes never load a half-written file. Returns its path.
 
     Raises:
-        RuntimeError: no C++ compiler, or the build failed (the compiler's last output line in the message).
+        RuntimeError: no C++ compiler (``c++``, ``g++``, ``clang++`` or ``$CXX``), or the build failed (the
+            compiler's last output line in the message).
     """
     import hashlib
     import shutil
     import subprocess
 
-    source = Path(__file__).with_name("csrc") / "tensor_cache.cpp"
-    torch_dir = Path(torch.__file__).parent
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    key = hashlib.sha256(source.read_bytes() + f"{torch.__version__}|{abi}".encode()).hexdigest()[:16]
+    source = Path(__file__).with_name("csrc") / f"{stem}.cpp"
+    flags = "|".join(compile_flags + link_flags)
+    key = hashlib.sha256(source.read_bytes() + f"{torch.__version__}|{flags}|{key_extra}".encode()).hexdigest()[:16]
     out_dir = Path(build_dir) if build_dir is not None else _tensor_cache_build_dir()
-    lib = out_dir / f"tensor_cache-{key}.so"
+    lib = out_dir / f"{stem}-{key}.so"
     if lib.exists():
         return lib
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if not cxx:
-        raise RuntimeError("tensor_cache: no C++ compiler (c++, g++ or clang++; or set CXX) to build "
-                           f"{source.name}")
+        raise RuntimeError(f"{stem}: no C++ compiler (c++, g++ or clang++; or set CXX) to build {source.name}")
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".{lib.name}.{os.getpid()}.tmp"
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           f"-I{torch_dir / 'include'}", str(source), f"-L{torch_dir / 'lib'}", "-lc10",
-           f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(tmp)]
+    cmd = [cxx, "-std=c++17", "-shared", "-fPIC", *compile_flags, str(source), *link_flags, "-o", str(tmp)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -288,9 +455,24 @@ def build_tensor_cache(build_dir: Path | None = None) -> Path:
         done, last = None, str(err)
     if done is None or done.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"tensor_cache: building {source.name} with {cxx} failed: {last}")
+        raise RuntimeError(f"{stem}: building {source.name} with {cxx} failed: {last}")
     os.replace(tmp, lib)
     return lib
+
+
+def build_tensor_cache(build_dir: Path | None = None) -> Path:
+    """Compiles ``rlhf_trl/csrc/tensor_cache.cpp`` against this PyTorch's C++ headers and ``libc10`` (``c++`` or
+    ``$CXX``, ~1-2 s) into ``build_dir`` (`_build_library`: default ``~/.cache/rlhf_trl/ext``, or
+    ``$RLHF_TRL_CACHE/ext``, keyed by the source, the torch version and its C++ ABI; reused when present). Returns the
+    shared library's path.
+
+    Raises:
+        RuntimeError: no C++ compiler, or the build failed (the compiler's last output line in the message).
+    """
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return _build_library("tensor_cache", ["-O2", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{torch_dir / 'include'}"],
+                          [f"-L{torch_dir / 'lib'}", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"], build_dir)
 
 
 def install_tensor_cache(headroom_bytes: int = 0, min_bytes: int = 1 << 17, max_unused: float = 0.125) -> bool:

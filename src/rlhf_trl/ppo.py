@@ -612,6 +612,10 @@ def rollout_generation_config(model, source: str, eos_ids: list[int], pad_token_
         found["temperature"] = stock.temperature
     model.generation_config = sampling_generation_config(temperature, None, eos_ids, pad_token_id,
                                                          bos_token_id=getattr(stock, "bos_token_id", None))
+    # min_p unset, not 0.0: this config replaces the model's own, so nothing can leak in below it, and a 0.0 here would
+    # be filled into every rollout config, building transformers' no-op MinPLogitsWarper (a softmax and a top-k over
+    # the vocabulary per decoding step; `generate_rollouts` leaves it out when the model has no min_p of its own)
+    model.generation_config.min_p = None
     if found:
         logger.info("rollouts sample with temperature=%s only, stopping at EOS ids %s; overriding %s of "
                     "%s/generation_config.json (kept in the saved models)", temperature, list(eos_ids), found, source)

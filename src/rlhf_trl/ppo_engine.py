@@ -25,8 +25,10 @@ values from a separate no-grad forward in step 2; the weights are the same then,
 rounding where the rows are grouped differently), and the value loss is unclipped (``vf_clipfrac`` 0) in both.
 
 Memory: the policy's vocabulary-sized logits are only formed for the response positions, ``logits_chunk_size``
-positions at a time; with gradients each chunk is recomputed in the backward pass (activation checkpointing), so
-no ``[batch, seq_len, vocab]`` tensor (nor its softmax, nor their gradients) is ever held whole.
+positions at a time; with gradients a frozen LM head (a LoRA policy's) gives each chunk's gradient in the forward
+pass as one ``[hidden]`` row per position (`FrozenHeadLogprobs`), a trained one recomputes the chunk in the backward
+pass (activation checkpointing), so no ``[batch, seq_len, vocab]`` tensor (nor its softmax, nor their gradients) is
+ever held whole.
 
 Deliberate differences from TRL 1.12 (none changes a number on a tokenizer with one EOS id, the oracle's case):
 every id of an EOS list ends a response (TRL: one id), the missing-EOS penalty and ``val/num_eos_tokens`` count any
@@ -55,7 +57,7 @@ from torch import nn
 from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from . import ppo_math as pm
-from .cpu import fuse_lora, lora_merged, mmap_threshold_raised, onednn_decoding, tensor_cache_installed
+from .cpu import fuse_kernels, fuse_lora, lora_merged, mmap_threshold_raised, onednn_decoding, tensor_cache_installed
 from .models import sampling_generation_config
 from .scoring import eos_mask, model_inputs, sequence_scores, token_scores, truncate_at_eos
 
@@ -137,6 +139,13 @@ class PPOConfig(TrainingArguments):
                                          "rollouts generate with a temporary merged copy of each adapted weight "
                                          "(`rlhf_trl.cpu.lora_merged`; one copy more during generate). Equal to "
                                          "peft's to fp32 rounding."})
+    fused_kernels: bool = field(
+        default=False, metadata={"help": "CPU, fp32: the gated MLPs' silu(gate) * up and the RMSNorms (Qwen2, Llama, "
+                                         "Baichuan) of policy, reference, value and reward model in one pass forward "
+                                         "and one backward (`rlhf_trl.cpu.fuse_kernels`, small C++ kernels built on "
+                                         "first use; needs a C++ compiler with OpenMP, else a warning and PyTorch's "
+                                         "operations): fewer passes over memory, and silu(gate) no longer kept per "
+                                         "layer. Equal to PyTorch's to fp32 rounding."})
     single_value_forward: bool = field(
         default=True, metadata={"help": "With 1 PPO epoch, 1 mini-batch, 1 process and whiten_rewards off: the value "
                                         "model's training forward also gives the rollout's values (one value forward "
@@ -210,14 +219,60 @@ def _lm_parts(model):
     return getattr(base, base.base_model_prefix), base.get_output_embeddings()
 
 
+class FrozenHeadLogprobs(torch.autograd.Function):
+    """Log-probs (and entropy) of one chunk of response tokens under a frozen LM head, with their gradient formed in
+    the forward pass: ``h [b, n, hidden]``, ``ids [b, n]`` -> ``logprobs [b, n]``, ``entropy [b, n]`` (nats, no
+    gradient).
+
+    A log-prob is one number per position, so its vector-Jacobian product is rank one per position:
+    ``d logprobs[b, t] / d h[b, t] = ((onehot(ids[b, t]) - softmax(logits[b, t])) / divisor) @ W`` (``W`` the head's
+    ``[vocab, hidden]`` weight, ``logits = h @ W.T / divisor``), a ``[hidden]`` row. The forward keeps those rows
+    (``[b, n, hidden]``) and the backward scales them by the incoming gradient: no ``[b, n, vocab]`` tensor outlives
+    the forward and none is recomputed (activation checkpointing's second LM-head product and softmax per chunk).
+    The same products as autograd's backward (``(g (onehot - softmax) / divisor) @ W``) with the per-position
+    gradient ``g`` applied after the product instead of before: equal to fp32 rounding. Log-probs and entropy are
+    `ppo_math.selective_log_softmax` / `ppo_math.entropy_from_logits` of the same logits, bit for bit.
+    For a plain, bias-free, frozen fp32 ``nn.Linear`` head outside autocast (`frozen_plain_head`); the head
+    itself has no gradient here (a trained head takes `response_logprobs`' checkpointed path).
+    """
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, lm_head: nn.Linear, ids: torch.Tensor, divisor: float):
+        logits = lm_head(h.contiguous()) / divisor  # contiguous: see `response_logprobs`
+        logprobs = pm.selective_log_softmax(logits, ids)
+        entropy = pm.entropy_from_logits(logits)
+        # -softmax in the logits' own memory, then + onehot(ids), / divisor
+        grad_rows = logits.sub_(torch.logsumexp(logits, -1, keepdim=True)).exp_().neg_()
+        grad_rows.scatter_add_(-1, ids.unsqueeze(-1), torch.ones_like(logprobs).unsqueeze(-1)).div_(divisor)
+        ctx.save_for_backward(torch.matmul(grad_rows, lm_head.weight))  # [b, n, vocab] @ [vocab, hidden]
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor):
+        (rows,) = ctx.saved_tensors
+        return grad_logprobs.unsqueeze(-1) * rows, None, None, None
+
+
+def frozen_plain_head(lm_head: nn.Module, h: torch.Tensor) -> bool:
+    """Whether `FrozenHeadLogprobs` applies: ``lm_head`` a plain ``nn.Linear`` without bias whose ``[vocab, hidden]``
+    fp32 weight does not train (a LoRA policy's head; not a DeepSpeed ZeRO-3 partition), fp32 hidden states ``h``, no
+    autocast."""
+    w = getattr(lm_head, "weight", None)
+    return (type(lm_head) is nn.Linear and lm_head.bias is None and w is not None and not w.requires_grad
+            and w.dtype == h.dtype == torch.float32 and w.dim() == 2 and w.shape[1] == h.shape[-1]
+            and not hasattr(w, "ds_id") and not torch.is_autocast_enabled(h.device.type))
+
+
 def response_logprobs(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                       temperature: float, chunk_size: int = 0, with_entropy: bool = False):
     """Log-probs of the response tokens under ``softmax(logits / temperature)``, optionally their entropy.
 
     ``query_responses [b, T]`` (prompt of ``context_length`` tokens, then the response) -> ``logprobs [b, R]`` with
     ``R = T - context_length`` (and ``entropy [b, R]`` in nats, without gradient). Vocabulary logits are formed
-    only for the response positions, ``chunk_size`` positions at a time (0: all at once); under autograd each
-    chunk is checkpointed, so its logits are recomputed in the backward pass instead of kept.
+    only for the response positions, ``chunk_size`` positions at a time (0: all at once). Under autograd a frozen
+    plain LM head (a LoRA policy's) gives each chunk's gradient rows in the forward pass (`FrozenHeadLogprobs`);
+    any other head's chunks are checkpointed, so their logits are recomputed in the backward pass instead of kept.
     """
     backbone, lm_head = _lm_parts(policy)
     hidden = backbone(**model_inputs(query_responses, pad_token_id)).last_hidden_state[:, context_length - 1: -1]
@@ -235,9 +290,13 @@ def response_logprobs(policy, query_responses: torch.Tensor, context_length: int
             return logprob, pm.entropy_from_logits(logits)
 
     logprobs, entropies = [], []
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    rank_one = grad and frozen_plain_head(lm_head, hidden)
     for start in range(0, response.shape[1], step):
         h, ids = hidden[:, start:start + step], response[:, start:start + step]
-        if torch.is_grad_enabled() and h.requires_grad and step < response.shape[1]:
+        if rank_one:
+            logprob, entropy = FrozenHeadLogprobs.apply(h, lm_head, ids, divisor)
+        elif grad and step < response.shape[1]:
             logprob, entropy = torch.utils.checkpoint.checkpoint(chunk, h, ids, use_reentrant=False)
         else:
             logprob, entropy = chunk(h, ids)
@@ -590,6 +649,10 @@ class PPOEngine(Trainer):
         self.split_backward = isinstance(self.model, PolicyAndValue)
         if args.fused_lora:
             logger.info("fused_lora: %d LoRA layers add their update in place", fuse_lora(self.unwrapped))
+        if args.fused_kernels:  # policy (and the reference: the same layers), value, reward and a separate reference
+            fused = sum(fuse_kernels(m) for m in {id(m): m for m in (self.unwrapped, self.reward_model, self.ref_model)
+                                                  if m is not None}.values())
+            logger.info("fused_kernels: %d MLPs and RMSNorms run one-pass kernels", fused)
         self.single_value_forward = (args.single_value_forward and self.split_backward and args.num_ppo_epochs == 1
                                      and args.num_mini_batches == 1 and not args.whiten_rewards)
         logger.info("values: %s", "from the value model's training forward (single_value_forward)"
