@@ -20,7 +20,8 @@ Variants, each one PPO run in its own process (so that peak RSS is its own), sam
   rlhf_trl_fast    the same layout (full value model) with ``offload_reward_model: true`` (the reward model's
                    weights on disk between rollouts) and the CPU measures ``malloc_mmap_threshold: 131072`` (freed
                    tensors go back to the system), ``onednn_decoding: true`` (decoding matmuls through oneDNN),
-                   ``fused_lora``, ``fused_kernels``, ``tensor_cache`` and ``rollout_sampler: inverse_cdf`` (`CPU_MEASURES`)
+                   ``fused_lora``, ``fused_kernels``, ``tensor_cache`` and ``rollout_sampler: inverse_cdf``
+                   (`CPU_MEASURES`)
   rlhf_trl_low_memory  rlhf_trl_fast plus ``gradient_checkpointing: true``
   rlhf_trl_lean    ``rlhf-trl ppo`` with ``value_use_peft`` + ``share_reward_value_base`` (one copy of weights for
                    reward and value model), ``gradient_checkpointing: true`` and the CPU measures
