@@ -240,10 +240,11 @@ class FrozenHeadLogprobs(torch.autograd.Function):
     def forward(ctx, h: torch.Tensor, lm_head: nn.Linear, ids: torch.Tensor, divisor: float):
         logits = lm_head(h.contiguous()) / divisor  # contiguous: see `response_logprobs`
         logprobs = pm.selective_log_softmax(logits, ids)
-        entropy = pm.entropy_from_logits(logits)
-        # -softmax in the logits' own memory, then + onehot(ids), / divisor
-        grad_rows = logits.sub_(torch.logsumexp(logits, -1, keepdim=True)).exp_().neg_()
-        grad_rows.scatter_add_(-1, ids.unsqueeze(-1), torch.ones_like(logprobs).unsqueeze(-1)).div_(divisor)
+        entropy, probs = pm.entropy_from_logits(logits, with_probs=True)
+        del logits
+        # (onehot(ids) - softmax) / divisor in the softmax's own memory (the entropy's softmax, not a second one)
+        grad_rows = probs.neg_().scatter_add_(-1, ids.unsqueeze(-1), torch.ones_like(logprobs).unsqueeze(-1))
+        grad_rows.div_(divisor)
         ctx.save_for_backward(torch.matmul(grad_rows, lm_head.weight))  # [b, n, vocab] @ [vocab, hidden]
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy

@@ -42,10 +42,12 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
                         for row, ids in zip(logits, index)])
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` per position, in nats: ``[b, R, V] -> [b, R]``."""
+def entropy_from_logits(logits: torch.Tensor, with_probs: bool = False):
+    """Entropy of ``softmax(logits)`` per position, in nats: ``[b, R, V] -> [b, R]``; ``with_probs``: also the
+    softmax it used, ``[b, R, V]`` (``(entropy, probs)``)."""
     probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+    entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+    return (entropy, probs) if with_probs else entropy
 
 
 def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
