@@ -426,6 +426,111 @@ def test_the_value_models_embedding_gradient_adds_only_the_looked_up_rows():
     assert "aten::embedding_dense_backward" not in kernels["rows"]
 
 
+def test_linear_weight_gradients_go_straight_into_the_kept_gradient_tensors():
+    """`weight_gradients_in_place`: over two micro-batches the linears' weight and bias gradients are autograd's (the
+    first micro-batch's bit for bit, the sum to fp32 rounding), written into the ``.grad`` tensors already there (stale
+    values overwritten, the same memory), the second micro-batch's weight products adding into them; the other
+    parameters go through autograd as before; a handled linear that no backward reached has its kept gradient zeroed;
+    on exit the forwards are their own again; under autocast a linear stops with one line."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(1, 300, (4, 12), generator=torch.Generator().manual_seed(1))
+    grads, counts = {}, {}
+    for mode in ("autograd", "in_place"):
+        model = _tiny_value_model()
+        if mode == "in_place":  # kept tensors holding last update's numbers
+            for p in model.parameters():
+                p.grad = torch.full_like(p, 7.0)
+        pointers = {k: p.grad.data_ptr() for k, p in model.named_parameters() if p.grad is not None}
+        context = ppo_engine.weight_gradients_in_place(model) if mode == "in_place" else nullcontext([])
+        with context as handled, profile(activities=[ProfilerActivity.CPU]) as prof:
+            names = {k for k, p in model.named_parameters() if any(p is h for h in handled)}
+            for p in model.parameters():
+                if mode == "in_place" and not any(p is h for h in handled):
+                    p.grad.zero_()  # what value_step does for the parameters autograd accumulates
+            first = None
+            for rows in (ids[:2], ids[2:]):
+                model(input_ids=rows).logits.square().sum().backward()
+                first = first or {k: p.grad.clone() for k, p in model.named_parameters()}
+        counts[mode] = {e.key: e.count for e in prof.key_averages()}
+        grads[mode] = (first, {k: p.grad for k, p in model.named_parameters()}, names)
+        assert all(p.grad.data_ptr() == pointers[k] for k, p in model.named_parameters() if k in pointers)
+        assert all("forward" not in vars(m) for m in model.modules())
+    (first_a, last_a, _), (first_i, last_i, names) = grads["autograd"], grads["in_place"]
+    linears = {k for k in last_a if k.endswith(("proj.weight", "proj.bias")) or k == "score.weight"}
+    assert names == linears and len(linears) == 2 * 7 + 3 * 2 + 1  # 7 projections, q/k/v biases, per layer; score
+    for k in last_a:
+        assert torch.equal(first_i[k], first_a[k]), k
+        torch.testing.assert_close(last_i[k], last_a[k], rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
+    # the second micro-batch: each weight's gradient product adds into .grad (addmm_), no separate product + sum
+    weights = sum(k.endswith("weight") for k in linears)
+    assert counts["in_place"].get("aten::addmm_", 0) - counts["autograd"].get("aten::addmm_", 0) == weights
+    assert counts["autograd"]["aten::mm"] - counts["in_place"]["aten::mm"] == weights
+
+    spare = torch.nn.Linear(3, 2)
+    spare.weight.grad, spare.bias.grad = torch.ones(2, 3), torch.ones(2)
+    with ppo_engine.weight_gradients_in_place(spare) as handled:
+        assert len(handled) == 2 and handled[0] is spare.weight
+    assert not spare.weight.grad.any() and not spare.bias.grad.any()
+    with pytest.raises(RuntimeError, match=r"^weight_gradients_in_place: a linear ran under autocast$"), \
+            ppo_engine.weight_gradients_in_place(spare), torch.autocast("cpu", dtype=torch.bfloat16):
+        spare(torch.ones(1, 3))
+
+
+def test_lora_wrapped_and_frozen_linears_keep_autograds_gradients():
+    """`weight_gradients_in_place` takes only a plain linear's trained fp32 weight: a LoRA-wrapped projection's frozen
+    base is left alone (its adapters, plain linears, are taken), as is a frozen linear."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(_tiny_value_model(), LoraConfig(r=4, target_modules=["q_proj"], task_type="SEQ_CLS"))
+    with ppo_engine.weight_gradients_in_place(lora) as handled:
+        taken = {k for k, p in lora.named_parameters() if any(p is h for h in handled)}
+        lora(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    assert taken and all(".lora_A." in k or ".lora_B." in k or ".score." in k for k in taken), taken
+    assert all(p.grad is not None for k, p in lora.named_parameters() if p.requires_grad)
+    frozen = torch.nn.Linear(3, 2).requires_grad_(False)
+    with ppo_engine.weight_gradients_in_place(frozen) as handled:
+        assert handled == [] and "forward" not in vars(frozen)
+
+
+def test_offloaded_weights_come_back_bit_for_bit_in_parallel_reads(tmp_path, monkeypatch):
+    """`OffloadedWeights.read` reads its parameters in ``torch.get_num_threads()`` groups, one thread each: every
+    parameter (fp32 and bf16, a tied one once) comes back bit for bit, also when the threads outnumber the parameters
+    and when one thread reads all; a file that no longer holds a parameter's bytes stops with one line naming it."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 64, bias=False),
+                                 torch.nn.Linear(64, 8).to(torch.bfloat16))
+    module[1].weight = torch.nn.Parameter(module[0].weight.detach().t().contiguous())
+    module.tied = torch.nn.Linear(64, 8, bias=False)
+    module.tied.weight = module[2].weight  # stored once
+    kept = {k: v.clone() for k, v in module.state_dict().items()}
+    offloaded = ppo_engine.OffloadedWeights(module, str(tmp_path / "rm.safetensors"))
+    assert all(p.numel() == 0 for p in module.parameters())
+    for threads in (2, 8, 1):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        with offloaded.loaded():
+            state = module.state_dict()
+            assert state.keys() == kept.keys() and all(torch.equal(state[k], kept[k]) for k in kept)
+            assert module.tied.weight is module[2].weight
+        assert all(p.numel() == 0 for p in module.parameters())
+    with open(tmp_path / "rm.safetensors", "r+b") as f:  # the file loses its last bytes underneath
+        f.truncate(os.path.getsize(tmp_path / "rm.safetensors") - 4)
+    last = max(offloaded.params, key=lambda n: kept_offset(tmp_path / "rm.safetensors", n))
+    with pytest.raises(RuntimeError, match=rf"^offload_reward_model: {tmp_path / 'rm.safetensors'}: {last} does not "
+                                           rf"hold \[.*\] torch\.\w+ values$"):
+        offloaded.read()
+
+
+def kept_offset(path, name):
+    """Where tensor ``name``'s bytes end in safetensors file ``path``."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))[name]["data_offsets"][1]
+
+
 def test_a_frozen_or_lora_wrapped_embedding_is_left_as_it_is():
     from peft import LoraConfig, get_peft_model
 
