@@ -515,13 +515,13 @@ def test_offloaded_weights_come_back_bit_for_bit_in_parallel_reads(tmp_path, mon
         assert all(p.numel() == 0 for p in module.parameters())
     with open(tmp_path / "rm.safetensors", "r+b") as f:  # the file loses its last bytes underneath
         f.truncate(os.path.getsize(tmp_path / "rm.safetensors") - 4)
-    last = max(offloaded.params, key=lambda n: kept_offset(tmp_path / "rm.safetensors", n))
+    last = max(offloaded.params, key=lambda n: data_end(tmp_path / "rm.safetensors", n))
     with pytest.raises(RuntimeError, match=rf"^offload_reward_model: {tmp_path / 'rm.safetensors'}: {last} does not "
                                            rf"hold \[.*\] torch\.\w+ values$"):
         offloaded.read()
 
 
-def kept_offset(path, name):
+def data_end(path, name):
     """Where tensor ``name``'s bytes end in safetensors file ``path``."""
     import json
     import struct

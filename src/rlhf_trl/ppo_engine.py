@@ -440,9 +440,8 @@ class _InPlaceGradLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        _into_grad(ctx.weight, ctx.written, lambda out: torch.mm(g.t(), x.reshape(-1, x.shape[-1]), out=out),
-                   lambda acc: acc.addmm_(g.t(), x.reshape(-1, x.shape[-1])))
+        g, x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])  # [tokens, out], [tokens, in]
+        _into_grad(ctx.weight, ctx.written, lambda out: torch.mm(g.t(), x, out=out), lambda acc: acc.addmm_(g.t(), x))
         if ctx.bias is not None:
             _into_grad(ctx.bias, ctx.written, lambda out: torch.sum(g, 0, out=out), lambda acc: acc.add_(g.sum(0)))
         grad_x = torch.matmul(grad, ctx.weight) if ctx.needs_input_grad[0] else None
@@ -454,9 +453,9 @@ def _into_grad(p: nn.Parameter, written: set, write, add) -> None:
     one when it has none), ``add(p.grad)`` in place after that."""
     if id(p) in written:
         add(p.grad)
-        return
-    p.grad = write(p.grad) if p.grad is not None else write(None)
-    written.add(id(p))
+    else:
+        p.grad = write(p.grad)
+        written.add(id(p))
 
 
 @contextmanager
@@ -470,7 +469,11 @@ def weight_gradients_in_place(model: nn.Module):
     to fp32 rounding (the GEMM adds into its output). On exit a handled parameter that no backward reached has its
     kept gradient zeroed (as autograd would have left it: zero). For one process's unwrapped model outside autocast
     (`PPOEngine.value_step`; DDP's hooks would not see these gradients); yields the handled parameters. LoRA-
-    wrapped, frozen, non-fp32 or subclassed linears keep their own forward. Raises nothing of its own."""
+    wrapped, frozen, non-fp32 or subclassed linears keep their own forward.
+
+    Raises:
+        RuntimeError: a handled linear runs under autocast (its gradients would come in autocast's dtype).
+    """
     written: set[int] = set()
     patched = [m for m in model.modules() if type(m) is nn.Linear and m.weight.requires_grad
                and m.weight.dtype == torch.float32 and "forward" not in vars(m)]
@@ -561,26 +564,24 @@ class OffloadedWeights:
         with open(self.path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
-        groups, loads = [[] for _ in range(max(1, torch.get_num_threads()))], [0] * max(1, torch.get_num_threads())
-        for name, p in sorted(self.params.items(), key=lambda item: -item[1].dtype.itemsize * math.prod(
-                header[item[0]]["shape"])):  # largest first, each to the lightest group
+        nbytes = {name: header[name]["data_offsets"][1] - header[name]["data_offsets"][0] for name in self.params}
+        threads = max(1, torch.get_num_threads())
+        groups, loads = [[] for _ in range(threads)], [0] * threads
+        for name in sorted(self.params, key=nbytes.get, reverse=True):  # largest first, each to the lightest group
             i = loads.index(min(loads))
-            groups[i].append((name, p))
-            loads[i] += p.dtype.itemsize * math.prod(header[name]["shape"])
+            groups[i].append((name, self.params[name]))
+            loads[i] += nbytes[name]
 
         def read_group(group):
             with open(self.path, "rb", buffering=0) as f:
                 for name, p in group:
-                    start, end = header[name]["data_offsets"]
                     t = torch.empty(header[name]["shape"], dtype=p.dtype)
-                    f.seek(8 + size + start)
+                    f.seek(8 + size + header[name]["data_offsets"][0])
                     view, got = memoryview(t.reshape(-1).view(torch.uint8).numpy()), 0
-                    while end - start == len(view) and got < len(view):  # a raw read may return less than asked
-                        n = f.readinto(view[got:])
-                        if not n:
-                            break
-                        got += n
-                    if end - start != len(view) or got != len(view):
+                    if nbytes[name] == len(view):  # a raw read may return less than asked: read until full or EOF
+                        while got < len(view) and (n := f.readinto(view[got:])):
+                            got += n
+                    if got != len(view) or nbytes[name] != len(view):
                         raise RuntimeError(f"offload_reward_model: {self.path}: {name} does not hold "
                                            f"{list(t.shape)} {t.dtype} values")
                     p.data = t.to(p.device)
@@ -933,7 +934,7 @@ class PPOEngine(Trainer):
             with rows_only_embedding_gradient(value_model):  # no [vocab, hidden] fill per micro-batch
                 for _, _, idx in self.micro_batches(order):
                     with acc.autocast():
-                        vpred = token_scores(self.model.value_model, ro["query_responses"][idx], pad)
+                        vpred = token_scores(value_model, ro["query_responses"][idx], pad)
                     vpred = fp32(vpred[:, context - 1: -1])
                     with torch.no_grad():
                         rows = {k: ro[k][idx] for k in
