@@ -296,7 +296,8 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
                "updates": meter.updates, "shape": meter.shape, "seconds": time.perf_counter() - t0,
                "peak_rss_bytes": max([status_field("VmHWM")] + [u[k] for u in meter.updates for k in u
                                                              if k.endswith("peak_rss_bytes")]),
-               "rss_start_bytes": rss_start, "threads": torch.get_num_threads(), "matmul_probe_flops": probe},
+               "rss_start_bytes": rss_start, "threads": torch.get_num_threads(), "matmul_probe_flops": probe,
+               "settings": size},
               open(out, "w"), indent=2)
 
 
@@ -575,6 +576,13 @@ def micro_batch(args, variant: str) -> int | None:
     """The micro-batch a variant runs at: ``--trl_micro_batch`` for plain_trl, ``--engine_micro_batch`` for the
     engine's variants (None: the size's own)."""
     return args.trl_micro_batch if variant == "plain_trl" else args.engine_micro_batch
+
+
+def run_settings(run: dict, size: dict, micro: int | None) -> dict:
+    """The settings a variant's run used (micro-batches, rollout chunks): those its ``<variant>.json`` recorded, so
+    that a run reused with other ``--*_micro_batch`` flags keeps its own floor; else (a run saved before runs recorded
+    them) ``size`` at ``micro`` (`trl_size`; None: the size's own)."""
+    return run.get("settings") or (trl_size(size, micro) if micro else size)
 
 
 def child_env(variant: str, trl_huge_pages: bool = False) -> dict:
@@ -858,11 +866,9 @@ def main(argv: list[str] | None = None) -> int:
             bench["trl112_venv"] = args.trl112_venv
         cmd = [python, __file__, "--child", variant, "--model", model, "--prompts", prompts,
                "--out", str(run_json), "--output_dir", str(out_dir), "--size", args.size, "--updates", str(args.updates)]
-        settings = size
         micro = micro_batch(args, variant)
         if micro:
             cmd += [f"--{'trl' if variant == 'plain_trl' else 'engine'}_micro_batch", str(micro)]
-            settings = trl_size(size, micro)
         reused = args.reuse and run_json.is_file()
         print(f"bench_real: {variant}: reusing {run_json}" if reused else f"bench_real: {variant} ...", flush=True)
         t = time.perf_counter()
@@ -873,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
                 (out_dir / f"{variant}.log").write_text(proc.stderr)
                 continue
         run = json.load(open(run_json))
+        settings = run_settings(run, size, micro)
         bench["variants"][variant] = summarise(run, n, size, probe, base_bytes)
         bench["variants"][variant]["settings"] = settings
         add_floor(bench["variants"][variant], run, cfg, settings, timings, timer)

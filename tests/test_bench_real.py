@@ -90,6 +90,17 @@ def test_each_side_takes_its_own_micro_batch_option():
     assert bench_real.micro_batch(args, "rlhf_trl_lean") == 2
 
 
+def test_a_reused_run_keeps_the_micro_batches_it_ran_with():
+    size = bench_real.SIZES["issue"]
+    ran = bench_real.trl_size(size, 4)
+    # reused by a command without --trl_micro_batch: the run's own micro-batches of 4 give its floor, not the size's 8
+    assert bench_real.run_settings({"settings": ran}, size, None) == ran
+    assert bench_real.run_settings({"settings": ran}, size, 2) == ran
+    # a run saved before runs recorded their settings: this command's flags, as before
+    assert bench_real.run_settings({}, size, 4) == ran
+    assert bench_real.run_settings({}, size, None) == size
+
+
 def test_the_engine_runs_on_huge_pages_as_the_command_does_and_trl_as_a_plain_script():
     assert bench_real.child_env("rlhf_trl_fast")["THP_MEM_ALLOC_ENABLE"] == "1"
     assert bench_real.child_env("plain_trl")["THP_MEM_ALLOC_ENABLE"] == "0"
