@@ -6,11 +6,12 @@
 # Here (CPU, tiny shape, ~15 s):   benchmarks/gpu_check.sh --tiny        (or: make gpu-check)
 #
 # On the device machine (one H200, no network; python3 there has torch, accelerate, peft, pyyaml, ... but no trl or
-# datasets, and an older transformers), about 3-4 minutes of its time:
+# datasets, and an older transformers): the full check took over 7 minutes on an H200 (PPO ~85-99 s per update at the
+# recipe's micro-batches of 4; README "GPU check"), `--steps 2 --ppo_steps 2 --response_length 32` about 2 minutes:
 #   1. here, once: benchmarks/fetch_wheels.sh
-#      (downloads trl 1.12.0, transformers, datasets, peft, dill, multiprocess wheels for CPython 3.12 into .whl/,
+#      (downloads trl 1.16.0, transformers, datasets, peft, dill, multiprocess wheels for CPython 3.12 into .whl/,
 #      ~16 MB, ignored by git)
-#   2. the device tool's run, with carry [".whl"] and timeout_s 540:
+#   2. the device tool's run, with carry [".whl"] and timeout_s 600 (or the short options above):
 #        bash benchmarks/gpu_check.sh --output $OUT/gpu_check.json
 #      This script installs .whl/*.whl into /tmp/site (pip --no-index --no-deps --target) and puts /tmp/site and
 #      src/ on PYTHONPATH, so no `pip install -e .` is needed there. By hand instead:
