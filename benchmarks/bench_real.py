@@ -47,7 +47,12 @@ update's layer and LM-head products at their real shapes (decoding's few rows in
 read per step), each timed alone in the parent between the runs: what any implementation of the update would spend
 in matrix products on this machine with these kernels, a lower bound. The floor of all products (`other_gemms`
 added): also attention's own products, the LoRA adapters' and gradient checkpointing's recomputed forwards, which
-the update runs too (the issue's "matmul work of the update"). Peak RSS of each phase (``VmHWM`` reset at each
+the update runs too (the issue's "matmul work of the update"). The floor is the machine's best; the VM's speed moves
+by tens of percent over minutes (the same products 1.04-1.63x of their best two minutes apart: benchmarks/HISTORY.md,
+thirteenth set), so each run also times one of the floor's products (`CANARY`) around every phase, outside the
+phase's clock, and the report adds the floor at the speed the machine ran the products during the run (`run_speed`,
+`add_run_speed`) and the comparison with TRL 1.12 with both runs at their own speed (`add_trl_ratios`): the canary
+is compute-bound and sees the cores slow down, not the memory. Peak RSS of each phase (``VmHWM`` reset at each
 phase start through ``/proc/self/clear_refs``), in bytes and in copies of one fp32 base model. Largest tensors: the
 bytes of the biggest logits tensor each phase produced (``[rows, tokens, 151936]`` fp32: generation keeps the
 scores of every step of every row, scoring the reference pass, optimisation the micro-batch's forward).
@@ -124,12 +129,28 @@ def _system_cpu_seconds() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_stime
 
 
+# The run-speed canary: one of the floor's products (an MLP product of 512 rows, the slab `gemm_seconds` times),
+# ~25 ms, as an `other_gemms`-style key: ``product_seconds(*CANARY)`` times it in the parent, `PhaseMeter` in a run.
+CANARY = (1, 512, 896, 4864)
+CANARY_REPEATS = 5
+
+
 class PhaseMeter:
     """Attributes wall time, kernel CPU time (``system_cpu_seconds``: mostly the zeroing of freshly faulted pages),
-    peak RSS and the largest logits tensor to generation / scoring / optimisation."""
+    peak RSS and the largest logits tensor to generation / scoring / optimisation.
 
-    def __init__(self):
+    With ``canary`` (the default) it also times the `CANARY` product (best of `CANARY_REPEATS`, on operands made once)
+    each time a phase ends, outside the phase's clock and before its peak RSS is reset: ``<phase>_canary_seconds``
+    lists the canaries around each piece of the phase (the one before it started, the one after it ended: two per
+    piece) and ``<phase>_canary_piece_seconds`` each piece's seconds (a phase can run in pieces: the few
+    milliseconds between an update's end and the next rollout count as the next update's optimisation). The VM's
+    speed moves by tens of percent over minutes (benchmarks/HISTORY.md, thirteenth set); `run_speed` turns these into
+    how much slower than its best the machine ran the products during each phase."""
+
+    def __init__(self, canary: bool = True):
         self.phase = None
+        self._canary = _canary_operands() if canary else None
+        self.last_canary = self._measure_canary()
         self.t = time.perf_counter()
         self.sys = _system_cpu_seconds()
         self.cur = self._empty()
@@ -139,8 +160,19 @@ class PhaseMeter:
 
     @staticmethod
     def _empty() -> dict:
-        return {f"{p}_{k}": 0 for p in ("generation", "scoring", "optimisation")
-                for k in ("seconds", "system_cpu_seconds", "peak_rss_bytes", "largest_logits_bytes")}
+        out = {f"{p}_{k}": 0 for p in ("generation", "scoring", "optimisation")
+               for k in ("seconds", "system_cpu_seconds", "peak_rss_bytes", "largest_logits_bytes")}
+        for p in ("generation", "scoring", "optimisation"):
+            out[f"{p}_canary_seconds"], out[f"{p}_canary_piece_seconds"] = [], []
+        return out
+
+    def _measure_canary(self) -> float | None:
+        if self._canary is None:
+            return None
+        import torch
+
+        x, y = self._canary
+        return min(_timed(lambda: torch.bmm(x, y)) for _ in range(CANARY_REPEATS))
 
     def enter(self, phase: str) -> None:
         if phase == self.phase:
@@ -152,10 +184,16 @@ class PhaseMeter:
     def close(self) -> None:
         if self.phase is None:
             return
-        self.cur[f"{self.phase}_seconds"] += time.perf_counter() - self.t
+        piece = time.perf_counter() - self.t
+        self.cur[f"{self.phase}_seconds"] += piece
         self.cur[f"{self.phase}_system_cpu_seconds"] += _system_cpu_seconds() - self.sys
         key = f"{self.phase}_peak_rss_bytes"
         self.cur[key] = max(self.cur[key], status_field("VmHWM"))
+        canary = self._measure_canary()  # outside the phase's clock; `enter` resets the peak after it
+        if canary is not None:
+            self.cur[f"{self.phase}_canary_seconds"] += [self.last_canary, canary]
+            self.cur[f"{self.phase}_canary_piece_seconds"].append(piece)
+            self.last_canary = canary
         self.phase = None
 
     def tensor(self, logits) -> None:
@@ -173,6 +211,16 @@ class PhaseMeter:
         self.updates.append(self.cur)
         self.cur = self._empty()
         self.enter("optimisation")  # until the next rollout starts, time counts as the update's own work
+
+
+def _canary_operands():
+    """The `CANARY` product's operands, made once and warmed (~20 MB, held for the run)."""
+    import torch
+
+    b, m, k, n = CANARY
+    x, y = torch.randn(b, m, k), torch.randn(b, k, n)
+    torch.bmm(x, y)
+    return x, y
 
 
 def _hook_trl(meter: "PhaseMeter") -> None:
@@ -667,6 +715,66 @@ def add_floor(out: dict, run: dict, cfg: dict, settings: dict, timings: dict, ti
     out["seconds_vs_matmul_floor_all"] = out["seconds_per_update"] / out["matmul_floor_all_seconds"]["total"]
 
 
+def canaries(run: dict) -> list[float]:
+    """Every `CANARY` timing a run recorded (none for a run saved before runs recorded them)."""
+    return [c for u in run["updates"] for k, v in u.items() if k.endswith("_canary_seconds") for c in v]
+
+
+def phase_canary(canaries_: list[float], pieces: list[float] | None) -> float:
+    """One phase's canary in one update: each piece's faster canary (the one before it or the one after it: a brief
+    stall at one end does not count against the machine), weighted by the piece's seconds (``pieces``; equal weights
+    for a run saved without them)."""
+    fastest = [min(canaries_[i], canaries_[i + 1]) for i in range(0, len(canaries_), 2)]
+    weights = pieces if pieces and len(pieces) == len(fastest) and sum(pieces) > 0 else [1.0] * len(fastest)
+    return sum(w * c for w, c in zip(weights, fastest)) / sum(weights)
+
+
+def run_speed(run: dict, canary_best: float) -> dict | None:
+    """How much slower than its best (``canary_best`` seconds, the fastest `CANARY` timing of the machine) the
+    machine ran the products during each phase of ``run``: per phase, its `phase_canary` over ``canary_best``, the
+    median over the timed updates (as `summarise` takes the phase's seconds). ``{phase: x}``, each >= 1 when
+    ``canary_best`` is the best; None for a run without canaries."""
+    timed = run["updates"][1:] if len(run["updates"]) > 1 else run["updates"]
+    speed = {}
+    for phase in ("generation", "scoring", "optimisation"):
+        x = [phase_canary(c, u.get(f"{phase}_canary_piece_seconds")) / canary_best
+             for u in timed if (c := u.get(f"{phase}_canary_seconds"))]
+        if not x:
+            return None
+        speed[phase] = median(x)
+    return speed
+
+
+def add_run_speed(out: dict, speed: dict | None) -> None:
+    """Adds to a variant's summary ``out`` (after `add_floor`) the floor of all its products at the speed the machine
+    ran them during the run (`run_speed`: each phase's floor times its slowdown),
+    ``matmul_floor_all_at_run_speed_seconds`` and ``seconds_vs_matmul_floor_all_at_run_speed``, and ``run_speed``
+    (per phase and ``update``: the floor-weighted slowdown of the whole update). Nothing without canaries."""
+    if speed is None or "matmul_floor_all_seconds" not in out:
+        return
+    floor = out["matmul_floor_all_seconds"]
+    at_speed = {phase: floor[phase] * x for phase, x in speed.items()}
+    out["matmul_floor_all_at_run_speed_seconds"] = dict(at_speed, total=sum(at_speed.values()))
+    out["seconds_vs_matmul_floor_all_at_run_speed"] = out["seconds_per_update"] / sum(at_speed.values())
+    out["run_speed"] = dict(speed, update=sum(at_speed.values()) / floor["total"])
+
+
+def add_trl_ratios(variants: dict) -> None:
+    """Each summary of ``variants`` against plain_trl's: ``seconds_vs_plain_trl``, ``peak_rss_vs_plain_trl`` and,
+    where both runs timed canaries, ``seconds_vs_plain_trl_at_run_speed``: each side's seconds divided by its own
+    `run_speed` (the update's), i.e. both as at the machine's best speed. Nothing without a plain_trl run."""
+    trl = variants.get("plain_trl", {})
+    if "seconds_per_update" not in trl:
+        return
+    for r in variants.values():
+        if "seconds_per_update" in r:
+            r["seconds_vs_plain_trl"] = r["seconds_per_update"] / trl["seconds_per_update"]
+            r["peak_rss_vs_plain_trl"] = r["peak_rss_bytes"] / trl["peak_rss_bytes"]
+            if "run_speed" in r and "run_speed" in trl:
+                r["seconds_vs_plain_trl_at_run_speed"] = (r["seconds_per_update"] / r["run_speed"]["update"]) / (
+                    trl["seconds_per_update"] / trl["run_speed"]["update"])
+
+
 def write_markdown(bench: dict, path: Path) -> None:
     shapes = [r["shape"] for r in bench["variants"].values() if "shape" in r]
     tokens = (f", prompts {shapes[0]['prompt_tokens']} + response <= {shapes[0]['sequence_tokens'] - shapes[0]['prompt_tokens']}"
@@ -717,6 +825,21 @@ def write_markdown(bench: dict, path: Path) -> None:
               "the products `update_gemms` leaves out (`other_gemms`): attention's QK^T and PV (and their input "
               "gradients; half of each causal square), the LoRA adapters' own products, and with gradient "
               "checkpointing the recomputed forwards; each timed alone the same way."]
+    paced = {k: r for k, r in bench["variants"].items() if "run_speed" in r}
+    if paced:
+        lines += ["", "At the machine's speed during each run (the `CANARY` product, "
+                  f"{'x'.join(map(str, CANARY[1:]))}, timed around every phase; its best: "
+                  f"{bench['canary_best_seconds'] * 1e3:.1f} ms):", "",
+                  "| variant | run speed: generation / scoring / optimisation / update (x slower than best) "
+                  "| all products' floor at run speed s (x) | vs plain_trl, both at their run speed |",
+                  "|---|---|---|---|"]
+        for name, r in paced.items():
+            v = r["run_speed"]
+            lines.append(f"| {name} | {v['generation']:.2f} / {v['scoring']:.2f} / {v['optimisation']:.2f} / "
+                         f"{v['update']:.2f} | {r['matmul_floor_all_at_run_speed_seconds']['total']:.1f} "
+                         f"({r['seconds_vs_matmul_floor_all_at_run_speed']:.2f}) | "
+                         + (f"{r['seconds_vs_plain_trl_at_run_speed']:.2f}x |"
+                            if "seconds_vs_plain_trl_at_run_speed" in r else "- |"))
     trl = bench["variants"].get("plain_trl", {})
     if "seconds_per_update" in trl and any("seconds_vs_plain_trl" in r for k, r in bench["variants"].items()
                                            if k != "plain_trl"):
@@ -858,6 +981,7 @@ def main(argv: list[str] | None = None) -> int:
              "updates": args.updates, "matmul_gflop_per_second": probe / 1e9, "parameters": n,
              "base_model_bytes": base_bytes, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
              "variants": {}}
+    runs = {}
     for variant in args.variants.split(","):
         run_json = out_dir / f"{variant}.json"
         python = sys.executable
@@ -878,7 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
                 bench["variants"][variant] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
                 (out_dir / f"{variant}.log").write_text(proc.stderr)
                 continue
-        run = json.load(open(run_json))
+        run = runs[variant] = json.load(open(run_json))
         settings = run_settings(run, size, micro)
         bench["variants"][variant] = summarise(run, n, size, probe, base_bytes)
         bench["variants"][variant]["settings"] = settings
@@ -888,12 +1012,14 @@ def main(argv: list[str] | None = None) -> int:
             bench["variants"][variant]["wall_seconds"] = time.perf_counter() - t
         if not args.keep_runs:  # a run's merged policy and value model: ~4 GB each, not needed for the figures
             shutil.rmtree(out_dir / "runs" / variant, ignore_errors=True)
-    trl_run = bench["variants"].get("plain_trl", {})
-    if "seconds_per_update" in trl_run:
-        for r in bench["variants"].values():
-            if "seconds_per_update" in r:
-                r["seconds_vs_plain_trl"] = r["seconds_per_update"] / trl_run["seconds_per_update"]
-                r["peak_rss_vs_plain_trl"] = r["peak_rss_bytes"] / trl_run["peak_rss_bytes"]
+    # the machine's best canary: the parent's timing now, the saved one and every run's own (a floor is the best)
+    canary_best = min([timer(*CANARY)] + [c for run in runs.values() for c in canaries(run)])
+    timings[CANARY] = canary_best
+    save_timings(timings_path, {**earlier, **timings})
+    bench["canary_best_seconds"] = canary_best
+    for variant, run in runs.items():
+        add_run_speed(bench["variants"][variant], run_speed(run, canary_best))
+    add_trl_ratios(bench["variants"])
     (out_dir / "bench_real.json").write_text(json.dumps(bench, indent=2))
     write_markdown(bench, out_dir / "bench_real.md")
     print((out_dir / "bench_real.md").read_text())

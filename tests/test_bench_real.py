@@ -301,3 +301,95 @@ def test_floor_timings_round_trip(tmp_path):
     bench_real.save_timings(path, {(8, 896, 151936): 0.05, (1280, 896, 4864): 0.07, (56, 320, 64, 320): 0.002})
     assert bench_real.load_timings(path) == {(8, 896, 151936): 0.05, (1280, 896, 4864): 0.07,
                                              (56, 320, 64, 320): 0.002}
+
+
+def test_the_meter_times_the_canary_around_each_phase_outside_its_clock(monkeypatch):
+    """Each phase's end times the canary product, after the phase's clock stopped: the phase's seconds exclude it,
+    and ``<phase>_canary_seconds`` holds the canary before the phase began and the one after it ended."""
+    import time
+
+    ticks = iter(range(1, 100))
+
+    def canary(self):
+        time.sleep(0.05)  # a canary takes time; none of it may land in a phase
+        return float(next(ticks))
+
+    monkeypatch.setattr(bench_real.PhaseMeter, "_measure_canary", canary)
+    meter = bench_real.PhaseMeter(canary=False)  # canary 1: at the start
+    meter.enter("generation")
+    meter.enter("scoring")  # canary 2: generation ended
+    meter.enter("optimisation")  # canary 3
+    meter.enter("optimisation")  # the same phase again: no canary
+    meter.end_update()  # canary 4
+    u = meter.updates[0]
+    assert u["generation_canary_seconds"] == [1.0, 2.0] and u["scoring_canary_seconds"] == [2.0, 3.0]
+    assert u["optimisation_canary_seconds"] == [3.0, 4.0]
+    assert [len(u[f"{p}_canary_piece_seconds"]) for p in ("generation", "scoring", "optimisation")] == [1, 1, 1]
+    assert u["generation_canary_piece_seconds"] == [u["generation_seconds"]]
+    assert all(u[f"{p}_seconds"] < 0.04 for p in ("generation", "scoring", "optimisation"))
+
+
+def test_the_real_canary_is_the_product_the_parent_times():
+    meter = bench_real.PhaseMeter()
+    assert 0 < meter.last_canary < 10 and tuple(meter._canary[0].shape) == bench_real.CANARY[:3]
+    assert tuple(meter._canary[1].shape) == (1, *bench_real.CANARY[2:])
+    assert meter._empty()["scoring_canary_seconds"] == []
+
+
+def test_run_speed_puts_each_phase_at_the_speed_its_canaries_ran(tmp_path):
+    """Per phase: each piece's faster canary, weighted by the piece's seconds, over the best; the median over the
+    timed updates (the warm-up left out); the floor at run speed scales each phase's floor; the comparison with TRL
+    divides each side by its own speed."""
+    assert bench_real.phase_canary([2.0, 2.0, 1.5, 1.6], [0.01, 60.0]) == pytest.approx((0.02 + 90.0) / 60.01)
+    assert bench_real.phase_canary([2.0, 2.0, 1.5, 1.6], None) == pytest.approx(1.75)  # saved without pieces
+    assert bench_real.phase_canary([1.0, 3.0], [5.0]) == 1.0  # a stall at one end does not count
+
+    def update(gen, score, opt, pieces=None):
+        u = {"generation_seconds": 10.0, "scoring_seconds": 10.0, "optimisation_seconds": 20.0,
+             "generation_canary_seconds": gen, "scoring_canary_seconds": score, "optimisation_canary_seconds": opt}
+        return dict(u, optimisation_canary_piece_seconds=pieces) if pieces else u
+
+    warm = update([9.0, 9.0], [9.0, 9.0], [9.0, 9.0])
+    run = {"updates": [warm, update([1.2, 1.4], [1.0, 3.0], [2.0, 2.0, 1.5, 1.6], [0.01, 60.0]),
+                       update([1.1, 1.1], [1.0, 1.0], [1.5, 1.5], [60.0]),
+                       update([1.3, 1.3], [1.2, 1.2], [1.5, 1.5])]}
+    assert bench_real.canaries(run)[:2] == [9.0, 9.0] and len(bench_real.canaries(run)) == 26
+    speed = bench_real.run_speed(run, canary_best=1.0)
+    assert speed == pytest.approx({"generation": 1.2, "scoring": 1.0, "optimisation": 1.5})
+    assert bench_real.run_speed({"updates": [{"generation_seconds": 1.0}]}, 1.0) is None  # saved before canaries
+
+    out = {"seconds_per_update": 40.0, "peak_rss_bytes": 2,
+           "matmul_floor_all_seconds": {"generation": 8.0, "scoring": 8.0, "optimisation": 16.0, "total": 32.0}}
+    bench_real.add_run_speed(out, speed)
+    at_speed = 8.0 * 1.2 + 8.0 + 16.0 * 1.5
+    assert out["matmul_floor_all_at_run_speed_seconds"]["total"] == pytest.approx(at_speed)
+    assert out["seconds_vs_matmul_floor_all_at_run_speed"] == pytest.approx(40.0 / at_speed)
+    assert out["run_speed"]["update"] == pytest.approx(at_speed / 32.0)
+
+    trl = {"seconds_per_update": 100.0, "peak_rss_bytes": 4, "run_speed": {"update": 1.0}}
+    variants = {"plain_trl": trl, "rlhf_trl_fast": out, "old": {"seconds_per_update": 50.0, "peak_rss_bytes": 1}}
+    bench_real.add_trl_ratios(variants)
+    assert out["seconds_vs_plain_trl"] == pytest.approx(0.4) and out["peak_rss_vs_plain_trl"] == 0.5
+    assert out["seconds_vs_plain_trl_at_run_speed"] == pytest.approx(40.0 / (at_speed / 32.0) / 100.0)
+    assert "seconds_vs_plain_trl_at_run_speed" not in variants["old"]  # no canaries: no figure at run speed
+
+    bench = {"model_name": "m", "size": "issue", "settings": {}, "matmul_gflop_per_second": 1.0,
+             "base_model_bytes": 2, "canary_best_seconds": 0.025, "variants": {}}
+    bench_real.write_markdown(bench, tmp_path / "b.md")  # no run with canaries: no table for them
+    assert "run speed" not in (tmp_path / "b.md").read_text()
+    for name, r in variants.items():
+        r.update(updates_timed=1, shape={"rows": 2, "prompt_tokens": 4, "sequence_tokens": 6}, seconds_vs_matmul_work=1,
+                 peak_rss_model_copies=1, **{p: {"seconds": 1.0, "fraction_of_matmul_rate": 1.0,
+                                                "peak_rss_model_copies": 1, "largest_logits_bytes": 1}
+                                             for p in ("generation", "scoring", "optimisation")})
+    out["seconds_vs_matmul_floor_all"] = 40.0 / 32.0
+    trl.update(run_speed={"generation": 1.0, "scoring": 1.0, "optimisation": 1.0, "update": 1.0},
+               matmul_floor_all_at_run_speed_seconds={"total": 50.0}, seconds_vs_matmul_floor_all_at_run_speed=2.0)
+    bench["variants"] = variants
+    bench_real.write_markdown(bench, tmp_path / "b.md")
+    text = (tmp_path / "b.md").read_text()
+    assert "its best: 25.0 ms" in text
+    ratio = 40.0 / (at_speed / 32.0) / 100.0
+    assert (f"| rlhf_trl_fast | 1.20 / 1.00 / 1.50 / {at_speed / 32:.2f} | {at_speed:.1f} ({40.0 / at_speed:.2f}) | "
+            f"{ratio:.2f}x |") in text
+    assert "| plain_trl | 1.00 / 1.00 / 1.00 / 1.00 | 50.0 (2.00) | 1.00x |" in text and "| old | 1.00" not in text
