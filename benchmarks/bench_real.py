@@ -149,7 +149,7 @@ class PhaseMeter:
 
     def __init__(self, canary: bool = True):
         self.phase = None
-        self._canary = _canary_operands() if canary else None
+        self._canary = bmm_operands(*CANARY) if canary else None
         self.last_canary = self._measure_canary()
         self.t = time.perf_counter()
         self.sys = _system_cpu_seconds()
@@ -167,12 +167,7 @@ class PhaseMeter:
         return out
 
     def _measure_canary(self) -> float | None:
-        if self._canary is None:
-            return None
-        import torch
-
-        x, y = self._canary
-        return min(_timed(lambda: torch.bmm(x, y)) for _ in range(CANARY_REPEATS))
+        return None if self._canary is None else best_bmm_seconds(*self._canary, CANARY_REPEATS)
 
     def enter(self, phase: str) -> None:
         if phase == self.phase:
@@ -211,16 +206,6 @@ class PhaseMeter:
         self.updates.append(self.cur)
         self.cur = self._empty()
         self.enter("optimisation")  # until the next rollout starts, time counts as the update's own work
-
-
-def _canary_operands():
-    """The `CANARY` product's operands, made once and warmed (~20 MB, held for the run)."""
-    import torch
-
-    b, m, k, n = CANARY
-    x, y = torch.randn(b, m, k), torch.randn(b, k, n)
-    torch.bmm(x, y)
-    return x, y
 
 
 def _hook_trl(meter: "PhaseMeter") -> None:
@@ -589,11 +574,23 @@ def product_seconds(*key: int, repeats: int = 5) -> float:
     `gemm_seconds`."""
     if len(key) == 3:
         return gemm_seconds(*key, repeats=repeats)
+    return best_bmm_seconds(*bmm_operands(*key), repeats)
+
+
+def bmm_operands(b: int, m: int, k: int, n: int):
+    """Random fp32 operands ``[b, m, k]``, ``[b, k, n]`` of one ``torch.bmm``, warmed by one product (`PhaseMeter`
+    keeps the `CANARY`'s for the run: no fresh pages at each phase's end)."""
     import torch
 
-    b, m, k, n = key
     x, y = torch.randn(b, m, k), torch.randn(b, k, n)
     torch.bmm(x, y)
+    return x, y
+
+
+def best_bmm_seconds(x, y, repeats: int) -> float:
+    """The fastest of ``repeats`` timings of ``torch.bmm(x, y)``, in seconds."""
+    import torch
+
     return min(_timed(lambda: torch.bmm(x, y)) for _ in range(repeats))
 
 
@@ -659,11 +656,16 @@ def variant_extras(run: dict) -> dict:
     return {"fused_lora": "--fused_lora" in extra, "recompute": "--gradient_checkpointing" in extra}
 
 
+def timed_updates(run: dict) -> list[dict]:
+    """A run's timed updates: all but the first (the warm-up), or the one update of a single-update run."""
+    return run["updates"][1:] if len(run["updates"]) > 1 else run["updates"]
+
+
 def summarise(run: dict, n: dict, size: dict, probe: float, base_bytes: int) -> dict:
     """One variant's figures; its FLOP rates against the higher of ``probe`` (the parent's) and the rate its own
     process measured before the run: the machine's best, so that a slow probe never flatters a variant."""
     probe = max(probe, run.get("matmul_probe_flops", 0.0))
-    timed = run["updates"][1:] if len(run["updates"]) > 1 else run["updates"]
+    timed = timed_updates(run)
     flops = phase_flops(n, run["shape"], size, **variant_work(run))
     out = {"updates_timed": len(timed), "shape": run["shape"], "threads": run["threads"],
            "huge_pages": run.get("huge_pages", False), "single_value_forward": run.get("single_value_forward", False),
@@ -734,7 +736,7 @@ def run_speed(run: dict, canary_best: float) -> dict | None:
     machine ran the products during each phase of ``run``: per phase, its `phase_canary` over ``canary_best``, the
     median over the timed updates (as `summarise` takes the phase's seconds). ``{phase: x}``, each >= 1 when
     ``canary_best`` is the best; None for a run without canaries."""
-    timed = run["updates"][1:] if len(run["updates"]) > 1 else run["updates"]
+    timed = timed_updates(run)
     speed = {}
     for phase in ("generation", "scoring", "optimisation"):
         x = [phase_canary(c, u.get(f"{phase}_canary_piece_seconds")) / canary_best
