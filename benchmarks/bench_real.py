@@ -157,6 +157,7 @@ class PhaseMeter:
         self.updates: list[dict] = []
         self.shape: dict = {}
         self.single_value_forward = False  # the engine's value_step ran: no value forward in scoring
+        self.read_cut = False  # the engine's last decoder layer ran at the read positions only (`last_layer`)
 
     @staticmethod
     def _empty() -> dict:
@@ -242,7 +243,7 @@ def _hook_trl(meter: "PhaseMeter") -> None:
 def _hook_engine(meter: "PhaseMeter") -> None:
     """Phase timers around the project's PPO engine: its rollout generation, its PPO epochs, and every vocabulary-
     sized logits tensor it forms (`ppo_math.selective_log_softmax` sees each one)."""
-    from rlhf_trl import ppo_engine, ppo_math
+    from rlhf_trl import last_layer, ppo_engine, ppo_math
 
     generate, optimise, select = ppo_engine.generate_rollouts, ppo_engine.PPOEngine.optimise, \
         ppo_math.selective_log_softmax
@@ -268,6 +269,12 @@ def _hook_engine(meter: "PhaseMeter") -> None:
         meter.tensor(logits)
         return select(logits, index)
 
+    def suffix_forward(*args, **kwargs):  # the last decoder layer at the read positions only
+        meter.read_cut = True
+        return suffix(*args, **kwargs)
+
+    suffix = last_layer.suffix_forward
+    last_layer.suffix_forward = suffix_forward
     ppo_engine.generate_rollouts, ppo_engine.PPOEngine.optimise = generate_rollouts, optimise_
     ppo_engine.PPOEngine.value_step = value_step_
     ppo_math.selective_log_softmax = selective_log_softmax
@@ -325,7 +332,7 @@ def child(variant: str, model: str, prompts: str, work: Path, out: Path, size: d
         ppo.main(argv, callbacks=[UpdateEnd()])
     meter.close()
     json.dump({"variant": variant, "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
-               "single_value_forward": meter.single_value_forward,
+               "single_value_forward": meter.single_value_forward, "read_cut": meter.read_cut,
                "updates": meter.updates, "shape": meter.shape, "seconds": time.perf_counter() - t0,
                "peak_rss_bytes": max([status_field("VmHWM")] + [u[k] for u in meter.updates for k in u
                                                              if k.endswith("peak_rss_bytes")]),
@@ -360,25 +367,33 @@ def param_counts(cfg: dict) -> dict:
     """Parameters of the transformer body and of the LM head (vocabulary x hidden), from a config.json's dict."""
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     per_layer = sum(i * o for i, o in layer_linears(cfg))  # q, k, v, o, gate / up / down
+    kv = dict(zip(PROJECTIONS, layer_linears(cfg)))
     return {"body": layers * per_layer, "head": vocab * h, "embedding": vocab * h,
-            "total": layers * per_layer + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)}
+            "total": layers * per_layer + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2),
+            # one layer's projections other than k and v: what the engine's last layer runs at read positions only
+            "cut": per_layer - sum(i * o for name, (i, o) in kv.items() if name in ("k_proj", "v_proj"))}
 
 
 def phase_flops(n: dict, shape: dict, size: dict, lean: bool, full_head: bool = True,
-                single_value_forward: bool = False) -> dict:
+                single_value_forward: bool = False, read_cut: bool = False) -> dict:
     """Estimated matmul FLOPs of one update's phases (see the module docstring). ``full_head``: the policy's and
     reference's LM head runs over every position (TRL 1.12's ``forward``); else over the response positions only
     (the engine's `response_logprobs`). ``single_value_forward``: the engine's values come from the value model's
-    training forward (`PPOEngine.value_step`): scoring has no value forward. Each variant is measured against its own
-    work."""
+    training forward (`PPOEngine.value_step`): scoring has no value forward. ``read_cut``: the engine's
+    `rlhf_trl.last_layer` (policy, reference and value model fed ``S - 1`` tokens, their last layer's projections but
+    k and v, ``n["cut"]`` parameters, at the ``R`` read positions only; the reward model's at one position per row).
+    Each variant is measured against its own work."""
     rows, prompt, seq = shape["rows"], shape["prompt_tokens"], shape["sequence_tokens"]
     new = seq - prompt
     body, head = n["body"], n["head"]
     head_tokens = seq if full_head else new
+    # body parameter-tokens of one forward over the read positions `new` (the reward model: 1) of `seq - 1` tokens
+    fed, reward = ((body * (seq - 1) - n["cut"] * (seq - 1 - new)) * rows, (body * seq - n["cut"] * (seq - 1)) * rows
+                   ) if read_cut else (body * rows * seq, body * rows * seq)
     generation = 2 * body * rows * seq + 2 * head * rows * new  # prefill + decode (logits only for new tokens)
-    scoring = (2 * body * rows * seq + 2 * head * rows * head_tokens  # reference
-               + (1 if single_value_forward else 2) * 2 * body * rows * seq)  # reward (and value) model
-    optimisation = 4 * body * rows * seq + 4 * head * rows * head_tokens + (4 if lean else 6) * body * rows * seq
+    scoring = (2 * fed + 2 * head * rows * head_tokens  # reference
+               + 2 * reward + (0 if single_value_forward else 2 * fed))  # reward (and value) model
+    optimisation = 4 * fed + 4 * head * rows * head_tokens + (4 if lean else 6) * fed
     return {"generation": generation, "scoring": scoring, "optimisation": optimisation}
 
 
@@ -390,7 +405,7 @@ def layer_linears(cfg: dict) -> list[tuple[int, int]]:
 
 
 def update_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: bool = True,
-                 single_value_forward: bool = False) -> dict:
+                 single_value_forward: bool = False, read_cut: bool = False) -> dict:
     """The matrix products of one PPO update, by phase: ``{phase: {(m, k, n): count}}``, an ``[m, k] @ [k, n]``
     product ``count`` times. ``shape``: ``rows`` episodes, ``prompt_tokens`` P, ``sequence_tokens`` S (R = S - P new
     tokens); ``settings``: ``local_rollout_forward_batch_size`` c (rows per generate call and per scoring forward),
@@ -402,6 +417,8 @@ def update_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: 
                     reward model (body), value model (body; not with ``single_value_forward``)
       optimisation  per micro-batch: LoRA policy forward + input gradients (body and LM head), value model forward
                     + input gradients (+ weight gradients when trained in full, not ``lean``)
+    ``read_cut`` (the engine, `rlhf_trl.last_layer`): policy, reference and value model over c x (S - 1) tokens,
+    their last layer's projections but k and v over c x R; the reward model's over c (one position per row).
     LoRA adapters, score heads, attention's own products (``QK^T``, ``PV``: ~4% of a forward at 320 tokens) and
     gradient checkpointing's recomputed forwards are left out (`other_gemms` lists them but the score heads): the
     FLOPs are `phase_flops`'s."""
@@ -424,19 +441,27 @@ def update_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: 
         if dw:
             add(phase, o, tokens, i, count)
 
-    def body(phase, tokens, count, dx=False, dw=False):
-        for dims in layer_linears(cfg):
-            linear(phase, tokens, dims, count * layers, dx, dw)
+    def body(phase, tokens, count, dx=False, dw=False, read=None):
+        """``read``: the last layer's projections but k and v over ``read`` tokens only."""
+        for name, dims in zip(PROJECTIONS, layer_linears(cfg)):
+            if read is None or name in ("k_proj", "v_proj"):
+                linear(phase, tokens, dims, count * layers, dx, dw)
+            else:
+                linear(phase, tokens, dims, count * (layers - 1), dx, dw)
+                linear(phase, read, dims, count, dx, dw)
 
     calls, micro_batches = -(-rows // chunk), -(-rows // micro)
     body("generation", chunk * prompt, calls)
     linear("generation", chunk, head, calls * new)
     body("generation", chunk, calls * (new - 1))
-    body("scoring", chunk * seq, calls * (2 if single_value_forward else 3))  # reference, reward (, value) model
+    fed, rows_read = (seq - 1, new) if read_cut else (seq, None)  # tokens fed / read per row (policy, ref, value)
+    read = (lambda per_row, n: None if per_row is None else per_row * n)
+    body("scoring", chunk * fed, calls * (1 if single_value_forward else 2), read=read(rows_read, chunk))  # ref (+ value)
+    body("scoring", chunk * seq, calls, read=read(1 if read_cut else None, chunk))  # reward model
     linear("scoring", chunk * (seq if full_head else new), head, calls)
-    body("optimisation", micro * seq, micro_batches, dx=True)  # LoRA policy: no weight gradients of the base
+    body("optimisation", micro * fed, micro_batches, dx=True, read=read(rows_read, micro))  # LoRA policy: no base dW
     linear("optimisation", micro * (seq if full_head else new), head, micro_batches, dx=True)
-    body("optimisation", micro * seq, micro_batches, dx=True, dw=not lean)
+    body("optimisation", micro * fed, micro_batches, dx=True, dw=not lean, read=read(rows_read, micro))
     return out
 
 
@@ -490,7 +515,8 @@ def cold_weight_copies(n: int, k: int, cold_bytes: int = 1 << 30) -> int:
 
 
 def other_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: bool = True,
-                single_value_forward: bool = False, fused_lora: bool = False, recompute: bool = False) -> dict:
+                single_value_forward: bool = False, fused_lora: bool = False, recompute: bool = False,
+                read_cut: bool = False) -> dict:
     """The matrix products of one PPO update that `update_gemms` leaves out, by phase: ``{phase: {(b, m, k, n):
     count}}``, ``b`` products ``[m, k] @ [k, n]`` (a batched product over sequences x heads; b = 1: a plain one)
     ``count`` times (a float: a causal attention product over a square counts 1/2, the half no implementation needs).
@@ -501,7 +527,8 @@ def other_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: b
                     ``generate`` call), forward + input and weight gradients in training; none in scoring (the
                     reference and a shared base's reward are the adapter switched off)
       recompute     with gradient checkpointing, each training forward's body (layers, attention, LoRA) once more
-    The same arguments as `update_gemms` (plus ``fused_lora`` and ``recompute``, `variant_extras`)."""
+    The same arguments as `update_gemms` (plus ``fused_lora`` and ``recompute``, `variant_extras`); ``read_cut`` is
+    not modelled here (attention and adapters at full length: the last layer's share of them is under 0.5%)."""
     rows, prompt, seq = shape["rows"], shape["prompt_tokens"], shape["sequence_tokens"]
     new, layers, heads = seq - prompt, cfg["num_hidden_layers"], cfg["num_attention_heads"]
     d = cfg["hidden_size"] // heads
@@ -644,9 +671,10 @@ def median(xs):
 
 def variant_work(run: dict) -> dict:
     """What one run's update computes, for `phase_flops` and `update_gemms`: ``lean`` (a LoRA value model),
-    ``full_head`` (TRL 1.12's logits at every position) and ``single_value_forward`` (no value forward in scoring)."""
+    ``full_head`` (TRL 1.12's logits at every position), ``single_value_forward`` (no value forward in scoring) and
+    ``read_cut`` (the last decoder layer at the read positions only: engine runs since `rlhf_trl.last_layer`)."""
     return {"lean": run["variant"] == "rlhf_trl_lean", "full_head": run["variant"] == "plain_trl",
-            "single_value_forward": run.get("single_value_forward", False)}
+            "single_value_forward": run.get("single_value_forward", False), "read_cut": run.get("read_cut", False)}
 
 
 def variant_extras(run: dict) -> dict:

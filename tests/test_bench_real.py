@@ -20,6 +20,7 @@ def test_param_counts_of_qwen2_5_0_5b(tmp_path):
     # per layer: q, o 896x896; k, v 896x128; gate, up, down 896x4864 (biases and norms left out)
     assert n["body"] == 24 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864) == 357826560
     assert n["head"] == 151936 * 896 and n["total"] == 357826560 + 2 * 151936 * 896  # untied: 630M, as loaded
+    assert n["cut"] == 2 * 896 * 896 + 3 * 896 * 4864  # one layer's q, o, gate, up, down
 
 
 def test_phase_flops_by_hand():
@@ -30,6 +31,11 @@ def test_phase_flops_by_hand():
     assert flops["scoring"] == 2 * 13 * 2 * 6 + 4 * 10 * 2 * 6  # reference with head; value + reward without
     assert flops["optimisation"] == 4 * 13 * 2 * 6 + 6 * 10 * 2 * 6  # LoRA policy fwd+bwd, full value fwd+bwd
     assert bench_real.phase_flops(n, shape, {}, lean=True)["optimisation"] == 4 * 13 * 12 + 4 * 10 * 12
+    # read_cut (the engine's last layer at the read positions): 5 of 6 tokens fed, the last layer's 4 "cut"
+    # parameters at the 2 read positions only: (10 x 5 - 4 x 3) x 2 rows; the reward model (10 x 6 - 4 x 5) x 2
+    cut = bench_real.phase_flops(dict(n, cut=4), shape, {}, lean=False, full_head=False, read_cut=True)
+    assert cut["scoring"] == 2 * 76 + 2 * 3 * 2 * 2 + 2 * 80 + 2 * 76
+    assert cut["optimisation"] == 4 * 76 + 4 * 3 * 2 * 2 + 6 * 76
 
 
 def test_summary_skips_the_warm_up_and_rates_against_the_probe():
@@ -131,24 +137,37 @@ def _gemm_flops(products: dict) -> int:
     return sum(2 * m * k * n * count for (m, k, n), count in products.items())
 
 
-@pytest.mark.parametrize("svf,lean,full_head", [(True, False, False), (False, False, True), (True, True, False)])
-def test_the_floor_runs_the_products_whose_flops_phase_flops_counts(tmp_path, svf, lean, full_head):
+@pytest.mark.parametrize("svf,lean,full_head,cut", [(True, False, False, False), (False, False, True, False),
+                                                     (True, True, False, False), (True, False, False, True),
+                                                     (False, True, False, True)])
+def test_the_floor_runs_the_products_whose_flops_phase_flops_counts(tmp_path, svf, lean, full_head, cut):
     """`update_gemms` lists the update's layer and LM-head products at their real shapes; their FLOPs are
     `phase_flops`'s (generation: one token per row fewer, the last sampled token is never fed back)."""
     json.dump(QWEN_05B, open(tmp_path / "config.json", "w"))
     n = bench_real.param_counts(bench_real.model_config(str(tmp_path)))
     shape = {"rows": 8, "prompt_tokens": 256, "sequence_tokens": 320}
     settings = dict(bench_real.SIZES["issue"], per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    gemms = bench_real.update_gemms(QWEN_05B, shape, settings, lean, full_head, svf)
-    flops = bench_real.phase_flops(n, shape, settings, lean, full_head, svf)
+    gemms = bench_real.update_gemms(QWEN_05B, shape, settings, lean, full_head, svf, read_cut=cut)
+    flops = bench_real.phase_flops(n, shape, settings, lean, full_head, svf, read_cut=cut)
     assert _gemm_flops(gemms["scoring"]) == flops["scoring"]
     assert _gemm_flops(gemms["optimisation"]) == flops["optimisation"]
     assert _gemm_flops(gemms["generation"]) == flops["generation"] - 2 * n["body"] * 8
     # shapes: decoding multiplies 8 rows (one per sequence) by the LM head 64 times; a micro-batch of 4 x 320 tokens
     assert gemms["generation"][(8, 896, 151936)] == 64 and gemms["generation"][(8, 896, 4864)] == 2 * 63 * 24
-    # gate and up forwards and down's input gradient, policy and value, 2 micro-batches of 4 x 320 tokens, 24 layers
-    assert gemms["optimisation"][(1280, 896, 4864)] == 3 * 2 * 2 * 24
-    assert gemms["optimisation"].get((4864, 1280, 896), 0) == (0 if lean else 2 * 2 * 24)  # value weight gradients
+    if not cut:
+        # gate and up forwards and down's input gradient, policy and value, 2 micro-batches of 4 x 320 tokens
+        assert gemms["optimisation"][(1280, 896, 4864)] == 3 * 2 * 2 * 24
+        assert gemms["optimisation"].get((4864, 1280, 896), 0) == (0 if lean else 2 * 2 * 24)  # value weight grads
+        return
+    # the engine: 4 x 319 tokens fed; the last layer's gate / up / down at the 4 x 64 read positions only, its k and
+    # v at all of them; the reward model's last layer at one position per row
+    assert gemms["optimisation"][(1276, 896, 4864)] == 3 * 2 * 2 * 23
+    assert gemms["optimisation"][(256, 896, 4864)] == 3 * 2 * 2
+    assert gemms["optimisation"][(1276, 896, 128)] == 2 * 24 * 2 * 2  # k and v forwards, policy and value, 2 micro
+    assert (1280, 896, 4864) not in gemms["optimisation"]
+    assert gemms["scoring"][(2560, 896, 4864)] == 2 * 23 and gemms["scoring"][(8, 896, 4864)] == 2  # reward model
+    assert gemms["scoring"][(2552, 896, 4864)] == 2 * 23 * (1 if svf else 2)  # reference (, value)
+    assert flops["optimisation"] < bench_real.phase_flops(n, shape, settings, lean, full_head, svf)["optimisation"]
 
 
 def _product_flops(products: dict) -> float:

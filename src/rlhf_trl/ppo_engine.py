@@ -59,7 +59,8 @@ from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState
 from . import ppo_math as pm
 from .cpu import fuse_kernels, fuse_lora, lora_merged, mmap_threshold_raised, onednn_decoding, tensor_cache_installed
 from .models import sampling_generation_config
-from .scoring import eos_mask, model_inputs, sequence_scores, token_scores, truncate_at_eos
+from .last_layer import reads_from
+from .scoring import eos_mask, model_inputs, response_values, sequence_scores, truncate_at_eos
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +277,9 @@ def response_logprobs(policy, query_responses: torch.Tensor, context_length: int
     any other head's chunks are checkpointed, so their logits are recomputed in the backward pass instead of kept.
     """
     backbone, lm_head = _lm_parts(policy)
-    hidden = backbone(**model_inputs(query_responses, pad_token_id)).last_hidden_state[:, context_length - 1: -1]
+    with reads_from(backbone, context_length - 1):  # the last token feeds no read position: not fed
+        hidden = backbone(**model_inputs(query_responses[:, :-1], pad_token_id)).last_hidden_state
+    hidden = hidden[:, context_length - 1:]
     response = query_responses[:, context_length:]
     step = chunk_size if chunk_size and chunk_size > 0 else response.shape[1]
     divisor = temperature + 1e-7
@@ -322,7 +325,7 @@ class PolicyAndValue(nn.Module):
         tokens, their entropy (no gradient) and the value model's estimate at each response position's context."""
         logprobs, entropy = response_logprobs(self.policy, query_responses, context_length, pad_token_id,
                                               temperature, chunk_size, with_entropy=True)
-        values = token_scores(self.value_model, query_responses, pad_token_id)[:, context_length - 1: -1]
+        values = response_values(self.value_model, query_responses, context_length, pad_token_id)
         return logprobs, entropy, values
 
 
@@ -819,7 +822,7 @@ class PPOEngine(Trainer):
             post = response if self.eos_token_ids is None else truncate_at_eos(response, self.eos_token_ids, pad)
             out["postprocessed"].append(post)
             if not self.single_value_forward:
-                out["values"].append(token_scores(self.unwrapped.value_model, qr, pad)[:, context - 1: -1])
+                out["values"].append(response_values(self.unwrapped.value_model, qr, context, pad))
             if reward_model is not None:
                 out["scores"].append(sequence_scores(reward_model, torch.cat((qr[:, :context], post), 1), pad,
                                                      context))
@@ -934,8 +937,8 @@ class PPOEngine(Trainer):
             with rows_only_embedding_gradient(value_model):  # no [vocab, hidden] fill per micro-batch
                 for _, _, idx in self.micro_batches(order):
                     with acc.autocast():
-                        vpred = token_scores(value_model, ro["query_responses"][idx], pad)
-                    vpred = fp32(vpred[:, context - 1: -1])
+                        vpred = response_values(value_model, ro["query_responses"][idx], context, pad)
+                    vpred = fp32(vpred)
                     with torch.no_grad():
                         rows = {k: ro[k][idx] for k in
                                 ("responses", "logprobs", "ref_logprobs", "sequence_lengths", "scores")}
@@ -1019,7 +1022,7 @@ class PPOEngine(Trainer):
             if not value:
                 return pg, None, entropy
             with acc.autocast():
-                vpred = token_scores(self.model.value_model, ids, pad)[:, context - 1: -1]
+                vpred = response_values(self.model.value_model, ids, context, pad)
             vf = value_loss(fp32(vpred))
             acc.backward(args.vf_coef * vf["loss"])
             return pg, vf, entropy

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .last_layer import reads_from
+
 
 def pad_right(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
     """Right-pad token id lists into a ``[batch, max_len]`` long tensor."""
@@ -52,16 +54,35 @@ def token_scores(model, query_responses: torch.Tensor, pad_token_id: int) -> tor
     return head(hidden).squeeze(-1)
 
 
+def response_values(model, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
+    """A value model's estimates before each response token: ``[b, T] -> [b, R]`` (reward units), ``R = T -
+    context_length``: the score head at positions ``context_length - 1 .. T - 2``, TRL 1.12's
+    ``values[:, context_length - 1 : -1]``.
+
+    The same numbers as `token_scores` there (up to fp32 rounding) for less work: the last token is not fed (no
+    read position sees it) and the last decoder layer forms its output at the ``R`` read positions only
+    (`last_layer.reads_from`).
+    """
+    backbone, head = _classifier_parts(model)
+    with reads_from(backbone, context_length - 1):
+        hidden = backbone(**model_inputs(query_responses[:, :-1], pad_token_id)).last_hidden_state
+    return head(hidden[:, context_length - 1:]).squeeze(-1)
+
+
 def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
     """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]``.
 
-    Agrees with TRL 1.12's ``get_reward`` (its experimental utilities; ``[1]`` of its result).
+    Agrees with TRL 1.12's ``get_reward`` (its experimental utilities; ``[1]`` of its result). Feeds the tokens up to
+    the latest such token and forms the last decoder layer's output from the earliest one on (`last_layer.reads_from`):
+    the same scores, up to fp32 rounding, for less work.
     """
-    per_token = token_scores(model, query_responses, pad_token_id)
     hit = query_responses[:, context_length:] == pad_token_id  # the last response token precedes its first pad
     first_pad = torch.where(hit.any(1), hit.int().argmax(1), hit.shape[1])
     last = first_pad - 1 + context_length
-    return per_token[torch.arange(len(last), device=last.device), last]
+    backbone, head = _classifier_parts(model)
+    with reads_from(backbone, int(last.min())):
+        hidden = backbone(**model_inputs(query_responses[:, :int(last.max()) + 1], pad_token_id)).last_hidden_state
+    return head(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
 
 
 @torch.no_grad()
