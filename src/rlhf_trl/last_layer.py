@@ -77,14 +77,14 @@ def suffix_forward(layer: nn.Module, start: int, hidden_states: torch.Tensor, at
 
 
 def _suffix(layer: nn.Module, start: int, hidden_states: torch.Tensor, attention_mask, position_embeddings):
+    """`suffix_forward`'s computation (what gradient checkpointing runs again in the backward)."""
     b, T, _ = hidden_states.shape
     attn, n = layer.self_attn, T - start
     module = sys.modules[type(attn).__module__]  # the model's own rotary and attention helpers
     x = layer.input_layernorm(hidden_states)
-    shape = (b, -1, attn.head_dim)
-    q = attn.q_proj(x[:, start:]).view(b, n, *shape[1:]).transpose(1, 2)  # [b, heads, n, head_dim]
-    k = attn.k_proj(x).view(b, T, *shape[1:]).transpose(1, 2)  # [b, kv_heads, T, head_dim]
-    v = attn.v_proj(x).view(b, T, *shape[1:]).transpose(1, 2)
+    q = attn.q_proj(x[:, start:]).view(b, n, -1, attn.head_dim).transpose(1, 2)  # [b, heads, n, head_dim]
+    k = attn.k_proj(x).view(b, T, -1, attn.head_dim).transpose(1, 2)  # [b, kv_heads, T, head_dim]
+    v = attn.v_proj(x).view(b, T, -1, attn.head_dim).transpose(1, 2)
     cos, sin = position_embeddings
     q, _ = module.apply_rotary_pos_emb(q, q[:, :1], cos[:, start:], sin[:, start:])
     _, k = module.apply_rotary_pos_emb(k[:, :, :1], k, cos, sin)
