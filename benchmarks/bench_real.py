@@ -367,11 +367,10 @@ def param_counts(cfg: dict) -> dict:
     """Parameters of the transformer body and of the LM head (vocabulary x hidden), from a config.json's dict."""
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     per_layer = sum(i * o for i, o in layer_linears(cfg))  # q, k, v, o, gate / up / down
-    kv = dict(zip(PROJECTIONS, layer_linears(cfg)))
+    kv = sum(i * o for name, (i, o) in zip(PROJECTIONS, layer_linears(cfg)) if name in ("k_proj", "v_proj"))
     return {"body": layers * per_layer, "head": vocab * h, "embedding": vocab * h,
             "total": layers * per_layer + vocab * h * (1 if cfg.get("tie_word_embeddings") else 2),
-            # one layer's projections other than k and v: what the engine's last layer runs at read positions only
-            "cut": per_layer - sum(i * o for name, (i, o) in kv.items() if name in ("k_proj", "v_proj"))}
+            "cut": per_layer - kv}  # one layer's q, o and MLP: what the engine's last layer runs at read positions only
 
 
 def phase_flops(n: dict, shape: dict, size: dict, lean: bool, full_head: bool = True,
@@ -454,14 +453,17 @@ def update_gemms(cfg: dict, shape: dict, settings: dict, lean: bool, full_head: 
     body("generation", chunk * prompt, calls)
     linear("generation", chunk, head, calls * new)
     body("generation", chunk, calls * (new - 1))
-    fed, rows_read = (seq - 1, new) if read_cut else (seq, None)  # tokens fed / read per row (policy, ref, value)
-    read = (lambda per_row, n: None if per_row is None else per_row * n)
-    body("scoring", chunk * fed, calls * (1 if single_value_forward else 2), read=read(rows_read, chunk))  # ref (+ value)
-    body("scoring", chunk * seq, calls, read=read(1 if read_cut else None, chunk))  # reward model
+    fed = seq - 1 if read_cut else seq  # tokens fed per row to policy, reference and value model
+
+    def read(tokens):  # the last layer's read tokens (None: all of them)
+        return tokens if read_cut else None
+
+    body("scoring", chunk * fed, calls * (1 if single_value_forward else 2), read=read(chunk * new))  # ref (+ value)
+    body("scoring", chunk * seq, calls, read=read(chunk))  # reward model: one position per row
     linear("scoring", chunk * (seq if full_head else new), head, calls)
-    body("optimisation", micro * fed, micro_batches, dx=True, read=read(rows_read, micro))  # LoRA policy: no base dW
+    body("optimisation", micro * fed, micro_batches, dx=True, read=read(micro * new))  # LoRA policy: no base dW
     linear("optimisation", micro * (seq if full_head else new), head, micro_batches, dx=True)
-    body("optimisation", micro * fed, micro_batches, dx=True, dw=not lean, read=read(rows_read, micro))
+    body("optimisation", micro * fed, micro_batches, dx=True, dw=not lean, read=read(micro * new))
     return out
 
 

@@ -59,8 +59,7 @@ from transformers import GenerationConfig, Trainer, TrainerControl, TrainerState
 from . import ppo_math as pm
 from .cpu import fuse_kernels, fuse_lora, lora_merged, mmap_threshold_raised, onednn_decoding, tensor_cache_installed
 from .models import sampling_generation_config
-from .last_layer import reads_from
-from .scoring import eos_mask, model_inputs, response_values, sequence_scores, truncate_at_eos
+from .scoring import eos_mask, response_hidden, response_values, sequence_scores, truncate_at_eos
 
 logger = logging.getLogger(__name__)
 
@@ -277,9 +276,7 @@ def response_logprobs(policy, query_responses: torch.Tensor, context_length: int
     any other head's chunks are checkpointed, so their logits are recomputed in the backward pass instead of kept.
     """
     backbone, lm_head = _lm_parts(policy)
-    with reads_from(backbone, context_length - 1):  # the last token feeds no read position: not fed
-        hidden = backbone(**model_inputs(query_responses[:, :-1], pad_token_id)).last_hidden_state
-    hidden = hidden[:, context_length - 1:]
+    hidden = response_hidden(backbone, query_responses, context_length, pad_token_id)
     response = query_responses[:, context_length:]
     step = chunk_size if chunk_size and chunk_size > 0 else response.shape[1]
     divisor = temperature + 1e-7

@@ -54,19 +54,24 @@ def token_scores(model, query_responses: torch.Tensor, pad_token_id: int) -> tor
     return head(hidden).squeeze(-1)
 
 
-def response_values(model, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
-    """A value model's estimates before each response token: ``[b, T] -> [b, R]`` (reward units), ``R = T -
-    context_length``: the score head at positions ``context_length - 1 .. T - 2``, TRL 1.12's
-    ``values[:, context_length - 1 : -1]``.
+def response_hidden(backbone, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
+    """A backbone's last hidden states before each response token: ``[b, T] -> [b, R, hidden]``, ``R = T -
+    context_length``, positions ``context_length - 1 .. T - 2`` (what predicts, or values, each response token).
 
-    The same numbers as `token_scores` there (up to fp32 rounding) for less work: the last token is not fed (no
+    The same numbers as the full forward's there (up to fp32 rounding) for less work: the last token is not fed (no
     read position sees it) and the last decoder layer forms its output at the ``R`` read positions only
-    (`last_layer.reads_from`).
+    (`last_layer.reads_from`). Shared by the policy's and reference's log-probs and the value model's estimates.
     """
-    backbone, head = _classifier_parts(model)
     with reads_from(backbone, context_length - 1):
         hidden = backbone(**model_inputs(query_responses[:, :-1], pad_token_id)).last_hidden_state
-    return head(hidden[:, context_length - 1:]).squeeze(-1)
+    return hidden[:, context_length - 1:]
+
+
+def response_values(model, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
+    """A value model's estimates before each response token: ``[b, T] -> [b, R]`` (reward units): the score head on
+    `response_hidden`, TRL 1.12's ``values[:, context_length - 1 : -1]`` (`token_scores` there, to fp32 rounding)."""
+    backbone, head = _classifier_parts(model)
+    return head(response_hidden(backbone, query_responses, context_length, pad_token_id)).squeeze(-1)
 
 
 def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
