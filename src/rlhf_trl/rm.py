@@ -66,7 +66,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
         ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, without bitsandbytes, or on the CPU
             with an unusable bitsandbytes CPU backend or 8 bits (`rlhf_trl.models.recipe_quantization_config`).
     """
-    from trl import RewardTrainer, get_peft_config
+    from trl import RewardTrainer
 
     # inputs
     run_args, resume = start_run(training_args, run_args)
@@ -80,44 +80,24 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
 
     # tokenizer and model
-    tokenizer = load_tokenizer(
-        model_path, pad_token=training_args.pad_token, padding_side="right",
-        trust_remote_code=training_args.trust_remote_code,
-    )
+    tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right",
+                               trust_remote_code=training_args.trust_remote_code)
     training_args.pad_token = tokenizer.pad_token
-
-    def features(rows, split):
-        return pair_features(
-            rows, tokenizer, template, training_args.max_length, data_args.length_policy,
-            source=f"{describe_sources(data_args)} ({split} split)",
-        )
-
-    train_ds = Dataset.from_dict(features(train_records, "train"))
-    eval_feats = features(eval_records, "eval") if eval_records else None
-    eval_ds = Dataset.from_dict(eval_feats) if eval_feats else None
-    if eval_ds is None:
-        training_args.eval_strategy = "no"
+    train_ds, eval_feats, eval_ds = _datasets(data_args, training_args, tokenizer, template, train_records,
+                                              eval_records)
     # quantized: TRL's RewardTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
-    model = load_sequence_classifier(
-        model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
-        quantization_config=quantization,
-    )
+    model = load_sequence_classifier(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code,
+                                     pickle_ok, quantization_config=quantization)
     logger.info("reward model: the SFT model with a new score head (reported MISSING above), trained in this stage")
     resize_for_tokenizer(model, tokenizer)
-    peft_config = get_peft_config(model_args)
-    if peft_config is not None:
-        peft_config.task_type = "SEQ_CLS"  # makes peft train and save the score head with the adapter
+    peft_config = _peft_config(model_args)
 
     # trainer, train (inputs proven: only now does anything of an earlier run go)
     begin_writing(training_args, run_args, resume)
     trainer = with_loop_state(with_atomic_checkpoints(RewardTrainer))(
-        model=model,
-        args=training_args,
-        train_dataset=train_ds.remove_columns("prompt_length"),
+        model=model, args=training_args, train_dataset=train_ds.remove_columns("prompt_length"),
         eval_dataset=eval_ds.remove_columns("prompt_length") if eval_ds is not None else None,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=callbacks,
+        processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks,
     )
     fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
     train_result = trainer.train(resume_from_checkpoint=resume)
@@ -139,23 +119,52 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
 
     # evaluate: pairwise accuracy, margin and the length-only baseline on the held-out pairs
     if eval_feats:
-        eval_metrics = evaluate_pairs(reward_model, eval_feats, tokenizer.pad_token_id)
-        write_json(os.path.join(out, "eval_metrics.json"), eval_metrics)
-        # the held-out pairs as evaluated (token ids): `rlhf-trl eval` re-scores them for its report
-        write_jsonl(os.path.join(out, "eval_pairs.jsonl"), (
-            {"chosen_ids": c, "rejected_ids": r, "prompt_length": n}
-            for c, r, n in zip(eval_feats["chosen_ids"], eval_feats["rejected_ids"], eval_feats["prompt_length"])
-        ))
-        metrics.update({f"eval_{k}": v for k, v in eval_metrics.items()})
-        logger.info(
-            "RM eval: accuracy %.3f (length baseline %.3f), margin %.3f on %d pairs",
-            eval_metrics["accuracy"], eval_metrics["length_baseline_accuracy"], eval_metrics["margin"],
-            eval_metrics["num_pairs"],
-        )
+        metrics.update(_evaluate(reward_model, eval_feats, tokenizer.pad_token_id, out))
     write_json(os.path.join(out, "metrics.json"), metrics)
     write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
     trainer.accelerator.wait_for_everyone()
     return {"output_dir": out, "merged": merged_path, "metrics": metrics}
+
+
+def _datasets(data_args: DataArguments, training_args, tokenizer, template: Template, train_records: list[dict],
+              eval_records: list[dict]) -> tuple:
+    """The train dataset, the eval features and dataset (`pair_features`; both None without eval rows, which turns
+    evaluation off)."""
+    def features(rows, split):
+        return pair_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
+                             source=f"{describe_sources(data_args)} ({split} split)")
+
+    train_ds = Dataset.from_dict(features(train_records, "train"))
+    eval_feats = features(eval_records, "eval") if eval_records else None
+    eval_ds = Dataset.from_dict(eval_feats) if eval_feats else None
+    if eval_ds is None:
+        training_args.eval_strategy = "no"
+    return train_ds, eval_feats, eval_ds
+
+
+def _peft_config(model_args):
+    """TRL's `get_peft_config` of the recipe, with ``task_type`` SEQ_CLS."""
+    from trl import get_peft_config
+
+    peft_config = get_peft_config(model_args)
+    if peft_config is not None:
+        peft_config.task_type = "SEQ_CLS"  # makes peft train and save the score head with the adapter
+    return peft_config
+
+
+def _evaluate(reward_model, eval_feats: dict, pad_token_id: int, out: str) -> dict:
+    """`evaluate_pairs` on the held-out pairs, written to ``eval_metrics.json`` and the pairs to ``eval_pairs.jsonl``;
+    returns the metrics as ``eval_*`` entries."""
+    eval_metrics = evaluate_pairs(reward_model, eval_feats, pad_token_id)
+    write_json(os.path.join(out, "eval_metrics.json"), eval_metrics)
+    # the held-out pairs as evaluated (token ids): `rlhf-trl eval` re-scores them for its report
+    write_jsonl(os.path.join(out, "eval_pairs.jsonl"), (
+        {"chosen_ids": c, "rejected_ids": r, "prompt_length": n}
+        for c, r, n in zip(eval_feats["chosen_ids"], eval_feats["rejected_ids"], eval_feats["prompt_length"])
+    ))
+    logger.info("RM eval: accuracy %.3f (length baseline %.3f), margin %.3f on %d pairs", eval_metrics["accuracy"],
+                eval_metrics["length_baseline_accuracy"], eval_metrics["margin"], eval_metrics["num_pairs"])
+    return {f"eval_{k}": v for k, v in eval_metrics.items()}
 
 
 def evaluate_pairs(model, feats: dict, pad_token_id: int, batch_size: int = 16) -> dict:

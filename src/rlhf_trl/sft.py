@@ -58,7 +58,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, without bitsandbytes, or on the CPU
             with an unusable bitsandbytes CPU backend or 8 bits (`rlhf_trl.models.recipe_quantization_config`).
     """
-    from trl import SFTTrainer, get_peft_config
+    from trl import get_peft_config
 
     # inputs
     run_args, resume = start_run(training_args, run_args)
@@ -72,48 +72,22 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
 
     # tokenizer and model
-    tokenizer = load_tokenizer(
-        model_path, pad_token=training_args.pad_token, padding_side="right",
-        trust_remote_code=training_args.trust_remote_code,
-    )
+    tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right",
+                               trust_remote_code=training_args.trust_remote_code)
     training_args.pad_token = tokenizer.pad_token
-    def features(rows, split):
-        source = f"{describe_sources(data_args)} ({split} split)"
-        return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, source,
-                                              data_args.length_policy, data_args.max_prompt_length))
-
-    train_ds = features(train_records, "train")
-    eval_ds = features(eval_records, "eval") if eval_records else None
-    if eval_ds is None:
-        training_args.eval_strategy = "no"
-    if training_args.completion_only_loss is None:
-        training_args.completion_only_loss = True
+    train_ds, eval_ds = _datasets(data_args, training_args, tokenizer, template, train_records, eval_records)
     # with a quantized model TRL's SFTTrainer does the QLoRA preparation itself (adapter in bf16, input grads for
     # gradient checkpointing) and deliberately no longer calls peft's prepare_model_for_kbit_training
     model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
                            quantization_config=quantization)
     resize_for_tokenizer(model, tokenizer)
-    head = model.get_output_embeddings()
-    trainer_cls = SFTTrainer
-    if not isinstance(head, torch.nn.Linear):
-        # TRL computes the loss from lm_head.weight / .bias directly (1.12-1.14: loss_type chunked_nll; >= 1.15: always):
-        # wrong for Baichuan2's NormHead, which normalizes its weight in forward and has no bias
-        logger.warning("%s: output head %s is not nn.Linear; the SFT loss runs the model's own head (loss_type 'nll' "
-                       "or 'dft' from its logits)", model_path, type(head).__name__)
-        if training_args.loss_type in (None, "chunked_nll"):
-            training_args.loss_type = "nll"
-        trainer_cls = own_head_loss(SFTTrainer)
+    trainer_cls = _trainer_class(model, model_path, training_args)
 
     # trainer, train (inputs proven: only now does anything of an earlier run go)
     begin_writing(training_args, run_args, resume)
     trainer = with_loop_state(with_atomic_checkpoints(trainer_cls))(
-        model=model,
-        args=training_args,
-        train_dataset=train_ds,
-        eval_dataset=eval_ds,
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-        callbacks=callbacks,
+        model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+        peft_config=get_peft_config(model_args), callbacks=callbacks,
     )
     fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
     train_result = trainer.train(resume_from_checkpoint=resume)
@@ -125,6 +99,48 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     metrics.update(num_train_rows=len(train_ds), num_eval_rows=len(eval_ds) if eval_ds is not None else 0)
 
     # save (under `accelerate launch`: every process calls save_model, only the main process writes)
+    return _save(trainer, tokenizer, model_path, metrics, data_args, training_args, model_args, run_args)
+
+
+def _datasets(data_args: DataArguments, training_args, tokenizer, template: Template, train_records: list[dict],
+              eval_records: list[dict]) -> tuple:
+    """The tokenized train and eval datasets (`sft_features`; eval None without eval rows, which turns evaluation
+    off); the loss is on completion tokens only unless the recipe sets ``completion_only_loss``."""
+    def features(rows, split):
+        source = f"{describe_sources(data_args)} ({split} split)"
+        return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, source,
+                                              data_args.length_policy, data_args.max_prompt_length))
+
+    train_ds = features(train_records, "train")
+    eval_ds = features(eval_records, "eval") if eval_records else None
+    if eval_ds is None:
+        training_args.eval_strategy = "no"
+    if training_args.completion_only_loss is None:
+        training_args.completion_only_loss = True
+    return train_ds, eval_ds
+
+
+def _trainer_class(model, model_path: str, training_args):
+    """`trl.SFTTrainer`, or `own_head_loss` of it (``loss_type`` None / chunked_nll set to 'nll') for a model whose
+    output head is not ``nn.Linear``."""
+    from trl import SFTTrainer
+
+    head = model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear):
+        return SFTTrainer
+    # TRL computes the loss from lm_head.weight / .bias directly (1.12-1.14: loss_type chunked_nll; >= 1.15: always):
+    # wrong for Baichuan2's NormHead, which normalizes its weight in forward and has no bias
+    logger.warning("%s: output head %s is not nn.Linear; the SFT loss runs the model's own head (loss_type 'nll' "
+                   "or 'dft' from its logits)", model_path, type(head).__name__)
+    if training_args.loss_type in (None, "chunked_nll"):
+        training_args.loss_type = "nll"
+    return own_head_loss(SFTTrainer)
+
+
+def _save(trainer, tokenizer, model_path: str, metrics: dict, data_args: DataArguments, training_args, model_args,
+          run_args: RunArguments) -> dict:
+    """Save the adapter (LoRA), the merged model and, from the main process, the recipe, metrics and log history.
+    Returns `run`'s result."""
     out = training_args.output_dir
     adapter = os.path.join(out, "adapter") if model_args.use_peft else None
     if adapter:

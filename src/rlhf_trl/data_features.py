@@ -1,0 +1,277 @@
+"""Step 3 of `rlhf_trl.data`: tokenize records, ``prompt_ids + response_ids + [eos]`` for every stage."""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any, Literal
+
+from .data_args import DEFAULT_ASSISTANT_MARKER, DEFAULT_HUMAN_MARKER, DataError, Template
+from .data_rows import _markers, split_transcript
+
+logger = logging.getLogger("rlhf_trl.data")  # the data modules log as one
+
+
+def _encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of plain text: no BOS/EOS added, and special-token strings in the data ("<|endoftext|>") are
+    tokenized as text, so the only EOS / pad ids in a sequence are the ones this module places."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def _tokenizer_name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+
+
+def _require_chat_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"chat_template: true, but the tokenizer at '{_tokenizer_name(tokenizer)}' has no chat "
+                         "template; set chat_template: false (text templates) or use a tokenizer that has one")
+
+
+def _render_chat(tokenizer, messages: list[dict], what: str, **kwargs) -> str:
+    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)``.
+
+    Raises:
+        ValueError: the template does not compile or fails to render (a Jinja syntax error, an undefined name, the
+            template's own ``raise_exception``); one line naming the tokenizer and ``what`` was rendered.
+    """
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except TemplateError as exc:
+        raise ValueError(f"the chat template of '{_tokenizer_name(tokenizer)}' fails on {what}: "
+                         f"{type(exc).__name__}: {exc}; fix its chat_template or set chat_template: false") from None
+
+
+_END_OF_TURN: dict[int, tuple[Any, int]] = {}  # id(tokenizer) -> (weakref to it, end-of-turn id)
+_PROBE = "\u2063probe\u2063"
+
+
+def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
+    """The token id the tokenizer's chat template ends an assistant turn with (Qwen: ``<|im_end|>``).
+
+    Found by rendering a one-exchange conversation and taking the first special token after the assistant's text.
+    It must be the tokenizer's EOS or one of the EOS ids of ``model_dir`` (default: the directory the tokenizer was
+    loaded from; `rlhf_trl.models.eos_token_ids`, from generation_config.json), since rollouts stop there.
+
+    Raises:
+        ValueError: no chat template, one that does not compile or render (`_render_chat`), no special token after
+            an assistant turn, or an end-of-turn token that is no EOS id (one line).
+    """
+    _require_chat_template(tokenizer)
+    cached = _END_OF_TURN.get(id(tokenizer))
+    if cached is not None and cached[0]() is tokenizer and model_dir is None:
+        return cached[1]
+    from .models import eos_token_ids
+
+    rendered = _render_chat(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}],
+                            "a user turn and an assistant turn")
+    tail = rendered[rendered.rindex(_PROBE) + len(_PROBE):] if _PROBE in rendered else ""
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+    eot = next((i for i in ids if i in special), None)
+    name = _tokenizer_name(tokenizer)
+    if eot is None:
+        raise ValueError(f"the chat template of '{name}' ends an assistant turn with {tail!r}, which holds no special "
+                         "token to end responses with; use a template that closes turns with an EOS token")
+    if model_dir is None and os.path.isdir(str(getattr(tokenizer, "name_or_path", "") or "")):
+        model_dir = tokenizer.name_or_path
+    allowed = eos_token_ids(tokenizer, model_dir)
+    if eot not in allowed:
+        raise ValueError(
+            f"the chat template of '{name}' ends assistant turns with {tokenizer.convert_ids_to_tokens(eot)!r} "
+            f"(id {eot}), which is neither the tokenizer's EOS {tokenizer.eos_token!r} nor in eos_token_id of "
+            f"{os.path.join(model_dir or name, 'generation_config.json')} (EOS ids {allowed}); add {eot} there")
+    _END_OF_TURN[id(tokenizer)] = (weakref.ref(tokenizer), eot)
+    return eot
+
+
+def response_eos_id(tokenizer, template: Template) -> int:
+    """The id that ends every response: the chat template's end-of-turn token in chat mode, else the tokenizer's
+    EOS.
+
+    Raises:
+        ValueError: see `chat_end_of_turn_id`.
+    """
+    return chat_end_of_turn_id(tokenizer) if template.chat else tokenizer.eos_token_id
+
+
+def encode_prompt(tokenizer, template: Template, question: str, history=None, system: str | None = None,
+                  text: str | None = None) -> list[int]:
+    """Token ids of the rendered prompt, ``[prompt_len]``.
+
+    Text / raw modes: the template's text (or ``text``, a prompt carrying its own turns, verbatim), without special
+    tokens (special-token strings in the data are tokenized as text). Chat mode: the tokens of
+    ``apply_chat_template(messages, add_generation_prompt=True)``, messages from `Template.messages` (``text`` is
+    ignored: `_prompt_ids` parses its turns), exactly as the tokenizer tokenizes the rendered template (as TRL does:
+    special-token strings inside message contents become special tokens there).
+
+    Raises:
+        ValueError: chat mode with a tokenizer without a chat template, or a template that fails on these messages
+            (`_render_chat`).
+    """
+    if not template.chat:
+        return _encode_text(tokenizer, template.format_prompt(question, history, text))
+    _require_chat_template(tokenizer)
+    short = question if len(question) <= 40 else question[:37] + "..."
+    rendered = _render_chat(tokenizer, template.messages(question, history, system), f"the prompt {short!r}",
+                            add_generation_prompt=True)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def encode_response(tokenizer, template: Template, answer: str, raw: bool = False) -> list[int]:
+    """Token ids of the rendered completion followed by the response EOS (`response_eos_id`),
+    ``[response_len + 1]``; tokenized on its own. ``raw``: the answer verbatim (no completion template)."""
+    return _encode_text(tokenizer, template.format_completion(answer, raw)) + [response_eos_id(tokenizer, template)]
+
+
+def _prompt_ids(tokenizer, template: Template, record: dict) -> list[int]:
+    if template.chat and record.get("text") is not None:  # a transcript: render its turns with the chat template
+        system, history, question = split_transcript(record["text"], *record.get("markers", _markers(
+            DEFAULT_HUMAN_MARKER, DEFAULT_ASSISTANT_MARKER)))
+        return encode_prompt(tokenizer, template, question, history, record.get("system", system))
+    return encode_prompt(tokenizer, template, record["question"], record.get("history"), record.get("system"),
+                         record.get("text"))
+
+
+def _response_ids(tokenizer, template: Template, record: dict, key: str) -> list[int]:
+    answer = record[key]
+    if template.chat and record.get("text") is not None:
+        answer = answer.lstrip()  # "\n\nAssistant: Sure" -> the chat template's assistant turn holds "Sure"
+    return encode_response(tokenizer, template, answer, raw=record.get("text") is not None)
+
+
+def _check_records(records: list[dict], tokenizer, template: Template, source: str,
+                   length_policy: str = "drop") -> None:
+    """Validate ``length_policy`` and chat mode once (template present, end-of-turn is an EOS id); log system turns
+    the text templates drop."""
+    if length_policy not in ("drop", "truncate_prompt"):
+        raise ValueError(f"length_policy must be 'drop' or 'truncate_prompt', got {length_policy!r}")
+    if template.chat:
+        chat_end_of_turn_id(tokenizer)
+        return
+    dropped = sum(1 for r in records if r.get("system") is not None and r.get("text") is None)
+    if dropped:
+        logger.warning("%s: %d of %d rows have a system turn; the text template has no place for it: dropped "
+                       "(chat_template: true keeps it)", source, dropped, len(records))
+
+
+def sft_features(
+    records: list[dict], tokenizer, template: Template, max_length: int | None = None, source: str = "dataset",
+    length_policy: Literal["drop", "truncate_prompt"] = "drop", max_prompt_length: int | None = None,
+) -> dict[str, list]:
+    """Tokenize SFT records into ``input_ids`` and ``completion_mask`` (1 on response tokens incl. EOS).
+
+    Returns columns for `trl.SFTTrainer` (pre-tokenized datasets skip its own tokenization), each a list of
+    ``[prompt_len + response_len + 1]`` lists. Rows longer than ``max_length`` tokens:
+
+    - ``length_policy='drop'``: rows whose prompt alone fills ``max_length`` (truncation would leave no answer token
+      to learn from) are dropped; longer rows are cut at the end by the trainer;
+    - ``'truncate_prompt'``: the prompt is cut from the left (the newest turns are kept) so that the whole response
+      fits; if the response alone leaves no room, ``min(max_prompt_length, max_length - 1)`` prompt tokens are kept
+      (the trainer then cuts the response's end).
+
+    Dropped / truncated counts are logged.
+
+    Raises:
+        DataError: no row is left. ValueError: an unknown ``length_policy``; chat mode problems
+            (`chat_end_of_turn_id`).
+    """
+    _check_records(records, tokenizer, template, source, length_policy)
+    input_ids, masks = [], []
+    dropped = truncated = 0
+    for r in records:
+        p = _prompt_ids(tokenizer, template, r)
+        c = _response_ids(tokenizer, template, r, "answer")
+        if max_length is not None and len(p) + len(c) > max_length:
+            if length_policy == "truncate_prompt":
+                room = max_length - len(c)
+                keep = room if room >= 1 else min(max_prompt_length or max_length - 1, max_length - 1)
+                if keep < len(p):
+                    p = p[-keep:]
+                    truncated += 1
+            elif len(p) >= max_length:
+                dropped += 1
+                continue
+        input_ids.append(p + c)
+        masks.append([0] * len(p) + [1] * len(c))
+    if dropped:
+        logger.warning("%s: %d of %d rows dropped: the prompt alone fills max_length=%s tokens "
+                       "(length_policy: truncate_prompt keeps them)", source, dropped, len(records), max_length)
+    if truncated:
+        logger.warning("%s: %d of %d prompts truncated from the left to fit max_length=%s tokens",
+                       source, truncated, len(records), max_length)
+    if records and not input_ids:
+        raise DataError(source, f"no row is left: every prompt fills max_length={max_length} tokens (raise "
+                                "max_length or set length_policy: truncate_prompt)")
+    return {"input_ids": input_ids, "completion_mask": masks}
+
+
+def pair_features(
+    records: list[dict],
+    tokenizer,
+    template: Template,
+    max_length: int | None = None,
+    length_policy: Literal["drop", "truncate_prompt"] = "drop",
+    source: str = "dataset",
+) -> dict[str, list]:
+    """Tokenize pairs into ``chosen_ids`` / ``rejected_ids`` (prompt ids + response ids + EOS) for `RewardTrainer`.
+
+    Pairs longer than ``max_length`` tokens are dropped (``length_policy='drop'``) or have their prompt truncated
+    from the left so that the longer response still fits whole (``'truncate_prompt'``; a pair whose response alone
+    exceeds ``max_length`` is dropped). Counts of dropped / truncated pairs are logged.
+
+    Raises:
+        DataError: no pair is left. ValueError: chat mode problems (`chat_end_of_turn_id`).
+    """
+    _check_records(records, tokenizer, template, source, length_policy)
+    out = {"chosen_ids": [], "rejected_ids": [], "prompt_length": []}
+    dropped = truncated = 0
+    for r in records:
+        p = _prompt_ids(tokenizer, template, r)
+        c = _response_ids(tokenizer, template, r, "chosen")
+        j = _response_ids(tokenizer, template, r, "rejected")
+        longest = max(len(c), len(j))
+        if max_length is not None and len(p) + longest > max_length:
+            room = max_length - longest
+            if length_policy == "drop" or room < 1:
+                dropped += 1
+                continue
+            p = p[-room:]
+            truncated += 1
+        out["chosen_ids"].append(p + c)
+        out["rejected_ids"].append(p + j)
+        out["prompt_length"].append(len(p))
+    if dropped or truncated:
+        logger.warning(
+            "%s: %d of %d pairs dropped and %d truncated (max_length=%s tokens, length_policy=%s)",
+            source, dropped, len(records), truncated, max_length, length_policy,
+        )
+    if not out["chosen_ids"]:
+        raise DataError(
+            source,
+            f"no pair is left: all {len(records)} pairs exceed max_length={max_length} tokens "
+            f"(raise max_length or set length_policy: truncate_prompt)",
+        )
+    return out
+
+
+def prompt_features(records: list[dict], tokenizer, template: Template, max_prompt_length: int,
+                    source: str = "dataset") -> dict[str, list]:
+    """Tokenize prompts for PPO: ``input_ids`` of ``[<= max_prompt_length]`` tokens (kept from the right), built by
+    `encode_prompt` exactly as the SFT / RM stages build their prompts (chat mode: with the generation prompt).
+
+    Left padding is applied by the collator (the tokenizer's ``padding_side`` must be ``'left'``).
+
+    Raises:
+        ValueError: ``max_prompt_length`` < 1; chat mode problems (`chat_end_of_turn_id`: rollouts must stop at the
+            template's end-of-turn).
+    """
+    if max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {max_prompt_length}")
+    _check_records(records, tokenizer, template, source)
+    ids = [_prompt_ids(tokenizer, template, r)[-max_prompt_length:] for r in records]
+    return {"input_ids": ids}

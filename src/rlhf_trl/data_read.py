@@ -1,0 +1,232 @@
+"""Step 1 of `rlhf_trl.data`: read a source (files, globs, shard directories, hub datasets) in Arrow batches."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+from .data_args import DataError
+
+LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # read by `datasets` (.zst needs zstandard, .lz4 needs lz4)
+BATCH_ROWS = 8192  # rows converted from Arrow to Python objects at a time
+
+
+def source_name(dataset_name) -> str:
+    """A data source's name for messages: the path / id, or the comma-joined list of them."""
+    if isinstance(dataset_name, (list, tuple)):
+        return ", ".join(str(n) for n in dataset_name)
+    return str(dataset_name)
+
+
+def load_rows(dataset_name, split: str = "train", config: str | None = None) -> list[dict]:
+    """Read a source (see `iter_row_batches`) into one list of row dicts (small data; stages stream batches).
+
+    Raises:
+        DataError: see `iter_row_batches`.
+    """
+    return [row for batch in iter_row_batches(dataset_name, split, config) for row in batch]
+
+
+def iter_row_batches(dataset_name, split: str = "train", config: str | None = None,
+                     batch_rows: int = BATCH_ROWS) -> Iterator[list[dict]]:
+    """Read a source through `datasets` and yield its rows as lists of at most ``batch_rows`` dicts.
+
+    ``dataset_name``: a local file (.json / .jsonl / .csv / .parquet, optionally compressed: `COMPRESSIONS`), a glob,
+    a directory (every data file under it, sorted; one file type), a list of these, or a hub dataset id (read with
+    ``config`` and ``split``; local files ignore both). `datasets` caches the parsed rows as Arrow on disk, so only
+    one batch at a time is held as Python objects.
+
+    Raises:
+        DataError: a file is missing, of an unsupported type, cannot be parsed, the files mix types, nothing matches
+            a glob, the source holds no rows, or a hub dataset cannot be loaded (offline: the message names
+            ``HF_HUB_OFFLINE``).
+    """
+    for batch in _arrow_batches(dataset_name, split, config, batch_rows):
+        yield batch if batch.__class__ is list else batch.to_pylist()
+
+
+def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None):
+    """`iter_row_batches` before the conversion to Python: Arrow record batches of plain columns, or lists of row
+    dicts where `datasets` must decode columns (e.g. `Json` features of mixed-type columns) or index rows; at most
+    ``batch_rows`` (default `BATCH_ROWS`) rows each."""
+    batch_rows = batch_rows or BATCH_ROWS
+    with _quiet_datasets():
+        ds = _open_dataset(dataset_name, split, config)
+    if len(ds) == 0:
+        raise DataError(source_name(dataset_name), "holds no rows")
+    from datasets.features.features import require_decoding
+
+    if getattr(ds, "_indices", None) is None and not any(require_decoding(f) for f in ds.features.values()):
+        yield from ds.data.table.to_batches(max_chunksize=batch_rows)  # plain Arrow columns: fastest
+        return
+    for batch in ds.iter(batch_size=batch_rows):
+        keys = list(batch)
+        yield [dict(zip(keys, values)) for values in zip(*batch.values())]
+
+
+@contextmanager
+def _quiet_datasets():
+    """No progress bars or error logs from `datasets` while reading: a bad file gets one `DataError` line instead."""
+    import datasets
+
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    level = datasets.utils.logging.get_verbosity()
+    datasets.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.utils.logging.set_verbosity(level)
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
+
+
+def _split_ext(path: str) -> tuple[str, str]:
+    """``('.jsonl', '.gz')`` for ``x.jsonl.gz``, ``('.csv', '')`` for ``x.csv``."""
+    base, ext = os.path.splitext(path.lower())
+    if ext in COMPRESSIONS:
+        return os.path.splitext(base)[1], ext
+    return ext, ""
+
+
+def _is_local(name: str) -> bool:
+    ext, compression = _split_ext(name)
+    return (os.path.exists(name) or ext in LOCAL_LOADERS or bool(compression) or any(c in name for c in "*?[")
+            or name.startswith((".", "/", "~")))
+
+
+def _local_files(dataset_name) -> list[str] | None:
+    """The data files of a local source, or None for a hub id.
+
+    Raises:
+        DataError: missing file, empty glob or directory, unsupported type, or mixed file types.
+    """
+    names = list(dataset_name) if isinstance(dataset_name, (list, tuple)) else [dataset_name]
+    if not names:
+        raise DataError("dataset_name", "an empty list of files")
+    if len(names) == 1 and not _is_local(str(names[0])):
+        return None
+    kinds = "/".join(LOCAL_LOADERS) + ", optionally " + "/".join(COMPRESSIONS)
+    files = []
+    for name in names:
+        name = os.path.expanduser(str(name))
+        if any(c in name for c in "*?["):
+            hits = sorted(f for f in glob.glob(name, recursive=True) if os.path.isfile(f))
+            if not hits:
+                raise DataError(name, "no file matches this pattern")
+            files += hits
+        elif os.path.isdir(name):
+            hits = sorted(
+                os.path.join(root, f) for root, dirs, fs in os.walk(name) for f in fs
+                if not f.startswith(".") and _split_ext(f)[0] in LOCAL_LOADERS
+                and not any(part.startswith(".") for part in os.path.relpath(root, name).split(os.sep) if part != ".")
+            )
+            if not hits:
+                raise DataError(name, f"directory holds no data file ({kinds})")
+            files += hits
+        elif os.path.isfile(name):
+            files.append(name)
+        else:
+            raise DataError(name, "file not found")
+    for f in files:
+        ext, compression = _split_ext(f)
+        if ext not in LOCAL_LOADERS:
+            raise DataError(f, f"unsupported file type '{ext + compression or os.path.basename(f)}'; use {kinds}")
+    loaders = sorted({LOCAL_LOADERS[_split_ext(f)[0]] for f in files})
+    if len(loaders) > 1:
+        raise DataError(source_name(dataset_name), f"mixes file types ({', '.join(loaders)}); one source, one type")
+    return files
+
+
+def _offline_flag() -> str | None:
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return var
+    return None
+
+
+def _open_dataset(dataset_name, split: str, config: str | None):
+    import datasets
+
+    files = _local_files(dataset_name)
+    if files is not None:
+        loader = LOCAL_LOADERS[_split_ext(files[0])[0]]
+        kind = loader if len(files) == 1 else f"{loader} ({len(files)} files)"
+        try:
+            return datasets.load_dataset(loader, data_files=files, split="train")
+        except Exception as exc:  # datasets wraps parser errors in several exception types
+            if loader == "json":
+                for f in files:  # name the file and the row where Python's own parser stops
+                    _check_json_file(f, kind)
+            raise DataError(source_name(dataset_name), f"cannot be read as {kind}: {_root_cause(exc)}") from None
+    try:
+        return datasets.load_dataset(dataset_name, config, split=split)
+    except Exception as exc:
+        cause = _root_cause(exc)
+        flag = _offline_flag()
+        if flag and any(w in f"{exc} {cause}".lower() for w in ("offline", "couldn't reach", "connection")):
+            raise DataError(dataset_name, f"a hub dataset, not in the local cache, and {flag}=1 forbids downloading "
+                                          f"it; unset {flag} once to download it, or pass a local file") from None
+        where = f"config {config!r}, split {split!r}" if config else f"split {split!r}"
+        raise DataError(dataset_name, f"cannot be loaded from the hub ({where}): {cause}") from None
+
+
+_OPENERS = {"": open, ".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # .zst / .lz4: not re-read here
+
+
+def _check_json_file(path: str, kind: str) -> None:
+    """Re-read a JSON / JSON Lines file that `datasets` could not parse, with Python's parser, to say where it breaks.
+
+    A file whose first character is ``[`` is one JSON document (the message names its line and column); any other is
+    JSON Lines: one object per non-blank line, row ``k`` being the ``k``-th such line (0-based, as in every
+    `DataError`). Returns quietly when the file parses or cannot be re-read here (the caller then reports `datasets`'
+    own error).
+
+    Raises:
+        DataError: the file, the row (JSON Lines) and what is wrong with it, or a file without any row.
+    """
+    import importlib
+    import json
+
+    opener = _OPENERS.get(_split_ext(path)[1])
+    if opener is None:
+        return
+    if isinstance(opener, str):
+        opener = importlib.import_module(opener).open
+    try:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
+            head = f.read(4096).lstrip()[:1]
+            f.seek(0)
+            if head == "[":
+                try:
+                    json.load(f)
+                except json.JSONDecodeError as exc:
+                    raise DataError(path, f"cannot be read as {kind}: not valid JSON: {exc}") from None
+                return
+            row = 0
+            for line_number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as exc:
+                    raise DataError(path, f"cannot be read as {kind}: line {line_number} is not valid JSON "
+                                          f"({exc.msg} at column {exc.colno})", row) from None
+                if not isinstance(value, dict):
+                    raise DataError(path, f"cannot be read as {kind}: line {line_number} is a JSON "
+                                          f"{type(value).__name__}, not an object", row)
+                row += 1
+            if row == 0:
+                raise DataError(path, "holds no rows (the file is empty)")
+    except (OSError, UnicodeDecodeError, EOFError):
+        return
+
+
+def _root_cause(exc: BaseException) -> str:
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
