@@ -162,13 +162,16 @@ def test_pair_errors(tmp_path):
 def test_broken_json_line_names_the_file(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"instruction": "q", "output": "a"}\n{"instruction": "q", "output": \n', encoding="utf-8")
-    with pytest.raises(DataError, match="broken.jsonl"):
+    with pytest.raises(DataError) as err:
         read_records(DataArguments(dataset_name=str(path)), "sft")
+    assert str(err.value) == (f"{path}, row 1: cannot be read as json: line 2 is not valid JSON (Expecting value at "
+                              "column 32)")
 
 
 def test_missing_file_and_mixed_formats(tmp_path):
-    with pytest.raises(DataError, match="file not found"):
+    with pytest.raises(DataError) as err:
         read_records(DataArguments(dataset_name=str(tmp_path / "nope.jsonl")), "sft")
+    assert str(err.value) == f"{tmp_path / 'nope.jsonl'}: file not found"
     mixed = [{"instruction": "q", "output": "a"}, {"instruction": "q", "output": ["a", "b"]}]
     with pytest.raises(DataError, match="row 1.*mixed formats"):
         sft_records(mixed, DataArguments(), "f")

@@ -12,8 +12,9 @@ For each configuration of `exactness.stage_configs` (SFT, RM, PPO, PPO with a Lo
    not fire;
 3. no half-written checkpoint is visible: every ``checkpoint-N`` left on disk holds, file for file, what the
    uninterrupted run's ``checkpoint-N`` holds (`exactness.assert_trees_equal`);
-4. the run resumes (``resume_from_checkpoint=true``, a fresh process) from what is on disk and ends with the
-   uninterrupted run's weights, optimizer, scheduler, RNG and data state, KL coefficient and log history
+4. the run resumes (``resume_from_checkpoint=true``, a fresh process) from what is on disk, removing the killed
+   save's ``.tmp-checkpoint-N`` staging directory (asserted: the kills left one, the resumed runs hold none), and ends
+   with the uninterrupted run's weights, optimizer, scheduler, RNG and data state, KL coefficient and log history
    (`exactness.assert_runs_equal`).
 
 To keep the file within its time budget (<= 12 min on 2 cores) two things are shared:
@@ -54,6 +55,7 @@ building the assets and the small models 22 s); 7 min 38 s while other jobs shar
 """
 
 import json
+import os
 import shutil
 
 import pytest
@@ -141,15 +143,21 @@ def test_kill_at_every_file_operation_then_resume_exactly(name, configs, request
     assert codes[0] == -9, tail(log)
     assert_trees_equal(fresh, work / "states" / next(r["digest"] for r in results if r["op"] == publish))
 
-    # 3. + 4. each distinct tree: no half-written checkpoint; resume from it; bit-exact with the uninterrupted run
+    # 3. + 4. each distinct tree: no half-written checkpoint; resume from it (which removes the killed save's staging
+    # directory); bit-exact with the uninterrupted run
+    staged = []
     for i, (digest, where) in enumerate(states.items()):
         tree = work / "states" / digest
         assert_no_half_written_checkpoint(tree, reference)
+        staged += [name for name in os.listdir(tree) if name.startswith(".tmp-")]
         resumed = tmp_path / f"resumed-{i}"
         shutil.copytree(tree, resumed, symlinks=True)
         assert run([*cfg.argv, "--output_dir", str(resumed), "--resume_from_checkpoint", "true"], log) == ok, \
             (where, tail(log))
+        assert not [name for name in os.listdir(resumed) if name.startswith(".tmp-")], where
         assert_runs_equal(reference, resumed)
+    # the kills before the save removes its staging directory left it, and the resumes above removed it
+    assert staged and set(staged) == {f".tmp-checkpoint-{cfg.checkpoints[SAVE - 1]}"}, staged
     counts = ", ".join(f"{kind} {kinds.count(kind)}" for kind in sorted(set(kinds)))
     print(f"\n{name}: K={k_count} kill points ({counts}); {len(states)} distinct on-disk states: "
           + "; ".join(_spans(w) for w in states.values()))
