@@ -37,7 +37,7 @@ help:
 	@echo "make zh-oasst             the three stages on ../shared real Chinese data with a tiny Qwen2"
 	@echo "make real-model           fetch real weights (Qwen2.5-Coder-0.5B-Instruct) once; prints the directory"
 	@echo "make demo-real [MODEL=dir] SFT -> RM -> PPO -> eval on real weights and real zh data (~25-35 min on 2 cores)"
-	@echo "make bench-real           PPO on real weights: time, FLOP rate and memory by phase -> outputs/bench-real/"
+	@echo "make bench-real           PPO on real weights vs TRL 1.12: seconds per update by phase, peak RSS -> outputs/bench-real/"
 	@echo "make gpu-check [ARGS=--tiny]  timed bf16 steps of SFT/RM/PPO on a Qwen2.5-0.5B-shaped model -> outputs/gpu_check/gpu_check.json"
 	@echo "make bench                wrapper overhead, PPO breakdown, memory, scaling -> outputs/bench/ (~15 min, idle machine)"
 	@echo "make bench-quick          the same in smoke mode (< 3 min; the figures are not meaningful)"
@@ -110,7 +110,7 @@ clean:
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench.py --output_dir outputs/bench $(ARGS)
 
-# PPO on real weights (issue 12): time, FLOP rate and peak RSS by phase, rlhf_trl vs plain TRL 1.12 -> outputs/bench-real
+# PPO on real weights: seconds per update by phase and peak RSS, rlhf_trl vs plain TRL 1.12 -> outputs/bench-real
 bench-real: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_real.py --output_dir outputs/bench-real $(if $(MODEL),--model "$(MODEL)") $(ARGS)
 

@@ -47,11 +47,13 @@ def rm_argv(assets, out, data, *extra):
 
 GOOD = {"instruction": "你觉得咖啡怎么样？", "input": "", "output": "咖啡很棒，我很喜欢。"}
 
-# (name, stage, rows or raw text, file suffix, extra args, expected fragments of the one error line)
+# (name, stage, rows or raw text, file suffix, extra args, expected: fragments of the one error line (a list), or the
+# exact line after "rlhf-trl <stage>: error: " (a string; "{data}": the data file))
 DATA_CASES = [
     ("broken_json_line", "sft", '{"instruction": "q", "output": "a"}\n{"instruction": "q", "output": \n', "jsonl", [],
-     ["bad.jsonl", "cannot be read"]),
-    ("broken_json_file", "sft", '[{"instruction": "q", "output": "a"},', "json", [], ["bad.json", "cannot be read"]),
+     "{data}, row 1: cannot be read as json: line 2 is not valid JSON (Expecting value at column 32)"),
+    ("broken_json_file", "sft", '[{"instruction": "q", "output": "a"},', "json", [],
+     "{data}: cannot be read as json: not valid JSON: Expecting value: line 1 column 38 (char 37)"),
     ("missing_mapped_column", "sft", [GOOD, GOOD], "jsonl", ["--answer_key", "reply"],
      ["row 0", "field 'reply'", "missing column"]),
     ("null_field", "sft", [GOOD, {**GOOD, "output": None}], "jsonl", [], ["row 1", "field 'output'", "null"]),
@@ -63,9 +65,11 @@ DATA_CASES = [
      ["row 1", "field 'instruction'", "string"]),
     ("mixed_formats", "sft", [GOOD, {"instruction": "q", "output": ["a", "b"]}], "jsonl", ["--dataset_format", "auto"],
      ["row 1", "mixed formats"]),
-    ("empty_file", "sft", "", "jsonl", [], ["bad.jsonl"]),
-    ("empty_json_list", "sft", "[]", "json", [], ["bad.json"]),
-    ("unsupported_extension", "sft", "hello", "txt", [], ["bad.txt", "unsupported file type"]),
+    ("empty_file", "sft", "", "jsonl", [], "{data}: holds no rows (the file is empty)"),
+    ("empty_json_list", "sft", "[]", "json", [],
+     '{data}: cannot be read as json: ValueError: Instruction "train" corresponds to no data!'),
+    ("unsupported_extension", "sft", "hello", "txt", [],
+     "{data}: unsupported file type '.txt'; use .json/.jsonl/.csv/.parquet, optionally .gz/.bz2/.xz/.zst/.lz4"),
     ("sharegpt_ends_with_user", "sft", [{"conversations": [{"from": "human", "value": "q"}]}], "jsonl",
      ["--dataset_format", "sharegpt"],
      ["row 0", "field 'conversations'", "assistant"]),
@@ -89,8 +93,8 @@ DATA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, stage, rows, suffix, extra, fragments", DATA_CASES, ids=[c[0] for c in DATA_CASES])
-def test_bad_data(assets, tmp_path, capsys, name, stage, rows, suffix, extra, fragments):
+@pytest.mark.parametrize("name, stage, rows, suffix, extra, expected", DATA_CASES, ids=[c[0] for c in DATA_CASES])
+def test_bad_data(assets, tmp_path, capsys, name, stage, rows, suffix, extra, expected):
     data = tmp_path / f"bad.{suffix}"
     if isinstance(rows, str):
         data.write_text(rows, encoding="utf-8")
@@ -100,9 +104,12 @@ def test_bad_data(assets, tmp_path, capsys, name, stage, rows, suffix, extra, fr
     argv = (sft_argv if stage == "sft" else rm_argv)(assets, out, data, *extra)
     code, err = run_cli(stage, argv, capsys)
     assert code == 2
-    assert len(err) == 1 and err[0].startswith(f"rlhf-trl {stage}: error: "), err
-    for fragment in fragments:
-        assert fragment in err[0], (fragment, err[0])
+    if isinstance(expected, str):
+        assert err == [f"rlhf-trl {stage}: error: " + expected.replace("{data}", str(data))]
+    else:
+        assert len(err) == 1 and err[0].startswith(f"rlhf-trl {stage}: error: "), err
+        for fragment in expected:
+            assert fragment in err[0], (fragment, err[0])
     assert not out.exists()
 
 
@@ -112,11 +119,16 @@ def write_recipe(tmp_path, text):
     return str(path)
 
 
+# (name, recipe text, extra args, expected: fragments of the one error line (a list), or the exact line after
+# "rlhf-trl <stage>: error: " (a string; "{recipe}": the recipe file))
 RECIPE_CASES = [
     ("unknown_key", "dataset_name: x.jsonl\nlearning_rte: 0.1\n", [], ["recipe.yaml", "unknown key", "learning_rte"]),
-    ("wrong_value_type", "learning_rate: fast\n", [], ["recipe.yaml"]),
-    ("not_a_mapping", "- a\n- b\n", [], ["recipe.yaml", "mapping"]),
-    ("invalid_yaml", "a: [1, 2\n", [], ["recipe.yaml", "YAML"]),
+    ("wrong_value_type", "learning_rate: fast\n", [],
+     "{recipe}: argument --learning_rate/--learning-rate: invalid float value: 'fast'"),
+    ("not_a_mapping", "- a\n- b\n", [], "{recipe}: a recipe must be a YAML mapping of key: value"),
+    ("invalid_yaml", "a: [1, 2\n", [],
+     "{recipe}: not valid YAML: while parsing a flow sequence in \"{recipe}\", line 1, column 4 expected ',' or ']', "
+     "but got '<stream end>' in \"{recipe}\", line 2, column 1"),
     ("missing_dataset", "seed: 3\n", [], ["names no data"]),
     ("bad_format_value", "dataset_format: xml\n", [], ["dataset_format"]),
     ("bad_ranked_pairs", "ranked_pairs: some\n", [], ["ranked_pairs"]),
@@ -125,8 +137,8 @@ RECIPE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, text, extra, fragments", RECIPE_CASES, ids=[c[0] for c in RECIPE_CASES])
-def test_bad_recipe(assets, tmp_path, capsys, name, text, extra, fragments):
+@pytest.mark.parametrize("name, text, extra, expected", RECIPE_CASES, ids=[c[0] for c in RECIPE_CASES])
+def test_bad_recipe(assets, tmp_path, capsys, name, text, extra, expected):
     out = tmp_path / "out"
     base = {"dataset_name": assets["rm"], "model_name_or_path": assets["base_model"], "output_dir": str(out),
             "use_cpu": True, "report_to": "none"}
@@ -137,12 +149,16 @@ def test_bad_recipe(assets, tmp_path, capsys, name, text, extra, fragments):
     if name in ("not_a_mapping", "invalid_yaml"):
         head = ""
     stage = "rm" if name == "bad_length_policy" or name == "bad_ranked_pairs" else "sft"
-    code, err = run_cli(stage, ["--config", write_recipe(tmp_path, head + text), *extra], capsys)
+    recipe = write_recipe(tmp_path, head + text)
+    code, err = run_cli(stage, ["--config", recipe, *extra], capsys)
     assert code == 2 and len(err) == 1
     line = err[0]
-    assert line.startswith(f"rlhf-trl {stage}: error: ")
-    for fragment in fragments:
-        assert fragment in line, (fragment, line)
+    if isinstance(expected, str):
+        assert line == f"rlhf-trl {stage}: error: " + expected.replace("{recipe}", recipe)
+    else:
+        assert line.startswith(f"rlhf-trl {stage}: error: ")
+        for fragment in expected:
+            assert fragment in line, (fragment, line)
     assert not out.exists()
 
 
@@ -406,8 +422,8 @@ PPO_RECIPE_CASES = [
       "num_mini_batches: 32 is not a multiple of 3"]),
     ("kl_target_negative", ["--kl_target", "-1"], ["kl_target and kl_horizon must be positive, got -1.0 and 10000"]),
     ("max_prompt_length_zero", ["--max_prompt_length", "0"], ["max_prompt_length must be >= 1"]),
-    ("malloc_mmap_threshold_negative", ["--malloc_mmap_threshold", "-1"],
-     ["malloc_mmap_threshold must be >= 0 bytes, got -1"]),
+    ("removed_cpu_key", ["--tensor_cache", "true"],
+     ["command line: unknown argument(s) ['--tensor_cache', 'true']; check the spelling against --help"]),
     ("bad_dataset_format", ["--dataset_format", "xml"], ["dataset_format must be one of", "got 'xml'"]),
 ]
 
@@ -600,15 +616,121 @@ def test_bad_merge_input(assets, rm_run, tmp_path, capsys, name, extra, setup, f
     assert tree_hashes(tmp_path) == before  # no output, and the adapter and base untouched
 
 
-def test_merge_output_may_be_new_or_an_earlier_merged_model(assets, tmp_path):
-    """The refusals above leave the ordinary re-run alone: an --output holding an earlier merged model is accepted
-    (and replaced, atomically), as is a new directory."""
-    from rlhf_trl.merge import check_output
+def tiny_adapter(base: str, path) -> str:
+    """A LoRA adapter (CAUSAL_LM, a non-zero update) on the tiny base model ``base``, saved to ``path``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def earlier_merge(base: str, path):
+    """An earlier merged model at ``path`` (a model directory, so `check_output` accepts it) with a file of its own."""
+    shutil.copytree(base, path)
+    (path / "earlier.txt").write_text("a file of the earlier merge only\n")
+
+
+def merge_counted(adapter: str, out, monkeypatch, fault=None, log=None):
+    """`merge_adapter` with `rlhf_trl.faults` counting its file operations as one save: ``fault`` is ``"<op>:<action>"``
+    (RLHF_TRL_FAULT of save 1), ``log`` the RLHF_TRL_FAULT_LOG file."""
+    from rlhf_trl import faults
+    from rlhf_trl.merge import merge_adapter
+
+    with monkeypatch.context() as m:
+        for name, value in ((faults.FAULT_ENV, fault and f"1:{fault}"), (faults.FAULT_LOG_ENV, log)):
+            if value:
+                m.setenv(name, str(value))
+            else:
+                m.delenv(name, raising=False)
+        faults.reset()
+        try:
+            with faults.checkpoint_save():
+                merge_adapter(adapter, str(out))
+        finally:
+            faults.reset()
+
+
+def merge_ops(assets, adapter, tmp_path, monkeypatch) -> list[tuple[int, str, str]]:
+    """``(op, kind, path)`` of every counted file operation of a merge over an earlier merged model (a scratch one)."""
+    scratch, log = tmp_path / "scratch", tmp_path / "scratch-ops.log"
+    earlier_merge(assets["base_model"], scratch / "merged")
+    merge_counted(adapter, scratch / "merged", monkeypatch, log=log)
+    ops = [line.split(" ", 4) for line in log.read_text().splitlines()]
+    shutil.rmtree(scratch)
+    log.unlink()
+    return [(int(op), kind, path) for _rank, _save, op, kind, path in ops]
+
+
+def test_merge_replaces_an_earlier_merged_model_only_once_the_new_one_is_complete(assets, tmp_path, monkeypatch):
+    """The refusals above leave the ordinary re-run alone: an --output holding an earlier merged model is accepted,
+    as is a new directory, and the earlier model is replaced atomically. A write that fails anywhere in the new model
+    (ENOSPC injected by `rlhf_trl.faults` at each file write of the merge: config, weights, tokenizer) fails the merge
+    with that error and leaves the earlier model byte-identical and no staging directory behind; the merge that then
+    succeeds replaces the earlier model whole (the same files and bytes as a merge into a new directory)."""
+    import errno
+
+    adapter = tiny_adapter(assets["base_model"], tmp_path / "adapter")
+    new = tmp_path / "new"
+    merge_counted(adapter, new, monkeypatch)  # a new directory
+    complete = tree_hashes(new)
+    assert {"config.json", "model.safetensors", "tokenizer_config.json", "README.md"} <= set(os.listdir(new))
+
+    ops = merge_ops(assets, adapter, tmp_path, monkeypatch)
+    kinds = [kind for _op, kind, _path in ops]
+    first_rename = kinds.index("rename")  # publishing the new model starts here (`faults.publish`)
+    writes = ops[:first_rename]
+    assert {kind for _op, kind, _path in writes} == {"write"}
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {os.path.basename(p) for *_, p in writes}
 
     out = tmp_path / "merged"
-    shutil.copytree(assets["base_model"], out)
-    check_output(str(out), str(tmp_path / "adapter"), assets["base_model"])  # no error
-    check_output(str(tmp_path / "new"), str(tmp_path / "adapter"), assets["base_model"])
+    earlier_merge(assets["base_model"], out)
+    before = tree_hashes(tmp_path)  # the earlier model, its parent's listing (no staging directory) and the rest
+    for op, _kind, path in writes:
+        with pytest.raises(OSError) as exc:
+            merge_counted(adapter, out, monkeypatch, fault=f"{op}:enospc")
+        assert exc.value.errno == errno.ENOSPC and os.path.basename(exc.value.filename) == os.path.basename(path)
+        assert exc.value.filename.startswith(str(tmp_path / ".merged.tmp-")), exc.value  # written while staged
+        assert tree_hashes(tmp_path) == before, f"a failed write of {os.path.basename(path)} (op {op})"
+
+    merge_counted(adapter, out, monkeypatch)
+    assert tree_hashes(out) == complete  # replaced whole: the earlier model's own file is gone
+    assert sorted(os.listdir(tmp_path)) == ["adapter", "merged", "new"]  # no staging, no set-aside copy
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="rlhf_trl.merge writes README.md into --output after the new model is published, and "
+                   "models.atomic_dir / faults.publish move the earlier model aside before the fsyncs and rename that "
+                   "can fail, with no way back: a failure there leaves no model at --output")
+def test_merge_failing_while_publishing_keeps_the_earlier_merged_model(assets, tmp_path, monkeypatch):
+    """The same for the rest of the merge: a failure (ENOSPC) at the rename that sets the earlier model aside, an
+    fsync of the new one, the rename that publishes it, or the write of its README.md leaves the earlier model
+    byte-identical at --output and nothing else behind (strict xfail: see the reason; drop the mark once it passes)."""
+    adapter = tiny_adapter(assets["base_model"], tmp_path / "adapter")
+    ops = merge_ops(assets, adapter, tmp_path, monkeypatch)
+    kinds = [kind for _op, kind, _path in ops]
+    first_rename = kinds.index("rename")
+    publishing = next(i for i, (_op, kind, path) in enumerate(ops) if kind == "rename" and path.endswith("/merged"))
+    points = ops[first_rename:publishing + 1] + [o for o in ops if o[2].endswith("/README.md.tmp")]
+    assert len(points) >= 4
+    out = tmp_path / "merged"
+    earlier_merge(assets["base_model"], out)
+    before = tree_hashes(tmp_path)
+    failed = []
+    for op, kind, path in points:
+        with pytest.raises(OSError):
+            merge_counted(adapter, out, monkeypatch, fault=f"{op}:enospc")
+        if tree_hashes(tmp_path) != before:
+            held = sorted(os.listdir(out)) if out.exists() else "nothing"
+            failed.append(f"{kind} {os.path.basename(path)}: left {sorted(os.listdir(tmp_path))}, merged/ holds {held}")
+        for name in os.listdir(tmp_path):  # put the earlier model back for the next point
+            if name.startswith(".merged"):
+                shutil.rmtree(tmp_path / name)
+        shutil.rmtree(out, ignore_errors=True)
+        earlier_merge(assets["base_model"], out)
+    assert not failed, "\n".join(failed)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -653,3 +775,21 @@ def test_every_command_in_a_real_process(assets, tmp_path, command):
     assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("rlhf-trl")] == [expected], proc.stderr[-2000:]
     assert tree_hashes(tmp_path) == before
+
+
+REMOVED_PPO_KEYS = ["onednn_decoding", "rollout_sampler", "fused_lora", "fused_kernels", "malloc_mmap_threshold",
+                    "tensor_cache", "tensor_cache_headroom_mb"]
+
+
+@pytest.mark.parametrize("key", REMOVED_PPO_KEYS)
+def test_a_recipe_with_a_removed_cpu_key_fails_with_one_line(tmp_path, key):
+    """The CPU-only measures are gone (issue 40): an old recipe that still sets one of their keys stops at parsing
+    with the usual unknown-key line, before anything is read or written."""
+    from rlhf_trl.config import RecipeError, parse_recipe
+    from rlhf_trl.ppo import recipe_types
+
+    recipe = tmp_path / "ppo.yaml"
+    recipe.write_text(open(f"{RECIPES}/ppo.yaml", encoding="utf-8").read() + f"{key}: 1\n", encoding="utf-8")
+    with pytest.raises(RecipeError) as err:
+        parse_recipe(recipe_types(), ["--config", str(recipe)], "ppo")
+    assert str(err.value) == f"{recipe}: unknown key(s) ['{key}']; check the spelling against `--help`"

@@ -2,7 +2,6 @@
 
 import json
 import os
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -357,191 +356,27 @@ def test_single_value_forward_gives_the_same_update_with_one_value_forward_less(
                                        msg=lambda m, name=name, k=k: f"{name} {k}: {m}")
 
 
-def test_the_inverse_cdf_sampler_draws_every_rollout_token(assets, sft_run, rm_run, tmp_path, monkeypatch):
-    """`rollout_sampler: inverse_cdf`: each decoding step of the rollout draws its 8 tokens through
-    `ppo_math.inverse_cdf_sample` (not `torch.multinomial`'s exponential draws), and the drawn tokens are the
-    rollout's responses; an unknown sampler stops the run before anything is written."""
-    import rlhf_trl.ppo_math as pm
-
-    drawn = []
-    real = pm.inverse_cdf_sample
-    monkeypatch.setattr(pm, "inverse_cdf_sample", lambda probs, u: drawn.append(real(probs, u)) or drawn[-1])
-    responses = []
-    real_generate = ppo_engine.generate_rollouts
-
-    def generate_rollouts(policy, queries, *args, **kwargs):
-        out = real_generate(policy, queries, *args, **kwargs)
-        responses.append((out[0][:, queries.shape[1]:], args[0]))  # the responses, the pad id
-        return out
-
-    monkeypatch.setattr(ppo_engine, "generate_rollouts", generate_rollouts)
-    ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "8", "--response_length", "12",
-                      "--save_strategy", "no", "--rollout_sampler", "inverse_cdf"))
-    assert len(responses) == 1 and len(drawn) >= 1 and all(d.shape == (8,) for d in drawn)
-    steps = torch.stack(drawn, 1)  # [8, steps]: each step's draws, in order
-    sampled, pad = responses[0][0][:, :steps.shape[1]], responses[0][1]
-    real_tokens = sampled != pad  # after its EOS a row gets padding, not its draws
-    assert real_tokens[:, 0].all() and torch.equal(sampled[real_tokens], steps[real_tokens])
-    with pytest.raises(ValueError, match=r"argument --rollout_sampler/--rollout-sampler: invalid choice: 'gumbel' "
-                                         r"\(choose from 'multinomial', 'inverse_cdf'\)$"):
-        ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "bad", "--rollout_sampler", "gumbel"))
-    assert not (tmp_path / "bad").exists()
-    recipe = ppo_engine.PPOConfig(output_dir=str(tmp_path / "bad"), use_cpu=True, bf16=False)
-    recipe.rollout_sampler = "gumbel"  # a recipe's value that no command-line parser checked
-    with pytest.raises(ValueError, match=r"^rollout_sampler must be 'multinomial' or 'inverse_cdf', got 'gumbel'$"):
-        ppo_engine.check_config(recipe)
-
-
-
-def _tiny_value_model(seed=0):
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
-    return Qwen2ForSequenceClassification(config).float()
-
-
-def test_the_value_models_embedding_gradient_adds_only_the_looked_up_rows():
-    """`rows_only_embedding_gradient`: two micro-batches' backward passes give the embedding the same dense gradient
-    as the default lookup (to fp32 rounding), without a zero-filled [vocab, hidden] tensor per backward; the other
-    parameters' gradients are bit for bit the default's; on exit the lookup is dense again."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ids = torch.randint(1, 300, (4, 12), generator=torch.Generator().manual_seed(1))
-    grads, kernels = {}, {}
-    for mode in ("dense", "rows"):
-        model = _tiny_value_model()
-        context = ppo_engine.rows_only_embedding_gradient(model) if mode == "rows" else nullcontext()
-        with context, profile(activities=[ProfilerActivity.CPU]) as prof:
-            for rows in (ids[:2], ids[2:]):  # micro-batches sharing tokens
-                model(input_ids=rows).logits.square().sum().backward()
-        kernels[mode] = {e.key: e.count for e in prof.key_averages()}
-        grads[mode] = {k: p.grad for k, p in model.named_parameters()}
-        assert not model.get_input_embeddings().sparse and not any(g.is_sparse for g in grads[mode].values())
-    name = "model.embed_tokens.weight"
-    torch.testing.assert_close(grads["rows"][name], grads["dense"][name], rtol=1e-6, atol=1e-7)
-    assert all(torch.equal(grads["rows"][k], grads["dense"][k]) for k in grads["dense"] if k != name)
-    assert kernels["dense"].get("aten::embedding_dense_backward") == 2
-    assert "aten::embedding_dense_backward" not in kernels["rows"]
-
-
-def test_linear_weight_gradients_go_straight_into_the_kept_gradient_tensors():
-    """`weight_gradients_in_place`: over two micro-batches the linears' weight and bias gradients are autograd's (the
-    first micro-batch's bit for bit, the sum to fp32 rounding), written into the ``.grad`` tensors already there (stale
-    values overwritten, the same memory), the second micro-batch's weight products adding into them; the other
-    parameters go through autograd as before; a handled linear that no backward reached has its kept gradient zeroed;
-    on exit the forwards are their own again; under autocast a linear stops with one line."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ids = torch.randint(1, 300, (4, 12), generator=torch.Generator().manual_seed(1))
-    grads, counts = {}, {}
-    for mode in ("autograd", "in_place"):
-        model = _tiny_value_model()
-        if mode == "in_place":  # kept tensors holding last update's numbers
-            for p in model.parameters():
-                p.grad = torch.full_like(p, 7.0)
-        pointers = {k: p.grad.data_ptr() for k, p in model.named_parameters() if p.grad is not None}
-        context = ppo_engine.weight_gradients_in_place(model) if mode == "in_place" else nullcontext([])
-        with context as handled, profile(activities=[ProfilerActivity.CPU]) as prof:
-            names = {k for k, p in model.named_parameters() if any(p is h for h in handled)}
-            for p in model.parameters():
-                if mode == "in_place" and not any(p is h for h in handled):
-                    p.grad.zero_()  # what value_step does for the parameters autograd accumulates
-            first = None
-            for rows in (ids[:2], ids[2:]):
-                model(input_ids=rows).logits.square().sum().backward()
-                first = first or {k: p.grad.clone() for k, p in model.named_parameters()}
-        counts[mode] = {e.key: e.count for e in prof.key_averages()}
-        grads[mode] = (first, {k: p.grad for k, p in model.named_parameters()}, names)
-        assert all(p.grad.data_ptr() == pointers[k] for k, p in model.named_parameters() if k in pointers)
-        assert all("forward" not in vars(m) for m in model.modules())
-    (first_a, last_a, _), (first_i, last_i, names) = grads["autograd"], grads["in_place"]
-    linears = {k for k in last_a if k.endswith(("proj.weight", "proj.bias")) or k == "score.weight"}
-    assert names == linears and len(linears) == 2 * 7 + 3 * 2 + 1  # 7 projections, q/k/v biases, per layer; score
-    for k in last_a:
-        assert torch.equal(first_i[k], first_a[k]), k
-        torch.testing.assert_close(last_i[k], last_a[k], rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
-    # the second micro-batch: each weight's gradient product adds into .grad (addmm_), no separate product + sum
-    weights = sum(k.endswith("weight") for k in linears)
-    assert counts["in_place"].get("aten::addmm_", 0) - counts["autograd"].get("aten::addmm_", 0) == weights
-    assert counts["autograd"]["aten::mm"] - counts["in_place"]["aten::mm"] == weights
-
-    spare = torch.nn.Linear(3, 2)
-    spare.weight.grad, spare.bias.grad = torch.ones(2, 3), torch.ones(2)
-    with ppo_engine.weight_gradients_in_place(spare) as handled:
-        assert len(handled) == 2 and handled[0] is spare.weight
-    assert not spare.weight.grad.any() and not spare.bias.grad.any()
-    with pytest.raises(RuntimeError, match=r"^weight_gradients_in_place: a linear ran under autocast$"), \
-            ppo_engine.weight_gradients_in_place(spare), torch.autocast("cpu", dtype=torch.bfloat16):
-        spare(torch.ones(1, 3))
-
-
-def test_lora_wrapped_and_frozen_linears_keep_autograds_gradients():
-    """`weight_gradients_in_place` takes only a plain linear's trained fp32 weight: a LoRA-wrapped projection's frozen
-    base is left alone (its adapters, plain linears, are taken), as is a frozen linear."""
-    from peft import LoraConfig, get_peft_model
-
-    lora = get_peft_model(_tiny_value_model(), LoraConfig(r=4, target_modules=["q_proj"], task_type="SEQ_CLS"))
-    with ppo_engine.weight_gradients_in_place(lora) as handled:
-        taken = {k for k, p in lora.named_parameters() if any(p is h for h in handled)}
-        lora(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
-    assert taken and all(".lora_A." in k or ".lora_B." in k or ".score." in k for k in taken), taken
-    assert all(p.grad is not None for k, p in lora.named_parameters() if p.requires_grad)
-    frozen = torch.nn.Linear(3, 2).requires_grad_(False)
-    with ppo_engine.weight_gradients_in_place(frozen) as handled:
-        assert handled == [] and "forward" not in vars(frozen)
-
-
-def test_offloaded_weights_come_back_bit_for_bit_in_parallel_reads(tmp_path, monkeypatch):
-    """`OffloadedWeights.read` reads its parameters in ``torch.get_num_threads()`` groups, one thread each: every
-    parameter (fp32 and bf16, a tied one once) comes back bit for bit, also when the threads outnumber the parameters
-    and when one thread reads all; a file that no longer holds a parameter's bytes stops with one line naming it."""
+def test_offloaded_weights_come_back_bit_for_bit(tmp_path):
+    """`OffloadedWeights` writes the parameters once (a tied one once) and releases them; inside ``loaded()`` every
+    parameter (fp32 and bf16) is back bit for bit and the tie holds; after it they are empty again; ``restore``
+    brings them back for good and deletes the file."""
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 64, bias=False),
                                  torch.nn.Linear(64, 8).to(torch.bfloat16))
-    module[1].weight = torch.nn.Parameter(module[0].weight.detach().t().contiguous())
     module.tied = torch.nn.Linear(64, 8, bias=False)
     module.tied.weight = module[2].weight  # stored once
     kept = {k: v.clone() for k, v in module.state_dict().items()}
-    offloaded = ppo_engine.OffloadedWeights(module, str(tmp_path / "rm.safetensors"))
+    path = tmp_path / "rm.safetensors"
+    offloaded = ppo_engine.OffloadedWeights(module, str(path))
     assert all(p.numel() == 0 for p in module.parameters())
-    for threads in (2, 8, 1):
-        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+    for _ in range(2):
         with offloaded.loaded():
             state = module.state_dict()
             assert state.keys() == kept.keys() and all(torch.equal(state[k], kept[k]) for k in kept)
             assert module.tied.weight is module[2].weight
         assert all(p.numel() == 0 for p in module.parameters())
-    with open(tmp_path / "rm.safetensors", "r+b") as f:  # the file loses its last bytes underneath
-        f.truncate(os.path.getsize(tmp_path / "rm.safetensors") - 4)
-    last = max(offloaded.params, key=lambda n: data_end(tmp_path / "rm.safetensors", n))
-    with pytest.raises(RuntimeError, match=rf"^offload_reward_model: {tmp_path / 'rm.safetensors'}: {last} does not "
-                                           rf"hold \[.*\] torch\.\w+ values$"):
-        offloaded.read()
-
-
-def data_end(path, name):
-    """Where tensor ``name``'s bytes end in safetensors file ``path``."""
-    import json
-    import struct
-
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))[name]["data_offsets"][1]
-
-
-def test_a_frozen_or_lora_wrapped_embedding_is_left_as_it_is():
-    from peft import LoraConfig, get_peft_model
-
-    frozen = _tiny_value_model()
-    frozen.get_input_embeddings().weight.requires_grad_(False)
-    lora = get_peft_model(_tiny_value_model(), LoraConfig(r=4, target_modules=["q_proj"], task_type="SEQ_CLS"))
-    for model in (frozen, lora):
-        with ppo_engine.rows_only_embedding_gradient(model):
-            assert not model.get_input_embeddings().sparse
-            model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
-        assert model.get_input_embeddings().weight.grad is None
+    offloaded.restore()
+    assert all(torch.equal(module.state_dict()[k], kept[k]) for k in kept) and not path.exists()
 
 
 def _demo_rollout_setup(assets, response_length: int):
@@ -556,45 +391,6 @@ def _demo_rollout_setup(assets, response_length: int):
     config = ppo_engine.sampling_config(
         ppo_engine.PPOConfig(output_dir="unused", response_length=response_length, bf16=False), None, tok.pad_token_id)
     return tok, policy, config
-
-
-def test_rollouts_skip_the_no_op_min_p_filter_with_the_same_tokens(assets, monkeypatch):
-    """`sampling_generation_config` sets min_p 0.0 (a checkpoint's min_p must not leak in), which still builds
-    transformers' MinPLogitsWarper (a softmax and a top-k per decoding step, removing nothing): `generate_rollouts`
-    unsets it when the model has no min_p of its own. Same tokens and log-probs, bit for bit; a model whose
-    generation config has a min_p keeps the 0.0 (its min_p is not filled in)."""
-    from transformers.generation import logits_process
-
-    tok, policy, config = _demo_rollout_setup(assets, response_length=8)
-    queries = torch.randint(3, 200, (4, 6), generator=torch.Generator().manual_seed(0))
-    assert config.min_p == 0.0
-    built = []
-    real = logits_process.MinPLogitsWarper.__init__
-    monkeypatch.setattr(logits_process.MinPLogitsWarper, "__init__",
-                        lambda self, min_p, **kw: built.append(min_p) or real(self, min_p, **kw))
-    torch.manual_seed(1)
-    skipped = ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
-    assert built == [] and config.min_p == 0.0  # the caller's config is not changed
-    torch.manual_seed(1)
-    mask = queries != tok.pad_token_id
-    with torch.no_grad():  # what the rollout did before: the config as given, the no-op filter built
-        out = policy.generate(input_ids=queries.masked_fill(~mask, 0), attention_mask=mask, generation_config=config,
-                              return_dict_in_generate=True, output_scores=True)
-    assert built == [0.0]
-    assert torch.equal(skipped[0], out.sequences)
-    logprobs = torch.stack([ppo_engine.pm.selective_log_softmax(s[:, None], out.sequences[:, 6 + t, None])[:, 0]
-                            for t, s in enumerate(out.scores)], 1)
-    assert torch.equal(skipped[1], logprobs)
-    policy.generation_config.min_p = 0.05
-    ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
-    assert built == [0.0, 0.0]  # the model's own min_p would otherwise come in: the 0.0 stays
-    # what a PPO run does: `rollout_generation_config` gives the policy PPO's sampling config first (a stock min_p
-    # logged and overridden); its rollouts then build no MinP filter either
-    stock = rollout_generation_config(policy, "demo", [], tok.pad_token_id, 1.0)
-    assert stock.min_p == 0.05 and policy.generation_config.min_p is None
-    torch.manual_seed(1)
-    again = ppo_engine.generate_rollouts(policy, queries, tok.pad_token_id, config, 4)
-    assert built == [0.0, 0.0] and torch.equal(again[0], skipped[0]) and torch.equal(again[1], skipped[1])
 
 
 def test_rollout_log_probs_take_one_log_softmax_per_decoding_step(assets, monkeypatch):
@@ -627,3 +423,51 @@ def test_rollout_log_probs_take_one_log_softmax_per_decoding_step(assets, monkey
             torch.testing.assert_close(per_row, full, rtol=0, atol=1e-6)
             expected.append(per_row)
     assert torch.equal(logprobs, torch.cat(expected))
+
+
+def test_the_engines_rollouts_are_samples_of_the_policy(assets, monkeypatch):
+    """The engine's own rollout (`PPOEngine.rollout`: left-padded prompts, stop at EOS, sampled log-probs) draws the
+    tokens that ``model.generate(..., output_scores=True)`` draws for the same seed and settings, its log-probs are
+    that call's scores re-scored (log_softmax, gathered), and they equal the policy's own log-probs of those tokens
+    at the rollout temperature (`scoring.response_logprobs`, teacher-forced): the rollouts are samples of the policy
+    the KL and the policy gradient assume. The recorded oracle replays TRL's tokens, so it cannot see this path."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_trl.scoring import response_logprobs, truncate_at_eos
+
+    tok, policy, _ = _demo_rollout_setup(assets, response_length=9)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(assets["base_model"], num_labels=1).eval()
+    reward_model.config.pad_token_id = tok.pad_token_id
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]]
+    queries = torch.tensor([[tok.pad_token_id] * (5 - len(p)) + p for p in prompts])
+    args = ppo_engine.PPOConfig(output_dir="unused", response_length=9, temperature=0.7, stop_token="eos",
+                                per_device_train_batch_size=3, bf16=False, use_cpu=True, report_to=[],
+                                local_rollout_forward_batch_size=2)
+    engine = ppo_engine.PPOEngine(args, tok, policy, None, reward_model,
+                                  Dataset.from_dict({"input_ids": prompts}), value_model=reward_model)
+    torch.manual_seed(11)
+    ro = engine.rollout(queries, None, update=1)
+    config = ppo_engine.sampling_config(args, engine.eos_token_ids, tok.pad_token_id)
+    torch.manual_seed(11)
+    mask = queries != tok.pad_token_id
+    expected_tokens, expected_logprobs = [], []
+    with torch.no_grad():
+        for i in (0, 2):  # the rollout's generate calls: local_rollout_forward_batch_size rows each
+            out = policy.generate(input_ids=queries[i:i + 2].masked_fill(~mask[i:i + 2], 0),
+                                  attention_mask=mask[i:i + 2], generation_config=config,
+                                  return_dict_in_generate=True, output_scores=True)
+            ids = out.sequences[:, 5:]
+            expected_tokens += [row for row in ids]
+            lp = torch.log_softmax(torch.stack(out.scores, 1), -1).gather(-1, ids[..., None])[..., 0]
+            expected_logprobs += [row for row in lp]
+    for row, (tokens, logprobs) in enumerate(zip(expected_tokens, expected_logprobs)):
+        n = len(tokens)
+        assert torch.equal(ro["responses"][row, :n], tokens)
+        torch.testing.assert_close(ro["logprobs"][row, :n], logprobs, rtol=0, atol=1e-5)
+    post = truncate_at_eos(ro["responses"], engine.eos_token_ids, tok.pad_token_id)
+    real = post != tok.pad_token_id
+    with torch.no_grad():
+        forced = response_logprobs(policy, ro["query_responses"], 5, tok.pad_token_id, args.temperature + 1e-7)
+    torch.testing.assert_close(forced[real], ro["logprobs"][real], rtol=0, atol=1e-4)
+    assert ro["ended"].tolist() == [bool(r.any()) for r in torch.isin(post, torch.tensor(engine.eos_token_ids))]

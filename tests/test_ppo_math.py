@@ -89,7 +89,7 @@ def test_chunked_response_logprobs_equal_whole_ones_with_gradients():
     log-probs and same gradients as forming them all at once."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlhf_trl.ppo_engine import response_logprobs
+    from rlhf_trl.scoring import response_logprobs
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -110,94 +110,29 @@ def test_chunked_response_logprobs_equal_whole_ones_with_gradients():
     assert lp.shape == (2, 5)
 
 
-def test_a_frozen_lm_head_gives_its_gradient_rows_in_the_forward_pass(monkeypatch):
-    """A frozen plain LM head (a LoRA policy's) takes `FrozenHeadLogprobs`: one LM-head product per chunk (none in the
-    backward pass: no recomputation), log-probs and entropy bit for bit those of the checkpointed path, and the
-    trained parameters' gradients those of plain autograd through whole logits, to fp32 rounding. A head that trains
-    keeps the checkpointed path."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlhf_trl.ppo_engine import FrozenHeadLogprobs, response_logprobs
-
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0))
-    model.lm_head.weight.requires_grad_(False)
-    qr = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 0], [3, 4, 5, 6, 7, 8, 9, 11]])  # prompt 3 tokens, response 5
-    weights = torch.randn(2, 5)  # a loss that weighs each position's log-prob differently
-    heads, applied = [], []
-    model.lm_head.register_forward_pre_hook(lambda module, args: heads.append(1))
-    real = FrozenHeadLogprobs.apply
-    monkeypatch.setattr(FrozenHeadLogprobs, "apply", lambda *a: applied.append(1) or real(*a))
-    lp, ent = response_logprobs(model, qr, 3, 0, temperature=0.7, chunk_size=2, with_entropy=True)
-    assert len(applied) == len(heads) == 3  # chunks of 2, 2 and 1 positions
-    (lp * weights).sum().backward()
-    assert len(heads) == 3
-    rank_one = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad()
-    logits = model(input_ids=qr, attention_mask=qr != 0).logits[:, 2:-1] / (0.7 + 1e-7)
-    (pm.selective_log_softmax(logits, qr[:, 3:]) * weights).sum().backward()
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(rank_one[name], p.grad, rtol=1e-5, atol=1e-6)
-    model.lm_head.weight.requires_grad_(True)  # a trained head: checkpointed chunks, the head in the backward too
-    heads.clear()
-    lp2, ent2 = response_logprobs(model, qr, 3, 0, temperature=0.7, chunk_size=2, with_entropy=True)
-    lp2.sum().backward()
-    assert len(heads) == 6 and torch.equal(lp2, lp) and torch.equal(ent2, ent)
-
-
-def test_response_logprobs_feed_the_lm_head_contiguous_rows():
-    """The response positions are a strided slice of the hidden states; the LM head gets them contiguous, so that
-    its product is one matmul (a strided 3-D input goes through a broadcast bmm: measured 1.75 s against ~0.7 s per
-    chunk of 8 x 32 positions on Qwen2.5-0.5B, the largest single cost of the policy's backward)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from rlhf_trl.ppo_engine import response_logprobs
-
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0))
-    seen = []
-    model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
-    qr = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 0], [3, 4, 5, 6, 7, 8, 9, 11]])
-    response_logprobs(model, qr, 3, 0, temperature=0.7, chunk_size=2).sum().backward()
-    assert seen and all(seen)  # every chunk, the backward's recomputation included
-
-
-def test_inverse_cdf_sample_by_hand_and_in_distribution():
-    """Inverting the CDF at u: by hand on one row, never a zero-probability entry, and over 200,000 draws the
-    frequencies of `torch.multinomial`'s distribution (within 5 standard errors)."""
-    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3]])
-    for u, want in ((0.0, 1), (0.19, 1), (0.2, 3), (0.69, 3), (0.7, 4), (0.999, 4)):
-        assert pm.inverse_cdf_sample(probs, torch.tensor([u], dtype=torch.float64)).tolist() == [want]
-    unnormalised = probs * 7.0  # any positive row total
-    assert pm.inverse_cdf_sample(unnormalised, torch.tensor([0.5], dtype=torch.float64)).tolist() == [3]
-    gen = torch.Generator().manual_seed(0)
-    n = 200_000
-    draws = pm.inverse_cdf_sample(probs.expand(n, -1), torch.rand(n, dtype=torch.float64, generator=gen))
-    freq = torch.bincount(draws, minlength=5).double() / n
-    p = probs[0].double()
-    assert freq[0] == 0 and freq[2] == 0
-    assert torch.all((freq - p).abs() <= 5 * torch.sqrt(p * (1 - p) / n) + 1e-12), freq
-
-
-def test_the_inverse_cdf_rollout_sampler_routes_generates_draws():
-    """Inside `rollout_sampler("inverse_cdf")` a `[batch, V]` multinomial draw is `inverse_cdf_sample` at one
-    `torch.rand` uniform per row (the same numbers for the same seed); other calls and the block's end leave
-    PyTorch's own; an unknown name is refused."""
-    from rlhf_trl.ppo_engine import rollout_sampler
-
-    real = torch.multinomial
-    probs = torch.softmax(torch.randn(4, 50, generator=torch.Generator().manual_seed(1)), -1)
-    torch.manual_seed(3)
-    want = pm.inverse_cdf_sample(probs, torch.rand(4, dtype=torch.float64))
-    with rollout_sampler("inverse_cdf"):
-        torch.manual_seed(3)
-        got = torch.multinomial(probs, num_samples=1)
-        assert torch.multinomial(probs, num_samples=3).shape == (4, 3)  # PyTorch's for anything else
-    assert torch.equal(got[:, 0], want) and torch.multinomial is real
-    with rollout_sampler("multinomial"):
-        assert torch.multinomial is real
-    with pytest.raises(ValueError, match=r"^rollout_sampler must be 'multinomial' or 'inverse_cdf', got 'gumbel'$"):
-        with rollout_sampler("gumbel"):
-            pass
+def test_compute_advantages_by_hand():
+    """One response of 2 real tokens in 3 positions: KL (k1), the score one past the last token, GAE (gamma 1,
+    lambda 0.5) from the end, returns = advantages + values, then advantages whitened over the 2 real tokens."""
+    out = pm.compute_advantages(
+        logprobs=torch.tensor([[-1.0, -2.0, 0.5]]), ref_logprobs=torch.tensor([[-1.5, -2.0, 0.3]]),
+        values=torch.tensor([[0.5, 1.0, 2.0]]), scores=torch.tensor([3.0]), sequence_lengths=torch.tensor([1]),
+        kl_coef=0.1, gamma=1.0, lam=0.5, whiten_advantages=False)
+    assert out["padding_mask"].tolist() == [[False, False, True]]
+    assert out["padding_mask_p1"].tolist() == [[False, False, False]]
+    torch.testing.assert_close(out["logprobs"], torch.tensor([[-1.0, -2.0, pm.INVALID_LOGPROB]]))
+    torch.testing.assert_close(out["kl"], torch.tensor([[0.5, 0.0, 0.0]]))
+    torch.testing.assert_close(out["non_score_reward"], torch.tensor([[-0.05, 0.0, 0.0]]))
+    # rewards [-0.05, 0, 3]; deltas [0.45, 1.0, 1.0]; A2 = 1, A1 = 1 + 0.5 * 1, A0 = 0.45 + 0.5 * 1.5
+    torch.testing.assert_close(out["advantages"], torch.tensor([[1.2, 1.5, 1.0]]))
+    torch.testing.assert_close(out["returns"], torch.tensor([[1.7, 2.5, 3.0]]))
+    whitened = pm.compute_advantages(
+        torch.tensor([[-1.0, -2.0, 0.5]]), torch.tensor([[-1.5, -2.0, 0.3]]), torch.tensor([[0.5, 1.0, 2.0]]),
+        torch.tensor([3.0]), torch.tensor([1]), kl_coef=0.1, gamma=1.0, lam=0.5)
+    # mean 1.35 and unbiased variance 0.045 over the two real tokens; the padded position is 0
+    torch.testing.assert_close(whitened["advantages"], torch.tensor([[-0.15, 0.15, 0.0]]) / math.sqrt(0.045 + 1e-8))
+    torch.testing.assert_close(whitened["returns"], out["returns"])  # returns come before whitening
+    k3 = pm.compute_advantages(torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[0.0]]),
+                               torch.tensor([0.0]), torch.tensor([0]), kl_coef=1.0, kl_estimator="k3",
+                               whiten_advantages=False)
+    torch.testing.assert_close(k3["kl"], torch.tensor([[math.exp(-0.5) - 1 + 0.5]]))

@@ -1,21 +1,10 @@
-"""Command line: ``rlhf-trl {sft,rm,ppo,demo} --config recipe.yaml [--key value ...]``.
-
-The command puts PyTorch's large CPU tensors (>= 2 MB) on transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, read
-by PyTorch once, at its first allocation: so here, before anything imports torch). Every fresh activation or gradient
-tensor is then faulted in 2 MB at a time instead of 4 KB: a PPO update on the real 0.5B model at 8 x 320 tokens took
-297 -> 245-279 s (four runs) with the same peak RSS (benchmarks/HISTORY.md). Numerics are unchanged (it is where
-memory comes from, not how it is used). ``THP_MEM_ALLOC_ENABLE=0`` in the environment turns it off; a no-op where
-the kernel's THP setting is ``never``.
-"""
+"""Command line: ``rlhf-trl {sft,rm,ppo,demo,...} --config recipe.yaml [--key value ...]``."""
 
 from __future__ import annotations
 
-import os
 import sys
 
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch's first allocation (see the docstring)
-
-from .cli_launch import one_line, run_stage  # noqa: E402, F401  (importable from here too)
+from .cli_launch import one_line, run_stage  # noqa: F401  (importable from here too)
 
 STAGES = {
     "sft": "supervised fine-tuning (trl.SFTTrainer)",

@@ -42,24 +42,10 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
                         for row, ids in zip(logits, index)])
 
 
-def entropy_from_logits(logits: torch.Tensor, with_probs: bool = False):
-    """Entropy of ``softmax(logits)`` per position, in nats: ``[b, R, V] -> [b, R]``; ``with_probs``: also the
-    softmax it used, ``[b, R, V]`` (``(entropy, probs)``)."""
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` per position, in nats: ``[b, R, V] -> [b, R]``."""
     probs = torch.softmax(logits, dim=-1)
-    entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
-    return (entropy, probs) if with_probs else entropy
-
-
-def inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One draw per row of ``probs [batch, V]`` (non-negative, any positive row total), by inverting the row's CDF at
-    ``uniform [batch]`` (in [0, 1)): ``[batch]`` indices, distributed as ``torch.multinomial(probs, 1)``'s but drawn
-    from one uniform per row instead of multinomial's ``V`` exponential draws (the inverse-transform method,
-    Devroye 1986, II.2). The CDF is PyTorch's ``cumsum`` (accumulated in double on the CPU, stored in the input's
-    dtype: in fp32 an entry below ~1e-7 of the row total is drawn with the mass of its rounded CDF step); an entry of
-    probability 0 is never drawn (the first index whose CDF exceeds ``uniform x total``)."""
-    cdf = probs.cumsum(-1)
-    target = (uniform.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
@@ -194,3 +180,35 @@ def value_loss(new_values: torch.Tensor, old_values: torch.Tensor, returns: torc
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).float(), mask)
     return {"loss": loss, "clipfrac": clipfrac}
+
+
+def compute_advantages(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, values: torch.Tensor, scores: torch.Tensor,
+                       sequence_lengths: torch.Tensor, kl_coef: float, kl_estimator: str = "k1", gamma: float = 1.0,
+                       lam: float = 0.95, whiten_rewards: bool = False,
+                       whiten_advantages: bool = True) -> dict[str, torch.Tensor]:
+    """Step 3 of a PPO update: masks, KL, shaped rewards, GAE advantages and returns, as TRL 1.12's PPOTrainer.
+
+    ``logprobs, ref_logprobs, values [b, R]`` (unmasked: the sampled tokens' log-probs under the policy and the
+    reference, nats; the value model's estimates, reward units), ``scores [b]`` (reward units),
+    ``sequence_lengths [b]`` (index of each response's last real token) -> dict of ``[b, R]`` tensors:
+    ``padding_mask`` (log-probs' padding), ``padding_mask_p1`` (values' padding, one position later), ``logprobs``
+    and ``values`` masked (`INVALID_LOGPROB`, 0), ``kl`` (`kl_estimate`), ``non_score_reward`` (``-kl_coef * kl``),
+    ``advantages`` (`gae`, whitened over the real tokens of the batch unless ``whiten_advantages`` is false) and
+    ``returns`` (advantages + values, before whitening). ``whiten_rewards`` whitens the shaped rewards first
+    (without shifting their mean).
+    """
+    width = logprobs.shape[1]
+    padding_mask = response_padding_mask(sequence_lengths, width)
+    padding_mask_p1 = value_padding_mask(sequence_lengths, width)
+    logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+    ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
+    values = values.masked_fill(padding_mask_p1, 0)
+    kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+    rewards, non_score_reward = shape_rewards(kl, scores, kl_coef, sequence_lengths)
+    if whiten_rewards:
+        rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)
+    advantages, returns = gae(rewards, values, gamma, lam)
+    if whiten_advantages:
+        advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
+    return {"padding_mask": padding_mask, "padding_mask_p1": padding_mask_p1, "logprobs": logprobs, "values": values,
+            "kl": kl, "non_score_reward": non_score_reward, "advantages": advantages, "returns": returns}

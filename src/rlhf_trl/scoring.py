@@ -1,43 +1,76 @@
-"""Reward-model scoring shared by RM evaluation, PPO and the demo.
+"""The tensor operations every stage shares: sampling, response log-probs, values and reward-model scores.
 
-The score of a sequence is the reward model's ``score`` head applied to the hidden state of its last real token
-(prompt ids + response ids + EOS, right-padded with a pad token distinct from EOS), as in TRL's
-``get_reward`` that TRL 1.12's PPOTrainer used (`rlhf_trl.scoring.sequence_scores`).
+One implementation of each, used by PPO (`rlhf_trl.ppo_engine`), ``rlhf-trl eval`` (`rlhf_trl.evaluate`), the demo
+and RM evaluation (`rlhf_trl.rm.evaluate_pairs`):
+
+- `generate_rollouts`: sample one response per left-padded prompt and the sampled tokens' log-probs (`sample`: the
+  same from lists of ids);
+- `response_logprobs`: a causal LM's log-probs of given response tokens (chunked over the response, checkpointed
+  under autograd, so no ``[batch, seq_len, vocab]`` tensor is held);
+- `response_values`: a value model's estimate before each response token;
+- `sequence_scores`: a reward model's score at the last real token (the response's EOS), as TRL's ``get_reward``
+  (`score_sequences`: the same from lists of ids).
+
+Layout: ``query_responses [batch, T]`` holds a left-padded prompt of ``context_length`` tokens, then the response
+(right-padded with ``pad_token_id``, which differs from every EOS id). Models see pads masked and positions counted
+from the first real token (`model_inputs`).
 """
 
 from __future__ import annotations
 
-import torch
+from contextlib import contextmanager
 
-from .last_layer import reads_from
+import torch
+from torch import nn
+
+from . import ppo_math as pm
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch (CPU, CUDA) RNG states."""
+    import random
+
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.random.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Put back the RNG states `rng_state` returned."""
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.random.set_rng_state_all(state["cuda"])
+
+
+@contextmanager
+def preserved_rng():
+    """Run a block without changing any RNG state seen after it (for sampling that is not part of training)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)
+
+
+def pad_left(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """Left-pad token id lists into a ``[batch, max_len]`` long tensor (prompts for ``generate``)."""
+    width = max(len(s) for s in sequences)
+    return torch.tensor([[pad_token_id] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
 
 
 def pad_right(sequences: list[list[int]], pad_token_id: int) -> torch.Tensor:
     """Right-pad token id lists into a ``[batch, max_len]`` long tensor."""
     width = max(len(s) for s in sequences)
-    out = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    for i, s in enumerate(sequences):
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    return out
-
-
-def last_token_index(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Index of the last non-pad token of each right-padded row: ``[batch, seq_len] -> [batch]``.
-
-    Raises:
-        ValueError: a row is all padding.
-    """
-    real = input_ids != pad_token_id
-    if not bool(real.any(dim=1).all()):
-        raise ValueError("a sequence holds only pad tokens")
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return (positions * real).argmax(dim=1)
-
-
-def _classifier_parts(model):
-    """``(backbone, score_head)`` of a sequence classifier, a peft model on one, or `SharedBaseRewardModel`."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, base.base_model_prefix), base.score
+    return torch.tensor([list(s) + [pad_token_id] * (width - len(s)) for s in sequences], dtype=torch.long)
 
 
 def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
@@ -47,86 +80,11 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
             "position_ids": mask.cumsum(1) - mask.long(), "use_cache": False}
 
 
-def token_scores(model, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """A sequence classifier's score head at every position: ``[b, T] -> [b, T]`` (reward units)."""
-    backbone, head = _classifier_parts(model)
-    hidden = backbone(**model_inputs(query_responses, pad_token_id)).last_hidden_state
-    return head(hidden).squeeze(-1)
-
-
-def response_hidden(backbone, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
-    """A backbone's last hidden states before each response token: ``[b, T] -> [b, R, hidden]``, ``R = T -
-    context_length``, positions ``context_length - 1 .. T - 2`` (what predicts, or values, each response token).
-
-    The same numbers as the full forward's there (up to fp32 rounding) for less work: the last token is not fed (no
-    read position sees it) and the last decoder layer forms its output at the ``R`` read positions only
-    (`last_layer.reads_from`). Shared by the policy's and reference's log-probs and the value model's estimates.
-    """
-    with reads_from(backbone, context_length - 1):
-        hidden = backbone(**model_inputs(query_responses[:, :-1], pad_token_id)).last_hidden_state
-    return hidden[:, context_length - 1:]
-
-
-def response_values(model, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
-    """A value model's estimates before each response token: ``[b, T] -> [b, R]`` (reward units): the score head on
-    `response_hidden`, TRL 1.12's ``values[:, context_length - 1 : -1]`` (`token_scores` there, to fp32 rounding)."""
-    backbone, head = _classifier_parts(model)
-    return head(response_hidden(backbone, query_responses, context_length, pad_token_id)).squeeze(-1)
-
-
-def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]``.
-
-    Agrees with TRL 1.12's ``get_reward`` (its experimental utilities; ``[1]`` of its result). Feeds the tokens up to
-    the latest such token and forms the last decoder layer's output from the earliest one on (`last_layer.reads_from`):
-    the same scores, up to fp32 rounding, for less work.
-    """
-    hit = query_responses[:, context_length:] == pad_token_id  # the last response token precedes its first pad
-    first_pad = torch.where(hit.any(1), hit.int().argmax(1), hit.shape[1])
-    last = first_pad - 1 + context_length
-    backbone, head = _classifier_parts(model)
-    with reads_from(backbone, int(last.min())):
-        hidden = backbone(**model_inputs(query_responses[:, :int(last.max()) + 1], pad_token_id)).last_hidden_state
-    return head(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
-
-
-@torch.no_grad()
-def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_size: int = 16) -> torch.Tensor:
-    """Reward-model scores of token id sequences, ``[num_sequences]`` (float32, on CPU).
-
-    Runs the model's backbone (``model.base_model_prefix``) and its ``score`` head, and reads the score at the last
-    non-pad token, exactly as PPO does during rollouts. ``model`` may be a `peft.PeftModel` (e.g. the QLoRA reward
-    model the RM stage evaluates: adapter on a 4-bit base): its active adapter and trained ``score`` copy are used.
-    """
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    # a PeftModel's LoRA layers sit inside the transformers model (get_base_model); getattr(peft_model, "model")
-    # would be that whole model, whose output has no last_hidden_state
-    scores = []
-    for i in range(0, len(sequences), batch_size):
-        ids = pad_right(sequences[i : i + batch_size], pad_token_id).to(device)
-        logits = token_scores(model, ids, pad_token_id)  # [batch, seq_len]
-        idx = last_token_index(ids, pad_token_id)
-        scores.append(logits[torch.arange(len(idx), device=device), idx].float().cpu())
-    model.train(was_training)
-    return torch.cat(scores)
-
-
-def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, rejected_len) -> dict:
-    """Pairwise accuracy, mean margin and the length-only baseline for ``[num_pairs]`` score tensors.
-
-    ``length_baseline_accuracy`` is the accuracy of "the longer response wins" (ties count half).
-    """
-    chosen_len = torch.as_tensor(chosen_len, dtype=torch.float)
-    rejected_len = torch.as_tensor(rejected_len, dtype=torch.float)
-    longer = (chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()
-    return {
-        "accuracy": float((chosen > rejected).float().mean()),
-        "margin": float((chosen - rejected).mean()),
-        "length_baseline_accuracy": float(longer.mean()),
-        "num_pairs": int(chosen.numel()),
-    }
+def _parts(model, head: str):
+    """``(backbone, head)`` of a causal LM (``head="lm"``) or sequence classifier (``"score"``), a peft model on
+    one, or `rlhf_trl.reward_models.SharedBaseRewardModel`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix), (base.get_output_embeddings() if head == "lm" else base.score)
 
 
 def eos_mask(tokens: torch.Tensor, eos_token_ids) -> torch.Tensor:
@@ -147,3 +105,186 @@ def truncate_at_eos(responses: torch.Tensor, eos_token_ids, pad_token_id: int) -
     first = torch.where(hit.any(1), hit.int().argmax(1), responses.shape[1])  # [batch]
     after = torch.arange(responses.shape[1], device=responses.device)[None, :] > first[:, None]
     return responses.masked_fill(after, pad_token_id)
+
+
+@torch.no_grad()
+def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generation_config,
+                      batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one response per left-padded prompt, ``batch`` prompts per ``generate`` call.
+
+    ``queries [b, Q]`` -> ``(query_responses [b, Q + R], logprobs [b, R])``: prompt then response ids (right-padded
+    with ``pad_token_id`` where a call ended early), and each sampled token's log-prob under the sampling
+    distribution (the processed logits ``generate`` returns: ``logits / temperature``; 0.0 on padding). Same rollout
+    as TRL 1.12's ``batch_generation``, without stacking the ``[b, R, vocab]`` logits: one ``[rows, vocab]``
+    log-softmax per decoding step.
+    """
+    import copy
+
+    context = queries.shape[1]
+    config = copy.deepcopy(generation_config)
+    config.return_dict_in_generate, config.output_scores = True, True  # the sampling logits give the log-probs
+    pieces, logps = [], []
+    for i in range(0, queries.shape[0], batch):
+        query = queries[i:i + batch]
+        mask = query != pad_token_id
+        out = policy.generate(input_ids=query.masked_fill(~mask, 0), attention_mask=mask, generation_config=config)
+        response = out.sequences[:, context:]
+        lp = torch.stack([pm.selective_log_softmax(s[None], response[None, :, t])[0] for t, s in enumerate(out.scores)],
+                         1)
+        pieces.append(torch.cat((query, response), 1))
+        logps.append(lp)
+        del out
+    width = max(p.shape[1] for p in pieces)
+    query_responses = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad_token_id) for p in pieces])
+    logprobs = torch.cat([nn.functional.pad(p, (0, width - context - p.shape[1]), value=0.0) for p in logps])
+    return query_responses, logprobs
+
+
+def cut_at_eos(tokens: list[int], eos_token_ids, max_len: int) -> tuple[list[int], bool]:
+    """Response ids up to and including the first EOS (any of ``eos_token_ids``, an int or a list; else the first
+    ``max_len`` tokens), and whether an EOS ended it."""
+    tokens = list(tokens)[:max_len]
+    eos = set(eos_token_ids) if isinstance(eos_token_ids, (list, tuple, set)) else {eos_token_ids}
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
+def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, max_new_tokens: int,
+           temperature: float, seed: int, batch_size: int = 64) -> list[tuple[list[int], bool]]:
+    """Sample one response per prompt (``[num_prompts]`` lists of ids) with `generate_rollouts`.
+
+    Sampling is softmax(logits / ``temperature``) and nothing else (`rlhf_trl.models.sampling_generation_config`:
+    the model's own top-k / top-p / repetition penalty are not applied, as in PPO rollouts), stopping at any of
+    ``eos_token_ids`` (an int or a list), at most ``max_new_tokens`` tokens. The RNG is seeded with ``seed`` once,
+    before the first batch. Returns ``(response ids, ended with EOS)`` per prompt; the ids include the EOS when
+    present.
+    """
+    from .models import sampling_generation_config
+
+    eos = list(eos_token_ids) if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids]
+    config = sampling_generation_config(temperature, max_new_tokens, eos, pad_token_id)
+    model.eval()
+    queries = pad_left(prompts, pad_token_id).to(next(model.parameters()).device)
+    torch.manual_seed(seed)
+    query_responses, _ = generate_rollouts(model, queries, pad_token_id, config, batch_size)
+    return [cut_at_eos(row.tolist(), eos, max_new_tokens) for row in query_responses[:, queries.shape[1]:].cpu()]
+
+
+def response_hidden(backbone, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
+    """A backbone's last hidden states before each response token: ``[b, T] -> [b, R, hidden]``, ``R = T -
+    context_length``, positions ``context_length - 1 .. T - 2`` (what predicts, or values, each response token).
+    The last token is not fed: no read position sees it."""
+    hidden = backbone(**model_inputs(query_responses[:, :-1], pad_token_id)).last_hidden_state
+    return hidden[:, context_length - 1:]
+
+
+def response_logprobs(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                      temperature: float, chunk_size: int = 0, with_entropy: bool = False):
+    """Log-probs of the response tokens under ``softmax(logits / temperature)``, optionally their entropy.
+
+    ``query_responses [b, T]`` (prompt of ``context_length`` tokens, then the response) -> ``logprobs [b, R]`` with
+    ``R = T - context_length`` (and ``entropy [b, R]`` in nats, without gradient). Vocabulary logits are formed
+    only for the response positions, ``chunk_size`` positions at a time (0: all at once); under autograd each chunk
+    is checkpointed, so its ``[b, chunk, vocab]`` logits are recomputed in the backward pass instead of kept. The
+    engine passes TRL 1.12's ``temperature + 1e-7``.
+    """
+    backbone, lm_head = _parts(policy, "lm")
+    hidden = response_hidden(backbone, query_responses, context_length, pad_token_id)
+    response = query_responses[:, context_length:]
+    step = chunk_size if chunk_size and chunk_size > 0 else response.shape[1]
+
+    def chunk(h, ids):  # one LM-head pass gives the chunk's log-probs and (without gradient) its entropy
+        logits = lm_head(h) / temperature
+        logprob = pm.selective_log_softmax(logits, ids)
+        if not with_entropy:
+            return logprob, None
+        with torch.no_grad():
+            return logprob, pm.entropy_from_logits(logits)
+
+    checkpointed = torch.is_grad_enabled() and hidden.requires_grad and step < response.shape[1]
+    logprobs, entropies = [], []
+    for start in range(0, response.shape[1], step):
+        h, ids = hidden[:, start:start + step], response[:, start:start + step]
+        if checkpointed:
+            logprob, entropy = torch.utils.checkpoint.checkpoint(chunk, h, ids, use_reentrant=False)
+        else:
+            logprob, entropy = chunk(h, ids)
+        logprobs.append(logprob)
+        entropies.append(entropy)
+    out = torch.cat(logprobs, 1)
+    return (out, torch.cat(entropies, 1)) if with_entropy else out
+
+
+def response_values(model, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
+    """A value model's estimates before each response token: ``[b, T] -> [b, R]`` (reward units): the score head on
+    `response_hidden`, TRL 1.12's ``values[:, context_length - 1 : -1]``."""
+    backbone, head = _parts(model, "score")
+    return head(response_hidden(backbone, query_responses, context_length, pad_token_id)).squeeze(-1)
+
+
+def last_token_index(query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0) -> torch.Tensor:
+    """Index of each row's last real token: the one before the first pad after the prompt's ``context_length``
+    tokens (the response's EOS when it has one): ``[batch, seq_len] -> [batch]``.
+
+    Raises:
+        ValueError: a row holds only pad tokens.
+    """
+    hit = query_responses[:, context_length:] == pad_token_id
+    first_pad = torch.where(hit.any(1), hit.int().argmax(1), hit.shape[1])
+    last = first_pad - 1 + context_length
+    if bool((last < 0).any()):
+        raise ValueError("a sequence holds only pad tokens")
+    return last
+
+
+def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]``
+    (reward units).
+
+    Agrees with TRL 1.12's ``get_reward`` (``[1]`` of its result); feeds the tokens up to the latest such token only.
+
+    Raises:
+        ValueError: a row has no real token to score (`last_token_index`).
+    """
+    last = last_token_index(query_responses, pad_token_id, context_length)
+    backbone, head = _parts(model, "score")
+    hidden = backbone(**model_inputs(query_responses[:, :int(last.max()) + 1], pad_token_id)).last_hidden_state
+    return head(hidden[torch.arange(len(last), device=last.device), last]).squeeze(-1)
+
+
+@torch.no_grad()
+def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_size: int = 16) -> torch.Tensor:
+    """Reward-model scores of token id sequences (prompt + response + EOS), ``[num_sequences]`` (float32, on CPU):
+    `sequence_scores` on right-padded batches, exactly as PPO reads rewards. ``model`` may be a `peft.PeftModel`
+    (e.g. the QLoRA reward model the RM stage evaluates): its active adapter and trained ``score`` copy are used.
+
+    Raises:
+        ValueError: an empty sequence.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    scores = []
+    for i in range(0, len(sequences), batch_size):
+        ids = pad_right(sequences[i: i + batch_size], pad_token_id).to(device)
+        scores.append(sequence_scores(model, ids, pad_token_id, 0).float().cpu())
+    model.train(was_training)
+    return torch.cat(scores)
+
+
+def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, rejected_len) -> dict:
+    """Pairwise accuracy, mean margin and the length-only baseline for ``[num_pairs]`` score tensors.
+
+    ``length_baseline_accuracy`` is the accuracy of "the longer response wins" (ties count half).
+    """
+    chosen_len = torch.as_tensor(chosen_len, dtype=torch.float)
+    rejected_len = torch.as_tensor(rejected_len, dtype=torch.float)
+    longer = (chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()
+    return {
+        "accuracy": float((chosen > rejected).float().mean()),
+        "margin": float((chosen - rejected).mean()),
+        "length_baseline_accuracy": float(longer.mean()),
+        "num_pairs": int(chosen.numel()),
+    }

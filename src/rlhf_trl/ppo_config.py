@@ -1,0 +1,204 @@
+"""`PPOConfig`: the PPO engine's settings, TRL 1.12's PPOConfig keys (so recipes written for it run unchanged) plus
+the project's own, each checked once, when the config is made (`check_config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transformers import GenerationConfig, TrainingArguments
+
+from .models import sampling_generation_config
+
+
+@dataclass
+class PPOConfig(TrainingArguments):
+    """PPO settings: the keys (and defaults) of TRL 1.12's PPOConfig plus ``logits_chunk_size``,
+    ``offload_reward_model`` and ``single_value_forward``.
+
+    Batch sizes (episodes): ``batch_size = per_device_train_batch_size x gradient_accumulation_steps x processes``
+    rollouts per update; ``num_total_batches`` updates = ceil(``total_episodes`` / ``batch_size``).
+
+    Raises:
+        ValueError: a bad value (`check_config`), when the config is made: a recipe fails before anything is read.
+    """
+
+    # defaults TRL's configs change from TrainingArguments
+    learning_rate: float = field(default=3e-6, metadata={"help": "AdamW learning rate."})
+    logging_steps: float = field(default=10, metadata={"help": "Updates between logged statistics."})
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in the backward."})
+    bf16: bool | None = field(default=None, metadata={"help": "bfloat16 weights (default: true unless fp16)."})
+    lr_scheduler_kwargs: dict | str | None = field(default=None, metadata={"help": "Extra lr scheduler arguments."})
+    # PPO
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Unused (kept for TRL recipes)."})
+    num_mini_batches: int = field(default=1, metadata={"help": "Mini-batches per rollout batch (optimizer steps)."})
+    total_episodes: int | None = field(default=None, metadata={"help": "Episodes (prompt + response) to train on."})
+    local_rollout_forward_batch_size: int = field(
+        default=64, metadata={"help": "Rollouts generated / scored per forward pass (per process)."})
+    num_sample_generations: int = field(default=10, metadata={"help": "Sample tables over the run (0: none)."})
+    response_length: int = field(default=53, metadata={"help": "Maximum new tokens per response."})
+    stop_token: Literal["eos"] | None = field(default=None, metadata={"help": "'eos': responses end at EOS."})
+    stop_token_id: int | None = field(default=None, metadata={"help": "A token id that ends responses."})
+    temperature: float = field(default=0.7, metadata={"help": "Rollout sampling temperature."})
+    missing_eos_penalty: float | None = field(
+        default=None, metadata={"help": "Subtracted from the score of responses without EOS (reward units)."})
+    sft_model_path: str | None = field(default=None, metadata={"help": "Policy initialization (a local directory)."})
+    reward_model_path: str | None = field(default=None, metadata={"help": "Reward model (a local directory)."})
+    world_size: int | None = field(default=None, metadata={"help": "Computed: processes."})
+    num_total_batches: int | None = field(default=None, metadata={"help": "Computed: updates."})
+    micro_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
+    local_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
+    batch_size: int | None = field(default=None, metadata={"help": "Computed: episodes per update."})
+    local_mini_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
+    mini_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Push the model to the Hub after training."})
+    model_adapter_name: str | None = field(default=None, metadata={"help": "Trained adapter (several adapters)."})
+    ref_adapter_name: str | None = field(default=None, metadata={"help": "Reference adapter (several adapters)."})
+    num_ppo_epochs: int = field(default=4, metadata={"help": "Optimisation passes over each rollout batch."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten per-token rewards (needs >= 8 per rank)."})
+    kl_coef: float = field(default=0.05, metadata={"help": "KL coefficient (reward units per nat)."})
+    kl_estimator: Literal["k1", "k3"] = field(default="k1", metadata={"help": "KL estimator: k1 or k3."})
+    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Value loss weight."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range (reward units)."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    ds3_gather_for_generation: bool = field(
+        default=True, metadata={"help": "ZeRO-3: gather the policy's weights for generation."})
+    logits_chunk_size: int = field(
+        default=32, metadata={"help": "Response positions whose vocabulary logits are formed at once (0: all)."})
+    offload_reward_model: bool = field(
+        default=False, metadata={"help": "Keep the reward model's weights on disk (output_dir/.tmp-offload-*) "
+                                         "between rollouts: one model less in memory during the PPO epochs, one read "
+                                         "of its weights per update."})
+    single_value_forward: bool = field(
+        default=True, metadata={"help": "With 1 PPO epoch, 1 mini-batch, 1 process and whiten_rewards off: the value "
+                                        "model's training forward also gives the rollout's values (one value forward "
+                                        "less per update; `PPOEngine.value_step`). false: TRL 1.12's separate "
+                                        "no-grad forward."})
+
+    def __post_init__(self):
+        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        super().__post_init__()
+        check_config(self)
+
+
+def _exact_div(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}: {a} is not a multiple of {b}")
+    return a // b
+
+
+def check_config(args: PPOConfig) -> None:
+    """Every check of a `PPOConfig` value that needs no model or data (run once, by ``PPOConfig.__post_init__``).
+
+    Raises:
+        ValueError: ``num_mini_batches`` < 1 or not dividing each process's rollouts per update
+            (``per_device_train_batch_size x gradient_accumulation_steps``); ``whiten_rewards`` with fewer than 8
+            rollouts per process mini-batch; ``stop_token`` other than 'eos', or set with ``stop_token_id``;
+            ``kl_estimator`` other than 'k1' / 'k3' (one line naming the keys).
+    """
+    if args.num_mini_batches < 1:
+        raise ValueError(f"num_mini_batches must be >= 1, got {args.num_mini_batches}")
+    local = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    local_mini = _exact_div(local, args.num_mini_batches, "per_device_train_batch_size x gradient_accumulation_steps "
+                                                          "(rollouts per process and update) / num_mini_batches")
+    if args.whiten_rewards and local_mini < 8:
+        raise ValueError(f"whiten_rewards needs >= 8 rollouts per process mini-batch, got {local_mini}")
+    if args.stop_token and args.stop_token_id is not None:
+        raise ValueError("set stop_token or stop_token_id, not both")
+    if args.stop_token not in (None, "eos"):
+        raise ValueError(f"stop_token must be 'eos' or unset, got {args.stop_token!r}")
+    if args.kl_estimator not in ("k1", "k3"):
+        raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {args.kl_estimator!r}")
+
+
+def sampling_config(args: PPOConfig, eos_ids: list[int] | None, pad_token_id: int,
+                    temperature: float | None = None) -> GenerationConfig:
+    """Rollout sampling from ``softmax(logits / temperature)`` alone (`rlhf_trl.models.sampling_generation_config`:
+    every biasing setting neutral), ``response_length`` new tokens, stopping at any of ``eos_ids`` (None: never).
+    The temperature (default the recipe's) is TRL 1.12's ``temperature + 1e-7``."""
+    temperature = args.temperature if temperature is None else temperature
+    config = sampling_generation_config(temperature + 1e-7, args.response_length, eos_ids or [], pad_token_id)
+    if eos_ids is None:
+        config.eos_token_id = None
+    return config
+
+
+@dataclass
+class PPOScriptArguments:
+    """PPO fields that TRL's PPOConfig lacks."""
+
+    reward_baseline: str = field(
+        default="0.0",
+        metadata={
+            "help": "Subtracted from every reward-model score (reward units): a number, or 'auto' for the mean RM "
+            "score of SFT rollouts on reward_baseline_batches calibration batches before training."
+        },
+    )
+    reward_baseline_batches: int = field(
+        default=2, metadata={"help": "Rollout batches (of per_device_train_batch_size prompts) for 'auto'."}
+    )
+    value_model_path: str | None = field(
+        default=None, metadata={"help": "Value model initialization (default: the reward model)."}
+    )
+    value_use_peft: bool = field(
+        default=False, metadata={"help": "Train the value model through a LoRA adapter; its base stays frozen."}
+    )
+    value_lora_r: int = field(default=16, metadata={"help": "LoRA rank of the value model."})
+    value_lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha of the value model."})
+    value_lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout of the value model."})
+    value_lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Value-model modules given LoRA (default: peft's choice for the model)."}
+    )
+    share_reward_value_base: bool = field(
+        default=False,
+        metadata={
+            "help": "Put the value model's LoRA adapter on the reward model's own weights (one copy for both; the "
+            "reward is read with the adapter off). Needs value_use_peft: true and no value_model_path; not with "
+            "DeepSpeed."
+        },
+    )
+    kl_target: float | None = field(
+        default=None,
+        metadata={"help": "Adaptive KL control: target KL per response (nats). None keeps kl_coef fixed."},
+    )
+    kl_horizon: int = field(
+        default=10000, metadata={"help": "Adaptive KL control horizon (episodes), as in Ziegler et al. 2019."}
+    )
+    log_samples_every: int = field(
+        default=10, metadata={"help": "Updates between sample tables (logs and samples.jsonl); 0 turns them off."}
+    )
+    save_merged_checkpoints: bool = field(
+        default=True,
+        metadata={"help": "Write the merged policy into each checkpoint too (default true; costs one model copy in "
+                  "memory while it is written, and its size on disk; false for large or quantized models)."},
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run model code shipped in the model directories (e.g. Baichuan)."}
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Reward functions 'package.module:function' (or 'file.py:function'), each "
+                  "f(prompts, completions, **columns) -> list[float]; added to the reward model's score (or alone "
+                  "without reward_model_path)."},
+    )
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "Weight of each reward function (default: 1.0 each)."}
+    )
+
+    def __post_init__(self):
+        if self.kl_target is not None and (self.kl_target <= 0 or self.kl_horizon <= 0):
+            raise ValueError(f"kl_target and kl_horizon must be positive, got {self.kl_target} and {self.kl_horizon}")
+        if self.reward_baseline_value() is None and str(self.reward_baseline).strip().lower() != "auto":
+            raise ValueError(f"reward_baseline must be a number or 'auto', got {self.reward_baseline!r}")
+        if self.share_reward_value_base and not self.value_use_peft:
+            raise ValueError("share_reward_value_base: true needs value_use_peft: true (the value model is a LoRA "
+                             "adapter on the reward model's weights)")
+
+    def reward_baseline_value(self) -> float | None:
+        """``reward_baseline`` as a number (reward units), or None for 'auto'."""
+        try:
+            return float(str(self.reward_baseline).strip())
+        except ValueError:
+            return None

@@ -1,0 +1,392 @@
+"""`RLHFPPOTrainer`: the PPO engine (`rlhf_trl.ppo_engine.PPOEngine`) plus what a run needs around it.
+
+- checkpoints written under a temporary name, then renamed (`rlhf_trl.checkpoints.AtomicCheckpointMixin`), holding
+  the policy (adapter and merged), the value model, optimizer / scheduler / RNG / trainer state, the data position
+  (`ResumableLoader`), the reward baseline, the KL coefficient and the run's recipe;
+- exact resume from such a checkpoint (`RLHFPPOTrainer.restore`);
+- ``logging_steps`` honoured (the engine logs every update);
+- an adaptive KL coefficient (``kl_target`` / ``kl_horizon``; `AdaptiveKLController`), logged as
+  ``objective/kl_coef``;
+- a stop on the first non-finite loss, reward or value, naming the update (the last good checkpoint is kept);
+- sample tables (query / response / score / reward) every ``log_samples_every`` updates, to the logs and to
+  ``samples.jsonl``; sampling for them never perturbs the training RNG;
+- stock generation configs: rollouts sample with the recipe's ``temperature`` only (`rollout_generation_config`),
+  and the saved policies keep the checkpoint's own (`deployable_generation_config`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from .checkpoints import AtomicCheckpointMixin
+from .config import save_recipe
+from .models import write_json, write_jsonl
+from .ppo_config import sampling_config
+from .ppo_engine import OnlineTrainerState, PPOEngine, TrainingDivergedError
+from .scoring import generate_rollouts, preserved_rng, rng_state, sequence_scores, set_rng_state, truncate_at_eos
+
+logger = logging.getLogger(__name__)
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", 2.2).
+
+    After each update with mean KL ``kl`` (nats per response) over ``n_steps`` episodes::
+
+        error = clip(kl / target - 1, -0.2, 0.2)
+        coef *= 1 + error * n_steps / horizon
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = float(init_kl_coef), float(target), int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
+        self.value *= 1 + error * n_steps / self.horizon
+        return self.value
+
+
+class ResumableLoader:
+    """Wraps PPOTrainer's prompt dataloader so the data position can be saved and restored exactly.
+
+    It records the RNG state at which each pass over the data started (the shuffle is drawn from it: the global torch
+    RNG in one process; under several processes accelerate gives the sampler its own generator, synchronized from
+    process 0 at the start of each pass, whose state is recorded too) and how many batches of that pass were consumed.
+    Resuming replays the shuffle from those states, skips the consumed batches, then restores the RNG state of the
+    checkpoint.
+
+    Raises (on the first pass after `resume_from`):
+        ValueError: the saved data position holds another number of sampler generators than this data loader has.
+    """
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.epoch_rng: dict | None = None
+        self.epoch_generators: list[torch.Tensor] | None = None
+        self.consumed = 0
+        self._resume: tuple[dict, list[torch.Tensor] | None, int, dict] | None = None
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _generators(self) -> list[torch.Generator]:
+        """The sampler's own generators (none in one process: it draws from the global torch RNG)."""
+        found = []
+        candidates = [getattr(self.loader, "synchronized_generator", None)]
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        for holder in (getattr(self.loader, "sampler", None), getattr(batch_sampler, "sampler", None),
+                       getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)):
+            candidates.append(getattr(holder, "generator", None))
+        for gen in candidates:
+            if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+                found.append(gen)
+        return found
+
+    def __iter__(self):
+        if self._resume is not None:
+            epoch_rng, epoch_generators, consumed, now = self._resume
+            self._resume = None
+            set_rng_state(epoch_rng)
+            generators = self._generators()
+            if epoch_generators is None:  # a checkpoint written before sampler generators were saved
+                if generators:
+                    logger.warning("the checkpoint's data position lacks the sampler's generator state: the data "
+                                   "order of this pass may differ from the interrupted run's")
+            elif len(generators) != len(epoch_generators):
+                raise ValueError(f"the checkpoint's data position holds {len(epoch_generators)} sampler generator "
+                                 f"states, this run's data loader has {len(generators)} (another number of "
+                                 "processes?)")
+            else:
+                for gen, state in zip(generators, epoch_generators):
+                    gen.set_state(state)
+            self.epoch_rng, self.epoch_generators, self.consumed = epoch_rng, epoch_generators, 0
+            it = iter(self.loader)
+            for _ in range(consumed):
+                next(it)
+                self.consumed += 1
+            set_rng_state(now)
+        else:
+            self.epoch_rng, self.consumed = rng_state(), 0
+            self.epoch_generators = [g.get_state() for g in self._generators()]
+            it = iter(self.loader)
+        for batch in it:
+            self.consumed += 1
+            yield batch
+
+    def state(self) -> dict:
+        return {"epoch_rng": self.epoch_rng, "epoch_generators": self.epoch_generators, "consumed": self.consumed,
+                "now": rng_state()}
+
+    def resume_from(self, state: dict) -> None:
+        self._resume = (state["epoch_rng"], state.get("epoch_generators"), state["consumed"], state["now"])
+
+
+class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
+    """The PPO engine (`rlhf_trl.ppo_engine.PPOEngine`) plus resumable, atomic checkpoints with the value model, KL
+    control, divergence checks and sample tables. See the module docstring."""
+
+    def __init__(self, *args, script_args, recipe_configs: tuple = (), stock_generation_config=None, **kwargs):
+        """``script_args``: the recipe's `rlhf_trl.ppo_config.PPOScriptArguments`; ``recipe_configs``: the dataclasses
+        saved as each checkpoint's ``run_config.yaml``; ``stock_generation_config``: saved with the merged policies
+        (`deployable_generation_config`). The rest: `PPOEngine`'s arguments."""
+        super().__init__(*args, **kwargs)
+        self.stock_generation_config = stock_generation_config
+        self.script_args = script_args
+        self.reward_baseline = 0.0
+        self.recipe_configs = recipe_configs
+        self.dataloader = ResumableLoader(self.dataloader)
+        every = self.script_args.log_samples_every
+        if every and every > 0:
+            self.args.num_sample_generations = max(1, self.args.num_sample_generations or 1)
+            self.sample_generations_freq = every
+        else:
+            self.args.num_sample_generations = 0
+        self.kl_controller = None
+        if self.script_args.kl_target is not None:
+            self.kl_controller = AdaptiveKLController(
+                self.args.kl_coef, self.script_args.kl_target, self.script_args.kl_horizon
+            )
+
+    # -- logging: KL control, divergence check -------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "objective/kl" in logs:
+            # a variance over one statistic (one micro-batch, one mini-batch, one PPO epoch) is NaN by definition
+            bad = sorted(k for k, v in logs.items()
+                         if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_var"))
+            if bad:
+                last = self._last_checkpoint()
+                raise TrainingDivergedError(
+                    f"non-finite {', '.join(bad)} at update {self.state.global_step} (episode {self.state.episode}); "
+                    f"nothing was saved for this update; last good checkpoint: {last or 'none yet'}"
+                )
+            if logs["objective/kl"] < -1e-3:  # below rounding noise
+                logger.warning(
+                    "update %d: mean KL to the reference is negative (%.4f): the rollouts are not samples of the "
+                    "policy (check temperature / generation settings) or the estimate is noisy (use kl_estimator k3)",
+                    self.state.global_step, logs["objective/kl"],
+                )
+            logs["objective/kl_coef"] = self.args.kl_coef
+            if self.kl_controller is not None:
+                self.args.kl_coef = self.kl_controller.update(logs["objective/kl"], self.args.batch_size)
+            every = max(1, int(self.state.logging_steps or 1))  # the engine logs every update: honour logging_steps
+            step = self.state.global_step
+            if step % every and step < self.state.max_steps:  # the last update is always logged
+                return
+        super().log(logs, start_time)
+
+    def _last_checkpoint(self) -> str | None:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        return get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+
+    # -- sample tables -------------------------------------------------------------------------------------------
+    def generate_completions(self, sampling: bool = False):
+        """Sample one eval batch (near-greedy, temperature 0.01), score it and log query / response / score / reward.
+
+        Runs under `preserved_rng`, and hands accelerate's gradient state back to the prompt loader (``end()`` of
+        the eval loader when the loop is left early: a loader left mid-iteration stays accelerate's active loader,
+        and the optimizer's accumulation syncs early at the end of the active loader's pass, so a sample table used to
+        change how the next update that ends a pass over the prompts steps the optimizer, and a resumed run, which
+        had not sampled yet, stepped differently). Sample tables never change the training run.
+        """
+        if self.eval_dataloader is None:
+            return
+        tok = self.processing_class
+        pad = tok.pad_token_id
+        gen_config = sampling_config(self.args, self.eos_token_ids, pad, temperature=0.01)
+        rows = []
+        loader = self.eval_dataloader
+        with preserved_rng(), _ended(loader):
+            for batch in loader:
+                query = batch["input_ids"]
+                context = query.shape[1]
+                with self.generation_policy() as policy:
+                    query_response, _ = generate_rollouts(policy, query, pad, gen_config, query.shape[0])
+                response = query_response[:, context:]
+                if self.eos_token_ids is not None:
+                    response = truncate_at_eos(response, self.eos_token_ids, pad)
+                with torch.no_grad(), self.reward_weights() as reward_model:
+                    if reward_model is not None:
+                        reward = sequence_scores(reward_model, torch.cat((query, response), 1), pad, context)
+                    else:
+                        reward = torch.zeros(len(query))
+                for q, r, s in zip(
+                    tok.batch_decode(query, skip_special_tokens=True),
+                    tok.batch_decode(response, skip_special_tokens=True),
+                    reward.float().cpu().tolist(),
+                ):
+                    rows.append({"step": self.state.global_step, "query": q, "response": r,
+                                 "score": s + self.reward_baseline, "reward": s})
+                if sampling:
+                    break
+        if self.accelerator.num_processes > 1:  # each process sampled its shard of the eval prompts
+            from accelerate.utils import gather_object
+
+            rows = gather_object(rows)
+        if not self.accelerator.is_main_process or not rows:
+            return
+        lines = [f"samples at update {self.state.global_step} (score = RM score, reward = score - baseline):"]
+        for row in rows[:4]:
+            lines.append(f"  {row['query']!r} -> {row['response']!r}  score={row['score']:.3f} reward={row['reward']:.3f}")
+        logger.info("\n".join(lines))
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def checkpoint_extras(self, checkpoint_dir: str) -> None:
+        """What the Trainer's checkpoint files lack: value model, merged policy, data position, baseline / KL state,
+        recipe."""
+        self._save_extras(checkpoint_dir, self.dataloader.state(), merged=self.script_args.save_merged_checkpoints)
+
+    def _save_extras(self, ckpt: str, data_state: dict | None, merged: bool) -> None:
+        rank = self.accelerator.process_index
+        if data_state is not None and rank > 0:  # each process's own data position and RNG state
+            os.makedirs(ckpt, exist_ok=True)
+            torch.save(data_state, os.path.join(ckpt, _data_state_name(rank)))
+        if not self.args.should_save:  # under `accelerate launch`, the main process writes the other extras
+            return
+        unwrapped = self.unwrapped
+        unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
+        if merged:
+            from peft import PeftModel
+
+            policy = unwrapped.policy
+            if isinstance(policy, PeftModel):
+                policy = copy.deepcopy(policy).merge_and_unload()
+            with deployable_generation_config(policy, self.stock_generation_config):
+                policy.save_pretrained(os.path.join(ckpt, "merged"), safe_serialization=True)
+            self.processing_class.save_pretrained(os.path.join(ckpt, "merged"))
+        if data_state is not None:
+            torch.save(data_state, os.path.join(ckpt, "data_state.pt"))
+        write_json(os.path.join(ckpt, "reward_baseline.json"), {"reward_baseline": self.reward_baseline,
+                                                                "kl_coef": self.args.kl_coef})
+        if self.recipe_configs:
+            save_recipe(ckpt, *self.recipe_configs)
+
+    # -- resume --------------------------------------------------------------------------------------------------
+    def restore(self, ckpt: str) -> int:
+        """Continue the run of ``ckpt`` (a ``checkpoint-N`` directory) exactly: policy (adapter or full weights),
+        value model, optimizer, scheduler, step / episode counters and log history, KL coefficient, data position
+        and RNG state. Returns the number of updates done.
+
+        Raises:
+            FileNotFoundError: the checkpoint lacks a file needed to resume.
+            ValueError: the checkpoint belongs to a run with another number of updates, or has none left.
+        """
+        from peft import PeftModel, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        needed = ["optimizer.pt", "scheduler.pt", "trainer_state.json", "data_state.pt", "value_model"]
+        missing = [n for n in needed if not os.path.exists(os.path.join(ckpt, n))]
+        if missing:
+            raise FileNotFoundError(f"cannot resume from {ckpt}: missing {missing}")
+        unwrapped = self.unwrapped
+        _load_weights(unwrapped.policy, ckpt, PeftModel, set_peft_model_state_dict, load_file)
+        _load_weights(unwrapped.value_model, os.path.join(ckpt, "value_model"), PeftModel,
+                      set_peft_model_state_dict, load_file)
+        self.optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=True))
+        saved = OnlineTrainerState.load_from_json(os.path.join(ckpt, "trainer_state.json"))
+        extras = json.load(open(os.path.join(ckpt, "reward_baseline.json"))) if os.path.exists(
+            os.path.join(ckpt, "reward_baseline.json")) else {}
+        if "kl_coef" in extras:
+            self.args.kl_coef = extras["kl_coef"]
+            if self.kl_controller is not None:
+                self.kl_controller.value = extras["kl_coef"]
+        total = self.args.num_total_batches
+        done = saved.global_step
+        planned = getattr(saved, "max_steps", 0) or total
+        if planned != total:  # the learning-rate schedule and the data order were laid out for the saved run
+            raise ValueError(f"{ckpt} belongs to a run of {planned} updates; this recipe makes {total} (total_episodes "
+                             "/ effective batch): resume with the same total_episodes and batch sizes, or start afresh")
+        if done >= total:
+            raise ValueError(f"{ckpt} is at update {done}; the recipe has {total} updates: nothing left to run")
+        self.state.global_step = done
+        self.state.episode = getattr(saved, "episode", 0) or done * self.args.batch_size
+        self.state.log_history = saved.log_history
+        data_state = os.path.join(ckpt, _data_state_name(self.accelerator.process_index))
+        if not os.path.exists(data_state):
+            raise FileNotFoundError(f"cannot resume from {ckpt}: missing {os.path.basename(data_state)} (the "
+                                    "checkpoint was written by fewer processes than this run has)")
+        self.dataloader.resume_from(torch.load(data_state, weights_only=False))
+        if self.accelerator.is_main_process:
+            drop_later_samples(self.args.output_dir, done)
+        logger.info("resuming from %s at update %d of %d (episode %d)", ckpt, done, total, self.state.episode)
+        return done
+
+
+@contextmanager
+def _ended(loader):
+    """Run a loop over the accelerate-prepared ``loader``, then take it off accelerate's gradient state (its
+    ``end()``, which a loop left with ``break`` never reaches; harmless after a complete pass)."""
+    try:
+        yield
+    finally:
+        if hasattr(loader, "end"):
+            loader.end()
+
+
+def drop_later_samples(output_dir: str, step: int) -> None:
+    """Resume from update ``step``: keep the sample tables of updates <= ``step`` in ``samples.jsonl`` (the run
+    writes later ones again) and drop a line torn by a kill."""
+    path = os.path.join(output_dir, "samples.jsonl")
+    if not os.path.exists(path):
+        return
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("step", 0) <= step:
+                rows.append(row)
+    write_jsonl(path, rows)
+
+
+def _data_state_name(rank: int) -> str:
+    """The file of a process's data position and RNG state in a checkpoint (process 0: ``data_state.pt``)."""
+    return "data_state.pt" if rank == 0 else f"data_state_rank{rank}.pt"
+
+
+def _load_weights(model, folder, PeftModel, set_peft_model_state_dict, load_file) -> None:
+    """Load a policy / value model's trainable weights saved by ``save_pretrained`` in ``folder``."""
+    if isinstance(model, PeftModel):
+        set_peft_model_state_dict(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
+        return
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        state = load_file(single)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {k for k in missing if "lm_head" in k}
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"{folder}: weights do not match the model (missing {missing}, unexpected {unexpected})")
+    else:
+        from transformers.trainer_utils import load_sharded_checkpoint
+
+        load_sharded_checkpoint(model, folder, strict=False)
+
+
+@contextmanager
+def deployable_generation_config(policy, stock):
+    """Save ``policy`` (a causal LM or a peft model on one) with the generation config it came with (``stock``, from
+    `rollout_generation_config`) instead of PPO's sampling config; put PPO's back after."""
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    if stock is None:
+        yield
+        return
+    current, base.generation_config = base.generation_config, stock
+    try:
+        yield
+    finally:
+        base.generation_config = current

@@ -1,0 +1,177 @@
+"""The reward model as PPO reads it: its score shifted by the baseline, shared with the value model's weights, or
+kept on disk between rollouts; and the 'auto' baseline's calibration.
+
+Each wrapper keeps what `rlhf_trl.scoring.sequence_scores` reads: ``base_model_prefix`` naming a backbone and a
+``score`` head ``[batch, seq_len, hidden] -> [batch, seq_len, 1]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .ppo_config import sampling_config
+from .scoring import generate_rollouts, preserved_rng, sequence_scores, truncate_at_eos
+
+logger = logging.getLogger(__name__)
+
+OFFLOAD_PREFIX = ".tmp-offload-"
+
+
+class BaselineShiftedScore(nn.Module):
+    """Wraps a reward model's ``score`` head so that it returns ``score(hidden) - baseline``.
+
+    The engine reads rewards as ``reward_model.score(hidden_states)`` at the last non-pad token
+    (`rlhf_trl.scoring.sequence_scores`); replacing the head is how the baseline reaches it.
+    Input ``[batch, seq_len, hidden]``, output ``[batch, seq_len, 1]``.
+    """
+
+    def __init__(self, score: nn.Module, baseline: float):
+        super().__init__()
+        self.inner = score
+        self.register_buffer("baseline", torch.tensor(float(baseline)), persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.inner(hidden_states) - self.baseline.to(hidden_states.dtype)
+
+
+def apply_reward_baseline(reward_model, baseline: float):
+    """Freeze ``reward_model``, put it in eval mode and shift its score head by ``-baseline``. Returns the model."""
+    reward_model.eval()
+    reward_model.requires_grad_(False)
+    if isinstance(reward_model.score, BaselineShiftedScore):
+        reward_model.score = reward_model.score.inner
+    if baseline:
+        reward_model.score = BaselineShiftedScore(reward_model.score, baseline)
+    return reward_model
+
+
+class SharedBaseRewardModel(nn.Module):
+    """The reward model read off the value model's weights: the value model's base with its LoRA adapter (and
+    trained value head) switched off, plus the reward model's own frozen score head.
+
+    Built by ``share_reward_value_base: true``: the value model is ``get_peft_model(reward_model, LoRA SEQ_CLS)``,
+    which wraps the reward model's modules in place, so without this the reward model would hold a second full
+    copy of the same weights. ``backbone(input_ids=[batch, seq_len], attention_mask=..., ...)`` runs under
+    ``value_model.disable_adapter()``.
+
+    The value model is deliberately not a submodule (``.eval()``, ``requires_grad_(False)`` and device moves of
+    the reward model must not reach the trainable adapter); only the original score head is.
+
+    Raises:
+        ValueError: ``value_model`` is not a peft sequence-classification model with a wrapped ``score`` head.
+    """
+
+    base_model_prefix = "backbone"
+
+    def __init__(self, value_model):
+        super().__init__()
+        from peft import PeftModel
+
+        if not isinstance(value_model, PeftModel):
+            raise ValueError("share_reward_value_base needs the value model to be a LoRA (peft) model")
+        inner = value_model.get_base_model()
+        head = getattr(inner, "score", None)
+        if head is None or not hasattr(head, "original_module"):
+            raise ValueError("share_reward_value_base: the value model has no adapter-wrapped `score` head "
+                             "(LoRA task_type must be SEQ_CLS)")
+        object.__setattr__(self, "_value_model", value_model)  # not registered: see the class docstring
+        object.__setattr__(self, "_backbone", getattr(inner, inner.base_model_prefix))
+        self.score = head.original_module  # the reward model's own head, frozen
+        self.config = inner.config
+
+    def backbone(self, **kwargs):
+        """The shared transformer with the value model's adapter off: the reward model's forward."""
+        with self._value_model.disable_adapter():
+            return self._backbone(**kwargs)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Per-token reward logits ``[batch, seq_len, 1]`` (the score at the last real token is the reward)."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        return self.score(hidden)
+
+
+class OffloadedWeights:
+    """A frozen module whose parameters live in a safetensors file between uses (``offload_reward_model``).
+
+    The parameters are written once to ``path`` and their storage is released (each becomes an empty tensor); inside
+    ``with offloaded.loaded():`` they are read back (``safetensors.torch.load_file``), bit for bit, and released
+    again on exit. Buffers (rotary frequencies, ...) stay in memory. Shared (tied) parameters are stored once.
+
+    Raises:
+        ValueError: a parameter that is not a plain floating-point tensor (a quantized model).
+    """
+
+    def __init__(self, module: nn.Module, path: str):
+        from safetensors.torch import save_file
+
+        self.module, self.path = module, path
+        self.params = dict(module.named_parameters())  # remove_duplicate: a tied parameter once
+        bad = [n for n, p in self.params.items() if type(p) is not nn.Parameter or not p.is_floating_point()]
+        if bad:
+            raise ValueError(f"offload_reward_model: the reward model has quantized or non-float weights ({bad[0]}); "
+                             "set `offload_reward_model: false`")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        save_file({n: p.detach().contiguous() for n, p in self.params.items()}, path)
+        self.release()
+
+    def release(self) -> None:
+        for p in self.params.values():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def read(self) -> None:
+        """Read the weights back from the file onto their devices."""
+        from safetensors.torch import load_file
+
+        for name, tensor in load_file(self.path).items():
+            self.params[name].data = tensor.to(self.params[name].device)
+
+    @contextmanager
+    def loaded(self):
+        self.read()
+        try:
+            yield self.module
+        finally:
+            self.release()
+
+    def restore(self) -> None:
+        """Read the weights back for good and delete the file (the module is an ordinary module again)."""
+        self.read()
+        os.remove(self.path)
+
+
+@torch.no_grad()
+def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset, args, batches: int,
+                              eos_ids: list[int] | None = None) -> float:
+    """Mean RM score (reward units) of SFT-policy rollouts on ``batches`` batches of ``per_device_train_batch_size``
+    prompts (``dataset`` rows of ``input_ids``), as PPO would sample them (``reward_baseline: auto``).
+
+    Uses the engine's rollout (`generate_rollouts`, `sequence_scores`) with the recipe's temperature and
+    ``response_length``, responses cut after their first EOS (any of ``eos_ids``, default the tokenizer's); runs
+    under `preserved_rng`, seeded with ``args.seed``.
+    """
+    from transformers import DataCollatorWithPadding
+
+    collator = DataCollatorWithPadding(tokenizer)
+    eos_ids = eos_ids or [tokenizer.eos_token_id]
+    gen = sampling_config(args, eos_ids, tokenizer.pad_token_id)
+    size = args.per_device_train_batch_size
+    scores = []
+    with preserved_rng():
+        torch.manual_seed(args.seed)
+        for b in range(batches):
+            rows = [{"input_ids": dataset[i]["input_ids"]} for i in range(b * size, min(len(dataset), (b + 1) * size))]
+            if not rows:
+                break
+            query = collator(rows)["input_ids"].to(policy.device)
+            qr, _ = generate_rollouts(policy, query, tokenizer.pad_token_id, gen, len(rows))
+            response = truncate_at_eos(qr[:, query.shape[1]:], eos_ids, tokenizer.pad_token_id)
+            scores.append(sequence_scores(reward_model, torch.cat((query, response), 1), tokenizer.pad_token_id,
+                                          query.shape[1]).float().cpu())
+    value = float(torch.cat(scores).mean())
+    logger.info("reward_baseline auto: mean RM score %.4f over %d SFT rollouts", value, sum(len(s) for s in scores))
+    return value
