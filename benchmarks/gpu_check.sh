@@ -7,7 +7,8 @@
 #
 # On the device machine (one H200, no network; python3 there has torch, accelerate, peft, pyyaml, ... but no trl or
 # datasets, and an older transformers): the full check took over 7 minutes on an H200 (PPO ~85-99 s per update at the
-# recipe's micro-batches of 4; README "GPU check"), `--steps 2 --ppo_steps 2 --response_length 32` about 2 minutes:
+# recipe's micro-batches of 4; benchmarks/HISTORY.md, GPU check), `--steps 2 --ppo_steps 2 --response_length 32`
+# about 2 minutes:
 #   1. here, once: benchmarks/fetch_wheels.sh
 #      (downloads trl 1.16.0, transformers, datasets, peft, dill, multiprocess wheels for CPython 3.12 into .whl/,
 #      ~16 MB, ignored by git)

@@ -3,8 +3,8 @@
 Live while trl 1.12.0 is installed (both trainers run from the same seed and sample the same tokens); always against
 the trajectory TRL 1.12 recorded in tests/fixtures/ppo_oracle.pt (regenerate: ``python benchmarks/ppo_oracle.py
 --out tests/fixtures/ppo_oracle.pt`` in a venv with trl==1.12.0), the engine then replaying TRL's rollouts.
-The setup (tiny Qwen2 in float64, LoRA policy, full value model, 2 PPO epochs x 2 mini-batches x 2 micro-batches,
-missing-EOS penalty, k1 KL) is in benchmarks/ppo_oracle.py.
+The setup (tiny Qwen2 in float64, LoRA policy, full value model, 8 episodes per update in 2 PPO epochs x 2
+mini-batches of one micro-batch of 4, missing-EOS penalty, k1 KL) is in benchmarks/ppo_oracle.py.
 """
 
 import sys
