@@ -190,7 +190,7 @@ def run_engine(init: dict, workdir: str, replay: dict | None = None) -> dict:
             assert torch.equal(qr[:, :queries.shape[1]], queries), "replayed rollouts belong to other prompts"
             with torch.no_grad():
                 lp = ppo_engine.response_logprobs(policy_model, qr, queries.shape[1], pad_token_id,
-                                                  args.temperature)
+                                                  args.temperature + 1e-7)  # the engine's (TRL 1.12's) divisor
             return qr, lp
 
         ppo_engine.generate_rollouts = replayed
