@@ -19,6 +19,7 @@ reference prepared for inference; ZeRO-3 gathers the policy for generation) or F
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import os
@@ -75,15 +76,15 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def _fp32(accelerator):
-    """What `accelerate` does to a prepared model's outputs under mixed precision: fp32 (identity without it)."""
+    """What `accelerate` does to a prepared model's outputs under mixed precision: fp32 (else the identity)."""
     return (lambda t: t.float()) if accelerator.native_amp else (lambda t: t)
 
 
 class PPOEngine(Trainer):
     """PPO of a policy (plus value model) against a reward model and/or reward functions; see the module docstring.
 
-    Subclasses `transformers.Trainer` for its optimizer / scheduler construction, logging, callbacks and checkpoint
-    writing; ``Trainer.__init__`` is not run (it would wrap a single model), the attributes it sets are set here.
+    A `transformers.Trainer` for its optimizer, scheduler, logging, callbacks and checkpoint writing, whose
+    ``__init__`` is not run (it would wrap a single model): `_set_trainer_machinery` sets what it would.
 
     Args:
         args: `PPOConfig` (its values are checked when it is made).
@@ -92,11 +93,10 @@ class PPOEngine(Trainer):
         ref_model: the reference, or None (a peft policy: the adapter is disabled; else a frozen copy is made).
         reward_model: a sequence classifier, or None when ``reward_functions`` give all the reward.
         value_model: a sequence classifier (or peft model on one).
-        train_dataset / eval_dataset: rows of ``input_ids`` (prompts); an optional ``row`` column indexes
-            ``reward_columns`` for reward functions.
+        train_dataset / eval_dataset: rows of ``input_ids`` (prompts; an optional ``row`` for ``reward_columns``).
         eos_token_ids: ids that end a response (default: the tokenizer's EOS; None with ``stop_token`` unset).
-        reward_functions: a `rlhf_trl.rewards.RewardFunctions` (or None), called with decoded prompts and
-            completions; ``reward_columns(rows)`` gives its keyword columns for dataset row indices.
+        reward_functions: a `rlhf_trl.rewards.RewardFunctions` (or None) of decoded prompts and completions, with
+            ``reward_columns(rows)`` as keyword columns.
 
     Raises:
         ValueError: the reference is the policy itself; ``offload_reward_model`` under DeepSpeed / FSDP or with a
@@ -118,8 +118,6 @@ class PPOEngine(Trainer):
         model.generation_config.eos_token_id = self.eos_token_ids
         self.is_peft_model = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
         if ref_model is None and not self.is_peft_model:
-            import copy
-
             ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.ref_model, self.reward_model, self.value_model = ref_model, reward_model, value_model
         self.reward_functions, self.reward_columns = reward_functions, reward_columns
@@ -230,14 +228,9 @@ class PPOEngine(Trainer):
     def unwrapped(self) -> PolicyAndValue:
         return self.accelerator.unwrap_model(self.model)
 
-    @contextmanager
     def reward_weights(self):
-        """The reward model (None without one), its weights read back for the block with ``offload_reward_model``."""
-        if self.reward_offload is None:
-            yield self.reward_model
-        else:
-            with self.reward_offload.loaded() as model:
-                yield model
+        """The reward model (None without one) for a ``with`` block, its weights read back for it when offloaded."""
+        return nullcontext(self.reward_model) if self.reward_offload is None else self.reward_offload.loaded()
 
     @contextmanager
     def reference(self):
@@ -340,14 +333,12 @@ class PPOEngine(Trainer):
     def value_step(self, ro: dict, order: np.ndarray) -> list[dict]:
         """The value model's part of an update with ``single_value_forward`` (1 epoch, 1 mini-batch, one process).
 
-        For each micro-batch of ``order`` (the epoch's shuffle, so the micro-batches are `optimise`'s), one forward
-        with gradient gives the values ``[micro, R]`` (written into ``ro["values"] [b, R]``), their GAE returns (from
-        the micro-batch's own rewards: returns need no whitening) and the value loss, back-propagated at once (scaled
-        by ``vf_coef``). Then AdamW steps the value model's parameters and their gradients are freed, before the
-        policy's forward: the policy's parameters have no gradient yet, so the step skips them, and each parameter's
-        AdamW update is its own, so the update equals one step after both backward passes. Same gradient as TRL
-        1.12's second value forward (the weights have not moved since the rollout, so the clipped term equals the
-        unclipped one). Returns each micro-batch's value-loss statistics (`ppo_math.value_loss`).
+        For each micro-batch of ``order`` (`optimise`'s), one forward with gradient gives the values ``[micro, R]``
+        (into ``ro["values"] [b, R]``), their GAE returns and the value loss, back-propagated at once (x ``vf_coef``);
+        then AdamW steps the value model alone and its gradients are freed before the policy's forward. Each
+        parameter's AdamW update is its own, so this equals TRL 1.12's one step after a second value forward (the
+        weights have not moved since the rollout: the clipped term equals the unclipped one). Returns each
+        micro-batch's value-loss statistics (`ppo_math.value_loss`).
         """
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
         context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
@@ -405,11 +396,9 @@ class PPOEngine(Trainer):
         """Forward and backward of one micro-batch ``idx``: the clipped policy loss plus ``vf_coef`` x the clipped
         value loss (`ppo_math.policy_loss`, `ppo_math.value_loss`); returns their statistics and the entropy
         ``[b, R]``. ``value`` false (`value_step` did the value model's part): the policy's alone, value stats None.
-
         In one process (no DDP / DeepSpeed / FSDP wrapper) the two losses, which share no parameters, are
-        back-propagated one after the other: only one model's activations are alive at a time, and every gradient
-        is the same sum as TRL's single backward of ``pg_loss + vf_coef * vf_loss``. Wrapped models take TRL's
-        single forward and backward through the wrapper (DDP synchronises once per backward)."""
+        back-propagated one after the other (one model's activations alive at a time; the same gradient sums as
+        TRL's single backward); a wrapped model takes TRL's single forward and backward through the wrapper."""
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
         ids, mask, mask_p1 = ro["query_responses"][idx], adv["padding_mask"][idx], adv["padding_mask_p1"][idx]
 
@@ -456,18 +445,15 @@ class PPOEngine(Trainer):
             "objective/non_score_reward": g(non_score).mean().item(),
             "objective/rlhf_reward": g(non_score + ro["scores"].mean()).mean().item(),
             "objective/scores": g(ro["scores"].mean()).mean().item(),
-            "policy/approxkl_avg": g(stats["approxkl"]).mean().item(),
-            "policy/clipfrac_avg": g(stats["pg_clipfrac"]).mean().item(),
-            "loss/policy_avg": g(stats["pg_loss"]).mean().item(),
-            "loss/value_avg": g(stats["vf_loss"]).mean().item(),
-            "val/clipfrac_avg": g(stats["vf_clipfrac"]).mean().item(),
-            "policy/entropy_avg": g(stats["entropy"]).mean().item(),
-            "val/ratio": g(stats["ratio"]).mean().item(),
-            "val/ratio_var": g(stats["ratio"]).var().item(),
-            "val/num_eos_tokens": int(g(eos_mask(ro["responses"], self.eos_token_ids).sum()).sum().item())
-            if self.eos_token_ids is not None else 0,
-            "val/eos_rate": g(ro["ended"].float().mean()).mean().item(),
         }
+        for name, key in (("policy/approxkl_avg", "approxkl"), ("policy/clipfrac_avg", "pg_clipfrac"),
+                          ("loss/policy_avg", "pg_loss"), ("loss/value_avg", "vf_loss"),
+                          ("val/clipfrac_avg", "vf_clipfrac"), ("policy/entropy_avg", "entropy"), ("val/ratio", "ratio")):
+            metrics[name] = g(stats[key]).mean().item()
+        metrics["val/ratio_var"] = g(stats["ratio"]).var().item()
+        metrics["val/num_eos_tokens"] = (int(g(eos_mask(ro["responses"], self.eos_token_ids).sum()).sum().item())
+                                         if self.eos_token_ids is not None else 0)
+        metrics["val/eos_rate"] = g(ro["ended"].float().mean()).mean().item()
         for name, values in ro["fn_values"].items():
             metrics[f"objective/reward_fn/{name}"] = g(values.to(self.accelerator.device).float().mean()).mean().item()
         metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
