@@ -1,34 +1,25 @@
 """Baichuan / Baichuan2 remote-code models made usable by TRL on transformers 5 (SFT, reward model, PPO).
 
-Reached through `rlhf_trl.models` only when a recipe sets ``trust_remote_code: true`` and the model directory's
-``config.json`` has ``model_type: baichuan``: the Python files shipped next to the weights (``modeling_baichuan.py``,
-``tokenization_baichuan.py``, ``configuration_baichuan.py``) run in this process.
+Used by `rlhf_trl.models` when a recipe sets ``trust_remote_code: true`` and ``config.json`` has ``model_type:
+baichuan``: the ``*_baichuan.py`` files shipped with the weights run in this process. What this module adds:
 
-What the remote code lacks on transformers 5, and what this module does about it:
-
-- **Tokenizer init order.** ``BaichuanTokenizer.__init__`` calls ``super().__init__`` before it loads its
-  sentencepiece model, and the base ``__init__`` calls ``get_vocab()`` -> ``vocab_size`` -> ``self.sp_model``, which
-  fails (``TypeError: 'property' object cannot be interpreted as an integer`` / ``AttributeError``). `load_tokenizer`
-  uses a subclass that loads ``sp_model`` first and then runs the remote ``__init__`` unchanged.
-- **position_ids.** TRL's PPO passes ``position_ids`` to the policy, to the reward model's backbone and to the value
-  model's backbone; Baichuan's forwards have no such argument (they compute positions from the cache length).
-  Positions are dropped: Baichuan's rotary (7B) and ALiBi (13B) position encodings depend only on the distance
-  between tokens, and pads are hidden by the attention mask, so the shift that left padding causes changes nothing.
-  Other keywords the remote forward does not name (``cache_position``, ``logits_to_keep``, ...) are dropped too.
-- **No ``generate``.** The remote ``BaichuanForCausalLM`` derives from ``PreTrainedModel`` only. `load_causal_lm`
-  returns a subclass that mixes in `transformers.GenerationMixin` and drives the remote code's legacy KV cache (a
-  tuple of per-layer ``(key, value)``): transformers 5 would otherwise hand it a ``DynamicCache`` it cannot read.
+- **Tokenizer init order.** The remote ``__init__`` calls ``super().__init__`` (-> ``get_vocab()`` ->
+  ``self.sp_model``) before it loads its sentencepiece model, and fails (``TypeError`` / ``AttributeError``).
+  `load_tokenizer` uses a subclass that loads ``sp_model`` first, then runs the remote ``__init__`` unchanged.
+- **position_ids.** TRL's PPO passes ``position_ids`` to the policy and to the reward / value backbones; Baichuan's
+  forwards compute positions from the cache length. They are dropped: rotary (7B) and ALiBi (13B) encodings depend
+  only on token distance and pads are masked, so left padding changes nothing. Other keywords the remote forward
+  does not name (``cache_position``, ``logits_to_keep``, ...) are dropped too.
+- **No ``generate``.** `load_causal_lm` returns a subclass mixing in `transformers.GenerationMixin` that drives the
+  remote legacy KV cache (a tuple of per-layer ``(key, value)``), not a ``DynamicCache``.
 - **No sequence classifier.** `BaichuanForSequenceClassification`: the remote ``BaichuanModel`` as ``model`` and a
-  bias-free ``score`` Linear(hidden, 1), read at the last non-pad token (``config.pad_token_id``), as TRL's reward and
-  value models expect (``base_model_prefix = "model"``, ``model.score(hidden_states)``).
-- **Saving.** ``save_pretrained`` of both classes also copies the remote ``*.py`` files and keeps ``auto_map`` and
-  ``model_type`` in ``config.json``, so every saved stage output (SFT ``merged/``, RM ``merged/``, PPO ``merged/``,
-  ``value_model/``) is again a Baichuan remote-code directory. The tokenizer's ``save_pretrained`` does the same for
-  ``tokenization_baichuan.py`` and its ``auto_map``.
+  bias-free ``score`` Linear(hidden, 1) read at the last non-pad token, as TRL's reward and value models expect
+  (``base_model_prefix = "model"``, ``model.score(hidden_states)``).
+- **Saving.** ``save_pretrained`` (models and tokenizer) also copies the remote ``*.py`` files and keeps
+  ``auto_map`` / ``model_type``, so every stage output (``merged/``, ``value_model/``) is again a Baichuan directory.
 
-LoRA: the attention projections are ``W_pack`` (fused q/k/v) and ``o_proj``; the MLP has ``gate_proj``, ``up_proj``,
-``down_proj`` (``lora_target_modules: [W_pack, o_proj]`` or all five). With ``task_type=SEQ_CLS`` peft trains and
-saves ``score`` as a ``modules_to_save`` copy, as for any transformers classifier.
+LoRA targets: ``W_pack`` (fused q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``. With
+``task_type=SEQ_CLS`` peft trains and saves ``score`` as a ``modules_to_save`` copy.
 """
 
 from __future__ import annotations
@@ -59,9 +50,6 @@ CLASSIFIER_ARCH = "BaichuanForSequenceClassification"
 _SILENTLY_DROPPED = frozenset({"position_ids", "cache_position", "logits_to_keep", "num_items_in_batch"})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# remote code
-# ----------------------------------------------------------------------------------------------------------------
 def _remote_class(ref: str, path: str):
     """Import ``module.Class`` from the remote-code files in the local directory ``path``."""
     if not os.path.isfile(os.path.join(path, ref.split(".")[0] + ".py")):
@@ -98,9 +86,7 @@ def _code_files(directory: str) -> list[str]:
     """The top-level remote-code ``*.py`` files of a model directory or a dynamic-module cache directory."""
     if not directory or not os.path.isdir(directory):
         return []
-    return sorted(
-        os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".py") and f != "__init__.py"
-    )
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".py") and f != "__init__.py")
 
 
 def _copy_code(sources: list[str], save_directory: str) -> None:
@@ -111,6 +97,9 @@ def _copy_code(sources: list[str], save_directory: str) -> None:
 
 
 def _update_json(path: str, update) -> None:
+    """Apply ``update(data)`` to the JSON file ``path`` in place (nothing when it does not exist)."""
+    if not os.path.isfile(path):
+        return
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
     update(data)
@@ -133,10 +122,8 @@ def _legacy_past(past, cache):
     if isinstance(past, Cache):
         if past.get_seq_length() == 0:
             return None
-        raise ValueError(
-            "Baichuan remote code reads a legacy tuple KV cache, not a transformers Cache object; "
-            "generate with rlhf_trl.baichuan.load_causal_lm models (they manage the tuple cache)"
-        )
+        raise ValueError("Baichuan remote code reads a legacy tuple KV cache, not a transformers Cache object; "
+                         "generate with rlhf_trl.baichuan.load_causal_lm models (they manage the tuple cache)")
     if isinstance(past, (tuple, list)) and len(past) == 0:
         return None
     return past
@@ -160,13 +147,9 @@ def _warn_dropped(owner: str, key: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _tolerant_backbone_class(backbone_cls: type) -> type:
-    """A subclass of the remote ``BaichuanModel`` whose forward accepts (and drops) ``position_ids`` and friends.
-
-    TRL calls the reward / value backbone as ``backbone(input_ids=, attention_mask=, position_ids=, return_dict=True,
-    output_hidden_states=True, use_cache=False)``. ``position_ids`` are dropped even where the remote forward names
-    them (Baichuan-7B v1): the remote code then derives positions from the cache length, as the policy does (see the
-    module docstring). Same name as the remote class; no new state.
-    """
+    """A subclass of the remote ``BaichuanModel`` (same name, no new state) whose forward accepts and drops
+    ``position_ids`` and friends, even where the remote forward names them (Baichuan-7B v1): TRL calls the reward /
+    value backbone with ``position_ids`` (see the module docstring)."""
     if getattr(backbone_cls, "_rlhf_trl_tolerant", False):
         return backbone_cls
     named = _named_parameters(backbone_cls.forward)
@@ -201,11 +184,8 @@ def _record_code_dir(loaded, path) -> None:
 
 
 def _save_code_and_config(model: PreTrainedModel, save_directory: str, remote_classes: tuple) -> None:
-    """After ``save_pretrained``: copy the remote ``*.py`` next to the weights and keep ``auto_map`` / ``model_type``.
-
-    The files come from the directory the model was loaded from, else from the dynamic-module cache of its remote
-    classes (``remote_classes`` and the config class).
-    """
+    """After ``save_pretrained``: copy the remote ``*.py`` next to the weights (from the directory the model was
+    loaded from, else the dynamic-module cache of ``remote_classes``) and keep ``auto_map`` / ``model_type``."""
     files = _code_files(getattr(model, "_baichuan_code_dir", None))
     if not files:
         dirs = {os.path.dirname(inspect.getfile(c)) for c in (type(model.config), *remote_classes) if c is not None}
@@ -219,21 +199,13 @@ def _save_code_and_config(model: PreTrainedModel, save_directory: str, remote_cl
         data["auto_map"] = auto_map
         data["model_type"] = model.config.model_type
 
-    config_path = os.path.join(save_directory, "config.json")
-    if os.path.isfile(config_path):
-        _update_json(config_path, update)
+    _update_json(os.path.join(save_directory, "config.json"), update)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# tokenizer
-# ----------------------------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _fixed_tokenizer_class(remote_cls: type) -> type:
-    """Subclass of the remote ``BaichuanTokenizer`` that loads its sentencepiece model BEFORE the remote ``__init__``.
-
-    The remote ``__init__`` then runs unchanged (its ``super().__init__`` can call ``get_vocab()``) and loads the same
-    model again afterwards.
-    """
+    """Subclass of the remote ``BaichuanTokenizer`` that loads its sentencepiece model BEFORE the remote ``__init__``
+    (which then runs unchanged: its ``super().__init__`` can call ``get_vocab()``)."""
 
     def __init__(self, vocab_file, *args, sp_model_kwargs=None, **kwargs):
         import sentencepiece as spm
@@ -257,9 +229,7 @@ def _fixed_tokenizer_class(remote_cls: type) -> type:
                 if isinstance(getattr(self, key, None), bool):
                     data[key] = getattr(self, key)
 
-        config_path = os.path.join(save_directory, "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            _update_json(config_path, update)
+        _update_json(os.path.join(save_directory, "tokenizer_config.json"), update)
         return files
 
     def __reduce__(self):
@@ -273,9 +243,7 @@ def _fixed_tokenizer_class(remote_cls: type) -> type:
 
 def load_tokenizer(path: str):
     """The remote ``BaichuanTokenizer`` of ``path`` (slow, sentencepiece), with the init-order bug worked around.
-
-    Pad handling is left to `rlhf_trl.models.load_tokenizer` (Baichuan2 ships pad ``<unk>``, id 0, distinct from EOS
-    ``</s>``, id 2).
+    Pad handling is left to `rlhf_trl.models.load_tokenizer`.
 
     Raises:
         ValueError: the tokenizer has no EOS token.
@@ -296,12 +264,8 @@ def load_tokenizer(path: str):
     return tok
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# causal LM (policy)
-# ----------------------------------------------------------------------------------------------------------------
 class _KeepsRemoteCode:
-    """Loading records where the remote code came from; saving copies it (and ``auto_map``) next to the weights,
-    so every stage output is again a loadable Baichuan directory."""
+    """Loading records where the remote code came from; saving copies it (and ``auto_map``) next to the weights."""
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -344,18 +308,14 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
                 del kwargs[key]  # keep the remote defaults (False / False / True)
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
-    def prepare_inputs_for_generation(
-        self, input_ids, next_sequence_length=None, cache=None, attention_mask=None, inputs_embeds=None,
-        is_first_iteration=False, **kwargs,
-    ):
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
         """Feed only the tokens the legacy tuple cache has not seen (all of them on the first step)."""
         past = _legacy_past(kwargs.pop("past_key_values", None), cache)
         if past is not None:
             input_ids = input_ids[:, past[0][0].shape[2]:]
-        if inputs_embeds is not None and past is None:
-            model_inputs = {"inputs_embeds": inputs_embeds}
-        else:
-            model_inputs = {"input_ids": input_ids}
+        use_embeds = inputs_embeds is not None and past is None
+        model_inputs = {"inputs_embeds": inputs_embeds} if use_embeds else {"input_ids": input_ids}
         model_inputs.update({"past_key_values": past, "attention_mask": attention_mask,
                              "use_cache": kwargs.get("use_cache", True)})
         for key in ("output_attentions", "output_hidden_states"):
@@ -364,10 +324,8 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
         return model_inputs
 
     def _get_resized_lm_head(self, old_lm_head, new_num_tokens=None, transposed=False, mean_resizing=True):
-        """Baichuan2's ``NormHead`` is not an ``nn.Linear``: resize its ``weight`` ([vocab, hidden]) in a copy.
-
-        New rows are the mean of the old ones (``resize_for_tokenizer`` after a recipe adds a pad token).
-        """
+        """Baichuan2's ``NormHead`` is not an ``nn.Linear``: resize its ``weight`` ([vocab, hidden]) in a copy; new
+        rows are the mean of the old ones (``resize_for_tokenizer`` after a recipe adds a pad token)."""
         if isinstance(old_lm_head, nn.Linear) or new_num_tokens is None:
             return super()._get_resized_lm_head(old_lm_head, new_num_tokens, transposed, mean_resizing)
         old = old_lm_head.weight
@@ -403,18 +361,13 @@ def causal_lm_class(path: str) -> type:
 
 
 def load_causal_lm(path: str, dtype=None, **kwargs):
-    """The Baichuan causal LM of ``path``, usable as SFT model and PPO policy.
-
-    The returned model is an instance of a subclass of the remote ``BaichuanForCausalLM`` (same name, same weights
-    and module names) that accepts ``position_ids``, has ``generate`` (with the remote legacy KV cache) and saves its
-    remote code with its weights. ``kwargs`` (``quantization_config``, ``device_map``) go to ``from_pretrained``.
+    """The Baichuan causal LM of ``path`` (SFT model, PPO policy): a subclass of the remote ``BaichuanForCausalLM``
+    (same name, weights and module names) that accepts ``position_ids``, has ``generate`` and saves its remote code.
+    ``kwargs`` (``quantization_config``, ``device_map``) go to ``from_pretrained``.
     """
     return causal_lm_class(path).from_pretrained(path, dtype=dtype, **kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# sequence classifier (reward / value model)
-# ----------------------------------------------------------------------------------------------------------------
 class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
     """Baichuan backbone (``model``, the remote ``BaichuanModel``) + ``score`` = Linear(hidden, 1, bias=False).
 
@@ -422,9 +375,8 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
     (``config.pad_token_id``; the last position when it is None or when ``inputs_embeds`` are given). TRL's PPO
     uses ``model.model(...)`` (which accepts ``position_ids``) and ``model.score(hidden_states)`` directly.
 
-    The backbone class comes from the remote code: build it with `classifier_class` / `load_sequence_classifier`
-    (``config_class`` is then the remote ``BaichuanConfig``), or pass the ``config`` of a loaded Baichuan model (the
-    backbone is imported from the module next to the config's module).
+    Build it with `classifier_class` / `load_sequence_classifier`, or from the ``config`` of a loaded Baichuan model
+    (the backbone is then imported from the module next to the config's).
     """
 
     base_model_prefix = "model"
@@ -457,28 +409,13 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
     def set_input_embeddings(self, value):
         self.model.set_input_embeddings(value)
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
-        **kwargs,
-    ):
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            inputs_embeds=inputs_embeds,
-            use_cache=False,
-            output_attentions=bool(output_attentions),
-            output_hidden_states=bool(output_hidden_states),
-            return_dict=True,
-        )
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None, **kwargs):
+        """``logits`` ``[batch, 1]`` (the score at each row's last non-pad token); with ``labels`` ``[batch]`` also
+        an MSE ``loss``. ``position_ids`` and the cache are ignored (see the module docstring)."""
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                             use_cache=False, output_attentions=bool(output_attentions),
+                             output_hidden_states=bool(output_hidden_states), return_dict=True)
         hidden = outputs.last_hidden_state
         logits = self.score(hidden)  # [batch, seq_len, 1]
         batch = hidden.shape[0]
@@ -509,10 +446,8 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
 
 
 def _backbone_class_of(causal_cls: type, config) -> type:
-    """The class of the remote causal LM's backbone (``BaichuanModel``; ``Model`` in Baichuan-7B v1).
-
-    Found by building the (adapted) causal LM on the meta device: no memory, no weights, a few milliseconds.
-    """
+    """The class of the remote causal LM's backbone (``BaichuanModel``; ``Model`` in Baichuan-7B v1), found by
+    building the (adapted) causal LM on the meta device (no memory, no weights)."""
     adapted = causal_cls if issubclass(causal_cls, _BaichuanCausalLMAdapter) else _causal_lm_class(causal_cls)
     with torch.device("meta"):
         skeleton = adapted(copy.deepcopy(config))
@@ -521,10 +456,11 @@ def _backbone_class_of(causal_cls: type, config) -> type:
 
 
 def _backbone_class_next_to(config) -> type:
-    """Backbone class for a remote config built without `classifier_class`.
+    """Backbone class for a remote config built without `classifier_class`: works for a loaded model's
+    ``model.config`` (its class sits next to ``modeling_baichuan``), not for a config read on its own.
 
-    Works for configs of a loaded Baichuan model (``model.config``: its class sits next to ``modeling_baichuan``);
-    a config read on its own (``AutoConfig``) lives in a module without the model code.
+    Raises:
+        TypeError: no remote model code next to the config's module.
     """
     import importlib
 
@@ -534,10 +470,9 @@ def _backbone_class_next_to(config) -> type:
     try:
         causal_cls = getattr(importlib.import_module(f"{package}.{module_name}"), cls_name)
     except (ImportError, AttributeError):
-        raise TypeError(
-            "BaichuanForSequenceClassification(config) needs the remote Baichuan model code next to the config's "
-            "module: use rlhf_trl.baichuan.classifier_class(path)(config) or load_sequence_classifier(path)"
-        ) from None
+        raise TypeError("BaichuanForSequenceClassification(config) needs the remote Baichuan model code next to the "
+                        "config's module: use rlhf_trl.baichuan.classifier_class(path)(config) or "
+                        "load_sequence_classifier(path)") from None
     return _backbone_class_of(causal_cls, config)
 
 
@@ -557,11 +492,12 @@ def classifier_class(path: str) -> type:
 
 
 def load_sequence_classifier(path: str, dtype=None, **kwargs):
-    """A `BaichuanForSequenceClassification` (``num_labels=1``) from ``path``.
-
-    ``path`` is a Baichuan causal-LM directory (SFT output, base model: the backbone is loaded, ``lm_head`` ignored,
-    ``score`` newly initialized) or a saved classifier (reward model, value model: ``score`` restored). ``kwargs``
+    """A `BaichuanForSequenceClassification` (``num_labels=1``) from ``path``: a Baichuan causal-LM directory
+    (``lm_head`` ignored, ``score`` newly initialized) or a saved classifier (``score`` restored). ``kwargs``
     (``quantization_config``, ``device_map``) go to ``from_pretrained``.
+
+    Raises:
+        ValueError: weights other than ``score.weight`` are missing.
     """
     cls = classifier_class(path)
     model, info = cls.from_pretrained(path, dtype=dtype, num_labels=1, output_loading_info=True, **kwargs)

@@ -11,7 +11,10 @@ import struct
 import zipfile
 
 from . import faults
+from .config import RecipeError, RunArguments, check_output_dir
 from .faults import CheckpointWriteError
+from .merge import merge_adapter
+from .models import StageInputError, load_causal_lm, load_sequence_classifier, merge_and_save
 
 logger = logging.getLogger(__name__)
 
@@ -22,25 +25,17 @@ DAMAGED_PREFIX = "damaged-"  # damaged-checkpoint-N: set aside by a resume from 
 
 class AtomicCheckpointMixin:
     """Mixed into a `transformers.Trainer` subclass: each ``checkpoint-N`` is written under ``.tmp-checkpoint-N``
-    and renamed into place only when complete, so a killed run never leaves a half-written ``checkpoint-N``
-    (``get_last_checkpoint`` and ``resume_from_checkpoint=true`` only see complete ones).
-
+    and renamed into place only when complete, so a killed run never leaves a half-written ``checkpoint-N``.
     Subclasses add files with `checkpoint_extras`.
 
-    Under several processes (``accelerate launch``) every process calls ``_save_checkpoint`` (the trainer's save
-    runs collective operations and each process writes its own ``rng_state_<rank>.pth``); only the main process
-    clears the staging directory, writes the extras and renames, between barriers.
-
-    The last file written before the rename is ``manifest.json`` (`write_manifest`: every file's relative path and
-    size, all processes' files included), against which `checkpoint_problem` checks a checkpoint before a resume.
+    Every process calls ``_save_checkpoint`` (collective operations, per-rank ``rng_state_<rank>.pth``); only the
+    main process clears the staging directory, writes the extras, the ``manifest.json`` (`write_manifest`, checked by
+    `checkpoint_problem` before a resume) and renames, between barriers.
     """
 
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
-        """Write extra files into a checkpoint before it is renamed into place (default: nothing).
-
-        Called on every process; collective operations are allowed, files must be written by the main process
-        only (``self.args.should_save``).
-        """
+        """Write extra files into a checkpoint before it is renamed into place (default: nothing). Called on every
+        process (collective operations allowed); only the main process (``self.args.should_save``) writes files."""
 
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_utils import rotate_checkpoints
@@ -94,12 +89,9 @@ def remove_staging(output_dir: str) -> None:
 def start_run(training_args, run_args=None):
     """Checks every stage makes before it reads its inputs; nothing of an earlier run is changed here.
 
-    Resolves ``resume_from_checkpoint`` (``true`` -> the newest intact checkpoint, damaged newer ones named in a
-    warning: `resolve_resume`, `checkpoint_problem`), refuses to overwrite a finished run unless
-    ``overwrite_output_dir``, refuses to start afresh next to an unfinished run's checkpoints (damaged or not) unless
-    ``overwrite_output_dir``, and removes ``.tmp-checkpoint-*`` leftovers of a killed run (never a complete
-    checkpoint). The earlier run's checkpoints, logs and reports are removed later, by `begin_writing`, once the new
-    run has read and tokenized its data and loaded its models: bad input leaves them as they were.
+    Resolves ``resume_from_checkpoint`` (`resolve_resume`), refuses (unless ``overwrite_output_dir``) to overwrite a
+    finished run or to start afresh next to an unfinished run's checkpoints, and removes ``.tmp-checkpoint-*``
+    leftovers of a killed run. The earlier run's files are removed later, by `begin_writing`.
 
     Returns:
         ``(run_args, resume)``: the run arguments (defaults if None) and the checkpoint to resume from, or None.
@@ -108,8 +100,6 @@ def start_run(training_args, run_args=None):
         StageInputError: resume requested but no checkpoint, no intact one, or the named one damaged; RecipeError: a
         finished run, or an unfinished run's checkpoints (damaged or not), in the way.
     """
-    from .config import RecipeError, RunArguments, check_output_dir
-
     run_args = run_args or RunArguments()
     state = distributed_state(training_args)
     out = training_args.output_dir
@@ -117,10 +107,9 @@ def start_run(training_args, run_args=None):
     check_output_dir(out, run_args.overwrite_output_dir, bool(resume))
     earlier = [] if resume else complete_checkpoints(out)
     if earlier and not run_args.overwrite_output_dir:
-        raise RecipeError(
-            f"output_dir '{out}' holds checkpoints of an earlier, unfinished run ({os.path.basename(earlier[-1])}); "
-            "continue it with resume_from_checkpoint=true, or set `overwrite_output_dir: true` to start over"
-        )
+        raise RecipeError(f"output_dir '{out}' holds checkpoints of an earlier, unfinished run "
+                          f"({os.path.basename(earlier[-1])}); continue it with resume_from_checkpoint=true, or set "
+                          "`overwrite_output_dir: true` to start over")
     if state.is_main_process:
         remove_staging(out)
     state.wait_for_everyone()  # every process has checked the output_dir before any of them writes into it
@@ -128,11 +117,9 @@ def start_run(training_args, run_args=None):
 
 
 def begin_writing(training_args, run_args, resume) -> None:
-    """Call when the run has proven its inputs (recipe parsed, data read and tokenized, models loaded), right before
-    it starts to write: with ``overwrite_output_dir`` and no resume, the earlier run's checkpoints, logs and reports
-    go now (`remove_earlier_run`), not before, so a run that fails on its inputs changes nothing on disk. A resume
-    from an older checkpoint than the newest (the newer ones damaged) sets the damaged ones aside now
-    (`set_aside_damaged`)."""
+    """Call once the run has proven its inputs (data read, models loaded), right before it writes: with
+    ``overwrite_output_dir`` and no resume the earlier run's files go now (`remove_earlier_run`), so a run that fails
+    on its inputs changes nothing on disk; a resume sets newer damaged checkpoints aside (`set_aside_damaged`)."""
     state = distributed_state(training_args)
     if state.is_main_process and run_args.overwrite_output_dir and not resume:
         remove_earlier_run(training_args.output_dir)
@@ -141,26 +128,22 @@ def begin_writing(training_args, run_args, resume) -> None:
     state.wait_for_everyone()
 
 
-# what a run leaves besides its models; a fresh run over an old one removes them so none of them is mistaken for its
-# own (merged/, adapter/, value_model/ and run_config.yaml are replaced, atomically, when the new run saves)
+# what a run leaves besides its models (those are replaced atomically when the new run saves); a fresh run over an
+# old one removes them so none of them is mistaken for its own
 RUN_ARTIFACTS = ("runs", "eval.json", "eval_samples.jsonl", "report.md", "report", "samples.jsonl", "metrics.json",
                  "eval_metrics.json", "eval_pairs.jsonl", "log_history.json")
 
 
 def complete_checkpoints(output_dir: str) -> list[str]:
     """The ``checkpoint-N`` directories in ``output_dir``, oldest first."""
-    found = []
-    for path in glob.glob(os.path.join(output_dir, "checkpoint-*")):
-        suffix = os.path.basename(path)[len("checkpoint-"):]
-        if suffix.isdigit() and os.path.isdir(path):
-            found.append((int(suffix), path))
-    return [p for _, p in sorted(found)]
+    paths = glob.glob(os.path.join(output_dir, "checkpoint-*"))
+    found = [p for p in paths if checkpoint_step(p) is not None and os.path.isdir(p)]
+    return sorted(found, key=lambda p: (checkpoint_step(p), p))
 
 
 def remove_earlier_run(output_dir: str) -> None:
     """``overwrite_output_dir`` without resume: delete the earlier run's checkpoints (damaged ones set aside
-    included), logs and reports, so that ``resume_from_checkpoint=true``, the TensorBoard curves and ``rlhf-trl eval``
-    only ever see this run's."""
+    included), logs and reports (`RUN_ARTIFACTS`)."""
     damaged = sorted(glob.glob(os.path.join(output_dir, f"{DAMAGED_PREFIX}checkpoint-*")))
     stale = complete_checkpoints(output_dir) + damaged + [
         p for p in (os.path.join(output_dir, name) for name in RUN_ARTIFACTS) if os.path.exists(p)
@@ -176,26 +159,20 @@ def remove_earlier_run(output_dir: str) -> None:
 
 
 def distributed_state(training_args):
-    """The `accelerate.PartialState` of this run, set up the way the trainer will set it up (from ``use_cpu``,
-    ``ddp_backend``, ... of ``training_args``): under ``accelerate launch --num_processes N`` this joins the process
-    group (gloo on CPU). One process: a state with ``is_main_process`` True and a no-op ``wait_for_everyone``.
+    """The `accelerate.PartialState` of this run, set up as the trainer sets it up (under ``accelerate launch`` this
+    joins the process group); one process: ``is_main_process`` True and a no-op ``wait_for_everyone``.
 
     Raises:
-        RecipeError: the launcher started several processes (``WORLD_SIZE`` > 1) but they did not form one process
-            group, so each would train alone and all would write the same files (e.g. a GPU config on a machine
-            without GPUs and a recipe without ``use_cpu: true``).
+        RecipeError: several processes launched (``WORLD_SIZE`` > 1) did not form one process group (e.g. a GPU
+            config on a machine without GPUs and no ``use_cpu: true``).
     """
-    from .config import RecipeError
-
     training_args.device  # noqa: B018  (sets up PartialState / the process group, as the trainer does)
     state = getattr(training_args, "distributed_state", None)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if state is not None and launched > 1 and state.num_processes != launched:
-        raise RecipeError(
-            f"launched {launched} processes but they did not join one process group (this one sees "
-            f"{state.num_processes}); on a machine without GPUs set `use_cpu: true` in the recipe or launch with "
-            "ACCEL=multi_cpu (ACCELERATE_USE_CPU=true)"
-        )
+        raise RecipeError(f"launched {launched} processes but they did not join one process group (this one sees "
+                          f"{state.num_processes}); on a machine without GPUs set `use_cpu: true` in the recipe or "
+                          "launch with ACCEL=multi_cpu (ACCELERATE_USE_CPU=true)")
     return state if state is not None else _SingleProcess()
 
 
@@ -208,28 +185,24 @@ class _SingleProcess:
 
 
 def weights_are_sharded(trainer) -> bool:
-    """True when the trainer's model weights are split across processes (DeepSpeed ZeRO-3 or FSDP), so no single
-    process can merge or save them from its own copy."""
+    """True when the trainer's model weights are split across processes (DeepSpeed ZeRO-3 or FSDP)."""
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     return bool((plugin is not None and plugin.zero_stage == 3) or getattr(trainer, "is_fsdp_enabled", False))
 
 
 def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, base_path: str, kind: str):
-    """Write a stage's ``merged/`` model: a plain transformers model with the tokenizer. Call on every process.
+    """Write a stage's ``merged/`` model (plain transformers model + tokenizer). Call on every process.
 
-    - One copy of the weights per process (single process, DDP): the main process merges the LoRA adapter (if any)
-      into the trained model and saves it (`models.merge_and_save`); returns that model there.
-    - Weights sharded (ZeRO-3 / FSDP), full-parameter training: every process calls ``trainer.save_model`` into a
-      staging directory (it gathers the full weights: DeepSpeed needs ``zero3_save_16bit_model: true``, as in
-      ``recipes/accelerate_configs/zero3.yaml``); the main process adds the tokenizer and renames it into place.
-    - Weights sharded, LoRA: the adapter in ``adapter_dir`` (saved by ``trainer.save_model``) is merged into the base
-      at ``base_path`` loaded again on the CPU of the main process (`merge.merge_adapter`).
+    - Unsharded weights (one process, DDP): the main process merges the LoRA adapter (if any) and saves
+      (`models.merge_and_save`).
+    - Sharded (ZeRO-3 / FSDP), full-parameter: every process calls ``trainer.save_model`` into a staging directory
+      (DeepSpeed needs ``zero3_save_16bit_model: true``); the main process adds the tokenizer and renames it.
+    - Sharded, LoRA: the adapter in ``adapter_dir`` is merged into the base at ``base_path`` on the main process's
+      CPU (`merge.merge_adapter`); the result is loaded back from ``path`` (``kind``: ``causal_lm`` /
+      ``sequence_classifier``).
 
-    In the sharded cases the main process returns the merged model loaded from ``path`` (``kind``:
-    ``causal_lm`` / ``sequence_classifier``). Other processes return None.
+    Returns the merged model on the main process, None on the others.
     """
-    from .models import load_causal_lm, load_sequence_classifier, merge_and_save
-
     main = trainer.is_world_process_zero()
     if not weights_are_sharded(trainer):
         return merge_and_save(trainer.model, tokenizer, path) if main else None
@@ -245,8 +218,6 @@ def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, bas
                 shutil.rmtree(path)
             os.rename(staging, path)
     elif main:
-        from .merge import merge_adapter
-
         merge_adapter(adapter_dir, path, base=base_path)
     trainer.accelerator.wait_for_everyone()
     if not main:
@@ -254,49 +225,32 @@ def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, bas
     return (load_causal_lm if kind == "causal_lm" else load_sequence_classifier)(path)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# damaged checkpoints: a manifest at save time, an intactness check before a resume
-# ---------------------------------------------------------------------------------------------------------------------
+# -- damaged checkpoints: a manifest at save time, an intactness check before a resume ---------------------------------
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses larger headers
 
 
 def write_manifest(checkpoint_dir: str) -> None:
     """Write ``manifest.json`` into ``checkpoint_dir``: ``{"format": 1, "files": {relative path: size in bytes}}`` for
-    every file under it (sub-directories such as PPO's ``value_model/`` and ``merged/`` included; no hashes: a
-    checkpoint can hold GBs). Written last, by the main process, after the barrier that follows every process's
-    writes, so it lists every process's files (``rng_state_<rank>.pth``, ``data_state_rank<r>.pt``); fsynced with
-    the rest by `faults.publish`."""
-    files = {}
-    for folder, dirs, names in os.walk(checkpoint_dir):
-        dirs.sort()
-        for name in sorted(names):
-            path = os.path.join(folder, name)
-            rel = os.path.relpath(path, checkpoint_dir).replace(os.sep, "/")
-            if rel != MANIFEST:
-                files[rel] = os.path.getsize(path)
+    every file under it (sub-directories included; no hashes: a checkpoint can hold GBs). Written last, by the main
+    process, after every process's writes."""
+    files = {rel: os.path.getsize(os.path.join(checkpoint_dir, rel))
+             for rel in _relative_files(checkpoint_dir) if rel != MANIFEST}
     with open(os.path.join(checkpoint_dir, MANIFEST), "w", encoding="utf-8") as f:
         json.dump({"format": 1, "files": files}, f, indent=1)
 
 
 def checkpoint_problem(path: str) -> str | None:
     """None when the checkpoint directory ``path`` looks intact; otherwise a short reason naming the first damaged file
-    (``optimizer.pt is missing``, ``model.safetensors is truncated (1234 of 5678 bytes)``, ``trainer_state.json cannot
-    be read: ...``). Reads file headers only: cheap on multi-GB checkpoints.
+    (``optimizer.pt is missing``, ``model.safetensors is truncated (1234 of 5678 bytes)``, ...). Reads file headers
+    only: cheap on multi-GB checkpoints. Checked:
 
-    What is checked:
-
-    - with ``manifest.json`` (`write_manifest`; checkpoints written by this project): every file it lists exists with
-      the listed size. An unreadable manifest is itself the problem;
-    - without one (checkpoints of older runs): the files a Trainer checkpoint must have exist: ``trainer_state.json``,
-      the optimizer state (``optimizer.pt``; FSDP ``optimizer.bin`` / ``optimizer_0/``, DeepSpeed ``global_step*/``),
-      ``scheduler.pt`` (not under DeepSpeed) and model weights (``model.safetensors``, ``adapter_model.safetensors``,
-      an index, ``pytorch_model*``, or DeepSpeed's ``global_step*/``);
-    - in both cases, every file under ``path``: each ``*.json`` parses (and the shards a ``*.index.json`` names exist);
-      each ``*.safetensors`` has a consistent header (8-byte little-endian header length, a JSON header whose largest
-      ``data_offsets`` end + 8 + header length == the file size); each ``*.pt`` / ``*.pth`` / ``*.bin`` torch file is
-      a readable zip archive (its central directory, at the end, is read; the data are not: a truncation shows there,
-      and the manifest's sizes catch the rest). Legacy (non-zip) torch pickles are accepted unread.
+    - with ``manifest.json`` (`write_manifest`): every file it lists exists with the listed size (an unreadable
+      manifest is itself the problem); without one: a Trainer checkpoint's must-have files exist
+      (`_required_files_problem`);
+    - every file under ``path``: ``*.json`` parses (and the shards a ``*.index.json`` names exist); ``*.safetensors``
+      has a header consistent with the file size; ``*.pt`` / ``*.pth`` / ``*.bin`` is a readable zip archive (its
+      central directory; legacy non-zip pickles are accepted unread).
 
     Never raises for a damaged checkpoint; an unreadable file is reported as the problem.
     """
@@ -319,16 +273,21 @@ def checkpoint_problem(path: str) -> str | None:
         problem = _required_files_problem(path)
         if problem:
             return problem
-    on_disk = []
-    for folder, dirs, names in os.walk(path):
-        dirs.sort()
-        on_disk += [os.path.relpath(os.path.join(folder, n), path).replace(os.sep, "/") for n in sorted(names)]
-    for rel in on_disk:
+    for rel in _relative_files(path):
         if rel != MANIFEST:
             problem = _file_problem(path, rel, listed.get(rel))
             if problem:
                 return problem
     return None
+
+
+def _relative_files(root: str) -> list[str]:
+    """Every file under ``root`` as a ``/``-separated relative path, in sorted walk order."""
+    out = []
+    for folder, dirs, names in os.walk(root):
+        dirs.sort()
+        out += [os.path.relpath(os.path.join(folder, n), root).replace(os.sep, "/") for n in sorted(names)]
+    return out
 
 
 def _short(exc: BaseException) -> str:
@@ -337,7 +296,9 @@ def _short(exc: BaseException) -> str:
 
 
 def _required_files_problem(path: str) -> str | None:
-    """The must-have files of a Trainer checkpoint without a manifest (see `checkpoint_problem`)."""
+    """The must-have files of a Trainer checkpoint without a manifest: ``trainer_state.json``, the optimizer state
+    (``optimizer.pt``, FSDP ``optimizer.bin`` / ``optimizer_0/``), ``scheduler.pt`` and model weights; DeepSpeed's
+    ``global_step*/`` stands for the last three."""
     names = set(os.listdir(path))
     deepspeed = any(n.startswith("global_step") and os.path.isdir(os.path.join(path, n)) for n in names)
     if "trainer_state.json" not in names:
@@ -436,11 +397,8 @@ def checkpoint_step(path: str) -> int | None:
 
 def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
     """Rename every damaged ``checkpoint-N`` in ``output_dir`` newer than ``resume`` to ``damaged-checkpoint-N``
-    (kept for inspection; a fresh run with ``overwrite_output_dir`` removes it). Main process, once the run writes.
-
-    Left in place, a damaged newer checkpoint would count as the newest in ``save_total_limit``'s rotation, which
-    always keeps the newest and deletes older ones: the checkpoints this run writes could go while the damaged one
-    stays. Returns the new paths.
+    (kept for inspection). Left in place, it would count as the newest in ``save_total_limit``'s rotation, which
+    could delete the checkpoints this run writes. Main process, once the run writes. Returns the new paths.
     """
     step = checkpoint_step(resume)
     if step is None:
@@ -463,18 +421,14 @@ def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
 def resolve_resume(value, output_dir: str) -> str | None:
     """Turn a recipe's ``resume_from_checkpoint`` into a checkpoint directory (or None to start fresh).
 
-    ``true`` / ``last`` picks the newest intact ``checkpoint-N`` in ``output_dir``
-    (`rlhf_trl.checkpoints.checkpoint_problem`: a truncated weights file, a missing optimizer state, an unreadable
-    state file ... make one damaged); each newer, damaged one is named with its reason in a WARNING
-    (``checkpoint-30 is damaged (optimizer.pt is missing); resuming from checkpoint-20``). A path must exist and be
-    intact. Never falls back to a fresh start.
+    ``true`` / ``last`` picks the newest intact ``checkpoint-N`` in ``output_dir`` (`checkpoint_problem`); each newer,
+    damaged one is named with its reason in a WARNING. A path must exist and be intact. Never falls back to a fresh
+    start.
 
     Raises:
         StageInputError: ``true`` with no checkpoint in ``output_dir``, or none intact (one line naming the newest and
             its problem); a path that does not exist or is damaged (named with its problem).
     """
-    from .models import StageInputError
-
     if value is None or str(value).strip().lower() in ("", "false", "no", "0", "none"):
         return None
     if str(value).strip().lower() in ("true", "yes", "1", "last"):
@@ -490,10 +444,8 @@ def resolve_resume(value, output_dir: str) -> str | None:
                 return path
             damaged.append((os.path.basename(path), problem))
         name, why = damaged[0]
-        raise StageInputError(
-            f"resume_from_checkpoint=true: no intact checkpoint in '{output_dir}' (newest {name}: {why}); "
-            "start over with `overwrite_output_dir: true` and no resume_from_checkpoint"
-        )
+        raise StageInputError(f"resume_from_checkpoint=true: no intact checkpoint in '{output_dir}' (newest {name}: "
+                              f"{why}); start over with `overwrite_output_dir: true` and no resume_from_checkpoint")
     if not os.path.isdir(str(value)):
         raise StageInputError(f"resume_from_checkpoint: checkpoint '{value}' not found")
     problem = checkpoint_problem(str(value))

@@ -1,8 +1,7 @@
 """Running one stage from the command line: logging, one-line errors and exit statuses, printed summaries.
 
-`rlhf_trl.cli` dispatches here; each stage module's ``python -m rlhf_trl.<stage>`` entry does too. Stage modules are
-imported by name (``importlib``) only when run, so no stage imports the command line and the command line imports
-no stage: the package has no import cycle.
+`rlhf_trl.cli` and each stage's ``python -m rlhf_trl.<stage>`` dispatch here. Stage modules are imported by name
+(``importlib``) only when run, so the package has no import cycle.
 """
 
 from __future__ import annotations
@@ -18,9 +17,8 @@ MODULES = {"init-model": "tiny", "eval": "evaluate", "demo-real": "demo_real"}
 
 def setup_logging() -> None:
     """INFO logs from rlhf_trl and the trainers, warnings from the rest."""
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING
-    )
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=logging.WARNING)
     # under `accelerate launch` the other processes log warnings only (RANK: set by the launcher)
     logging.getLogger("rlhf_trl").setLevel(logging.INFO if is_main_rank() else logging.WARNING)
     import transformers
@@ -39,18 +37,14 @@ def one_line(exc: BaseException) -> str:
 
 
 def run_stage(stage: str, argv: list[str] | None = None) -> int:
-    """Run one stage's ``main(argv)``.
-
-    Bad input (recipe, data, missing or unsafe model files) prints one line on stderr and exits with status 2; a
-    diverged PPO run exits with status 3; a checkpoint the file system refused to take (full disk, read-only
-    ``output_dir``: `faults.CheckpointWriteError`) exits with status 4, naming the path. ``RLHF_TRL_DEBUG=1``
-    re-raises with the traceback.
+    """Run one stage's ``main(argv)``. Bad input (recipe, data, missing or unsafe model files) prints one line on
+    stderr and exits with status 2; a diverged PPO run exits with status 3; a checkpoint the file system refused
+    (`faults.CheckpointWriteError`) exits with status 4. ``RLHF_TRL_DEBUG=1`` re-raises with the traceback.
     """
-    from .faults import CheckpointWriteError
     from .config import RecipeError
     from .data import DataError
+    from .faults import CheckpointWriteError
     from .models import StageInputError
-
     from .rewards import RewardFunctionError
 
     diverged: tuple = ()
@@ -65,19 +59,15 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
     try:
         result = module.main(sys.argv[1:] if argv is None else argv)
-    except (RecipeError, DataError, StageInputError, ValueError, FileNotFoundError, RewardFunctionError) as exc:
+    except (RecipeError, DataError, StageInputError, ValueError, FileNotFoundError, RewardFunctionError,
+            CheckpointWriteError) as exc:
         if os.environ.get("RLHF_TRL_DEBUG"):
             raise
         print(f"rlhf-trl {stage}: error: {one_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(4 if isinstance(exc, CheckpointWriteError) else 2)
     except diverged as exc:
         print(f"rlhf-trl {stage}: training stopped: {exc}", file=sys.stderr)
         sys.exit(3)
-    except CheckpointWriteError as exc:
-        if os.environ.get("RLHF_TRL_DEBUG"):
-            raise
-        print(f"rlhf-trl {stage}: error: {one_line(exc)}", file=sys.stderr)
-        sys.exit(4)
     end_process_group()
     if stage == "demo" and "summary" in result:
         print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
@@ -97,10 +87,9 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
 
 
 def end_process_group() -> None:
-    """Under ``accelerate launch``: destroy the process group once the stage is done. Left alive to the interpreter's
-    exit, gloo's threads can abort a process that has finished and written everything ("terminate called without an
-    active exception", exit -6), and the launcher then reports the whole run as failed. A no-op in one process.
-    Raises nothing of its own."""
+    """Under ``accelerate launch``: destroy the process group once the stage is done (left alive to the interpreter's
+    exit, gloo's threads can abort a finished process, and the launcher reports the run as failed). A no-op in one
+    process."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

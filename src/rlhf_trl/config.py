@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 
 import yaml
@@ -21,14 +22,10 @@ class RecipeError(ValueError):
 class RunArguments:
     """Run-level fields every stage's recipe accepts."""
 
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={"help": "Allow writing into an output_dir that already holds a finished run of this stage."},
-    )
-    allow_pickle_weights: bool = field(
-        default=False,
-        metadata={"help": "Load *.bin / pickle weights when a model has no safetensors (pickle can run code)."},
-    )
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Allow writing into an output_dir that already holds a finished run of this stage."})
+    allow_pickle_weights: bool = field(default=False, metadata={
+        "help": "Load *.bin / pickle weights when a model has no safetensors (pickle can run code)."})
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
@@ -37,20 +34,16 @@ def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
     Raises:
         RecipeError: the directory holds a finished run and neither ``overwrite_output_dir`` nor resume is set.
     """
-    finished = os.path.isfile(os.path.join(output_dir, "run_config.yaml")) and os.path.isdir(
-        os.path.join(output_dir, "merged")
-    )
+    finished = (os.path.isfile(os.path.join(output_dir, "run_config.yaml"))
+                and os.path.isdir(os.path.join(output_dir, "merged")))
     if finished and not overwrite and not resuming:
-        raise RecipeError(
-            f"output_dir '{output_dir}' already holds a finished run; set `overwrite_output_dir: true` "
-            "(or --overwrite_output_dir true) to replace it, or choose another output_dir"
-        )
+        raise RecipeError(f"output_dir '{output_dir}' already holds a finished run; set `overwrite_output_dir: true` "
+                          "(or --overwrite_output_dir true) to replace it, or choose another output_dir")
 
 
 def one_line_arguments(parser):
-    """Make an `argparse` parser of a command (``rlhf-trl merge`` / ``eval``) raise `RecipeError` on a bad or missing
-    argument (``command line: <argparse's message>``: one line, exit status 2 through the CLI) instead of printing
-    its usage and exiting. Returns ``parser``."""
+    """Make an `argparse` parser (``rlhf-trl merge`` / ``eval``) raise `RecipeError` (``command line: <argparse's
+    message>``) on a bad or missing argument instead of printing its usage and exiting. Returns ``parser``."""
 
     def error(message: str):
         raise RecipeError(f"command line: {message}")
@@ -71,12 +64,10 @@ DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; 
 
 
 def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | None = None):
-    """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into the given dataclasses.
+    """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into the given dataclasses (`trl.TrlParser`).
 
-    ``stage`` (``sft`` / ``rm`` / ``ppo``) names the command in ``--help``.
-
-    A recipe that sets no ``report_to`` (neither in the file nor on the command line) logs to TensorBoard
-    (`DEFAULT_REPORT_TO`: event files under ``<output_dir>/runs``) instead of transformers' ``none``.
+    ``stage`` (``sft`` / ``rm`` / ``ppo``) names the command in ``--help``. A recipe that sets no ``report_to`` logs to
+    TensorBoard (`DEFAULT_REPORT_TO`) instead of transformers' ``none``.
 
     Returns:
         A tuple of dataclass instances, in the order of ``dataclass_types``, followed by the recipe path (or None).
@@ -84,8 +75,6 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
     Raises:
         RecipeError: the recipe is missing or not a mapping, holds an unknown key, or a value has the wrong type.
     """
-    import sys
-
     from trl import TrlParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -133,7 +122,8 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
         message = str(exc)
         if "not used by the HfArgumentParser" in message:  # a flag typed on the command line that no field has
             unused = message.split(":", 1)[-1].strip()
-            raise RecipeError(f"command line: unknown argument(s) {unused}; check the spelling against --help") from None
+            raise RecipeError(f"command line: unknown argument(s) {unused}; check the spelling against --help"
+                              ) from None
         raise RecipeError(f"{path or 'command line'}: {message}") from None
     return (*parsed, path)
 
@@ -149,9 +139,7 @@ def save_recipe(output_dir: str, *configs) -> None:
     """Write the resolved configuration of a run to ``output_dir/run_config.yaml`` (for reproducibility)."""
     os.makedirs(output_dir, exist_ok=True)
     data = {}
-    for cfg in configs:
-        if cfg is None:
-            continue
+    for cfg in (c for c in configs if c is not None):
         for f in dataclasses.fields(cfg):
             if f.name.startswith("_"):
                 continue

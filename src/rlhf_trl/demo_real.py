@@ -1,11 +1,9 @@
 """Real weights end to end: ``make demo-real`` (or ``rlhf-trl demo-real --model DIR``).
 
-Runs ``recipes/qwen2.5-0.5b-cpu/{sft,rm,ppo}.yaml`` on a stock Qwen2.5 Instruct directory exactly as downloaded
-(``make real-model`` builds Qwen2.5-Coder-0.5B-Instruct offline; any Qwen2 / Qwen2.5 directory works), then
-``rlhf-trl eval`` on the PPO run, and writes ``<output_dir>/summary.json``: the wall time of each stage (seconds),
-the reward model's held-out accuracy against the length-only baseline, and the SFT vs PPO figures of ``eval.json``
-(mean RM reward, win rate, KL per token, EOS rate, mean length) with side-by-side samples. CPU-scale smoke runs:
-honest numbers, no targets (the report says what such a short run can and cannot show).
+Runs ``recipes/qwen2.5-0.5b-cpu/{sft,rm,ppo}.yaml`` on a stock Qwen2 / Qwen2.5 Instruct directory (``make
+real-model``), then ``rlhf-trl eval`` on the PPO run, and writes ``<output_dir>/summary.json``: each stage's wall time
+(seconds), the reward model's held-out accuracy against the length-only baseline, and the SFT vs PPO figures of
+``eval.json`` with side-by-side samples. CPU-scale smoke runs: figures, no targets.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import logging
 import os
 import time
 
-from .models import write_json
+from .models import require_model_dir, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +25,12 @@ QUALITY_KEYS = ["rm_accuracy", "rm_length_baseline_accuracy", "rm_num_pairs", "s
 def run(model_dir: str, recipes_dir: str = "recipes/qwen2.5-0.5b-cpu", output_dir: str = "outputs/qwen2.5-0.5b-cpu",
         eval_prompts: int = 16) -> dict:
     """SFT -> RM -> PPO -> eval on ``model_dir``; returns the summary (also written to ``summary.json``).
-
     ``eval_prompts``: held-out PPO prompts sampled once by each policy for the evaluation.
 
     Raises:
         StageInputError: ``model_dir`` is not a model directory. Stage errors as in each stage's ``run``.
     """
     from . import evaluate, ppo, rm, sft
-    from .models import require_model_dir
 
     require_model_dir(model_dir, "base model", "make real-model")
     seconds: dict[str, float] = {}

@@ -3,21 +3,17 @@
 A question asks about one topic ("你觉得咖啡怎么样？"); an answer is ``{topic}{predicate}，{closer}`` whose predicate
 and closer are both positive or both negative (neutral answers use neither).
 
-Ground truth (`score_response`, in ``[-1, 1]``, exact): a response is *on topic* when the topics it names (the
-``TOPICS`` occurring in it as substrings) are exactly the asked topic (the one topic the question names). An
-on-topic response scores its sentiment ``(pos - neg) / (pos + neg)`` over positive / negative phrase counts (0
-when it has none); any other response (another topic, several topics, no topic, empty) scores ``OFF_TOPIC_SCORE``
-= -1, as low as an on-topic negative answer: praise of the museum is no answer to "how is the hospital?".
+Ground truth (`score_response`, in ``[-1, 1]``, exact): a response is *on topic* when the ``TOPICS`` it names (as
+substrings) are exactly the asked one. An on-topic response scores its sentiment ``(pos - neg) / (pos + neg)`` over
+phrase counts (0 when it has none); any other response (another topic, several, none, empty) scores
+``OFF_TOPIC_SCORE`` = -1, as low as an on-topic negative answer.
 
 Preferences follow the ground truth: on-topic positive > neutral > on-topic negative, and on-topic positive >
-neutral > off-topic praise. SFT data mixes on-topic positive and negative answers 50/50, so an SFT policy that
-stays on topic scores near 0 (each off-topic sample costs it more); PPO against a reward model trained on the
-preferences should move it towards on-topic positive answers (score 1).
+neutral > off-topic praise. SFT data mixes on-topic positive and negative answers 50/50 (an on-topic SFT policy
+scores near 0); PPO against a reward model trained on the preferences should move it towards score 1.
 
-Every topic is one token of the demo tokenizer (`TOPICS` are added tokens, see `rlhf_trl.demo.build_assets`), so
-naming the asked topic is copying one token of the question. No topic contains another topic, and no topic occurs
-in a question template, phrase, closer or neutral answer; the phrase lists are disjoint and no phrase contains
-another; so counting substrings is exact.
+Every topic is one token of the demo tokenizer (`rlhf_trl.demo.build_assets`). No topic contains another or occurs
+in a template, phrase, closer or neutral answer, and no phrase contains another, so counting substrings is exact.
 """
 
 from __future__ import annotations
@@ -55,7 +51,8 @@ def topics_in(text: str) -> list[str]:
 def topic_of(question: str) -> str:
     """The one topic that ``question`` asks about (any text naming exactly one topic, e.g. a rendered prompt).
 
-    Raises ``ValueError`` when it names no topic or several.
+    Raises:
+        ValueError: it names no topic or several.
     """
     named = topics_in(question)
     if len(named) != 1:
@@ -100,9 +97,8 @@ def ground_truth_reward(prompts: list[str], completions: list[str], **columns) -
     Args:
         prompts: ``[batch]`` prompt texts.
         completions: ``[batch]`` decoded responses (no EOS).
-        columns: extra per-row columns, each a list of length ``batch``; ``question`` (the normalised question,
-            given by `rlhf_trl.rewards.reward_columns`) is used when present, else the question is recovered from
-            the prompt text (`question_of_prompt`). Other columns are ignored.
+        columns: per-row columns (lists of length ``batch``); ``question`` (`rlhf_trl.rewards.reward_columns`) is
+            used when present, else the question is recovered from the prompt (`question_of_prompt`).
 
     Returns:
         ``[batch]`` floats in ``[-1, 1]`` (the units of `score_response`): ``score_response(question, completion)``.

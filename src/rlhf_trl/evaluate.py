@@ -3,49 +3,35 @@
 Options: ``[--output_dir DIR] [--num_prompts N] [--samples_per_prompt K] [--demo]`` plus any PPO recipe override
 (``--output_dir`` is the PPO run's ``output_dir``, as in the recipe).
 
-What is computed (all on the PPO recipe's held-out prompts: ``read_records(data_args, "prompts")`` then
-``split_records(records, eval_split_size, seed)``, the eval split `rlhf_trl.ppo` holds out; the first
-``num_prompts`` of them, each sampled ``samples_per_prompt`` times):
+Prompts: the first ``num_prompts`` of the PPO recipe's held-out split (``split_records``, as `rlhf_trl.ppo` holds
+it out), each sampled ``samples_per_prompt`` times.
 
-1. Sampling. The SFT policy (``sft_model_path``) and the PPO policy (``<output_dir>/merged``) each sample
-   responses to the same left-padded prompts (prompt ids built as PPO builds them: `prompt_features`, kept from the
-   right to ``max_prompt_length``), with the same seed (``torch.manual_seed(seed)`` right before each policy's
-   ``generate``) and settings: softmax(logits / ``temperature``) sampling, ``top_k=0``, ``top_p=1``, stop at EOS, at
-   most ``response_length`` new tokens. A response's ids end at its first EOS (kept) or after ``response_length``
-   tokens.
-2. Rewards. Each ``prompt ids + response ids`` (EOS included when present) is scored by the reward model
-   (``reward_model_path``) with `rlhf_trl.scoring.score_sequences`: the raw RM score, without PPO's
-   ``reward_baseline`` and ``missing_eos_penalty``.
-3. Figures (``eval.json``), over all ``num_prompts x samples_per_prompt`` pairs (pair = same prompt, same sample
-   index):
+1. Sampling. The SFT policy (``sft_model_path``) and the PPO policy (``<output_dir>/merged``) sample responses to the
+   same prompts (built as PPO builds them: `prompt_features`) with the same seed and settings: softmax(logits /
+   ``temperature``), ``top_k=0``, ``top_p=1``, at most ``response_length`` new tokens, ending at the first EOS.
+2. Rewards. Each ``prompt ids + response ids`` is scored by the reward model (``reward_model_path``) with
+   `rlhf_trl.scoring.score_sequences`: the raw RM score, without PPO's ``reward_baseline`` and ``missing_eos_penalty``.
+3. Figures (``eval.json``), over all ``num_prompts x samples_per_prompt`` pairs (same prompt, same sample index):
 
    - ``sft_reward`` / ``ppo_reward``: mean RM score (reward units);
    - ``win_rate``: fraction of pairs where the PPO response's score > the SFT response's (ties count 1/2);
-   - ``kl_per_token`` (nats per token): mean, over every token of every PPO response (EOS included when sampled),
-     of ``log p_ppo(y_t | x, y_<t) - log p_sft(y_t | x, y_<t)``, both log-probs from a forward pass of each model
-     on ``prompt + PPO response`` with plain ``log_softmax(logits)`` (temperature 1). Pooled over tokens (sum of
-     log-ratios / number of tokens). It is a Monte Carlo estimate of the per-token KL(pi_ppo || pi_sft) of the
-     temperature-1 policies only when ``temperature`` is 1; at other temperatures it is that log-ratio averaged
-     over responses sampled at the recipe temperature;
+   - ``kl_per_token`` (nats per token): mean over every PPO response token (EOS included when sampled) of
+     ``log p_ppo(y_t | x, y_<t) - log p_sft(y_t | x, y_<t)``, plain ``log_softmax(logits)`` (temperature 1) of each
+     model on ``prompt + PPO response``, pooled over tokens: a Monte Carlo estimate of the per-token
+     KL(pi_ppo || pi_sft) only when ``temperature`` is 1;
    - ``sft_mean_length`` / ``ppo_mean_length``: mean response length in tokens, EOS excluded;
    - ``sft_eos_rate`` / ``ppo_eos_rate``: fraction of responses that ended with EOS;
-   - with ``--demo`` (the embedded demo task): ``sft_score`` / ``ppo_score``, the mean ground-truth score
-     (`rlhf_trl.demo_task.score_response` of the question and the decoded response: its sentiment when it names the
-     asked topic and no other, else -1) in [-1, 1]; ``sft_on_topic_rate`` / ``ppo_on_topic_rate``, the fraction of
-     responses that name the asked topic and no other (`rlhf_trl.demo_task.on_topic`) in [0, 1].
-   - ``rm_accuracy`` / ``rm_margin`` / ``rm_length_baseline_accuracy`` / ``rm_num_pairs``: the reward model's
-     pairwise accuracy (chosen scored above rejected), mean margin (reward units) and the "longer response wins"
-     baseline on the pairs the RM stage held out (``<rm stage dir>/eval_pairs.jsonl``, token ids, re-scored here
-     with ``reward_model_path``); absent when that file is missing (an RM run without an eval split).
+   - with ``--demo``: ``sft_score`` / ``ppo_score``, the mean ground truth (`rlhf_trl.demo_task.score_response`) in
+     [-1, 1], and ``sft_on_topic_rate`` / ``ppo_on_topic_rate`` (`rlhf_trl.demo_task.on_topic`) in [0, 1];
+   - ``rm_accuracy`` / ``rm_margin`` / ``rm_length_baseline_accuracy`` / ``rm_num_pairs``: the reward model's pairwise
+     accuracy, mean margin (reward units) and the "longer response wins" baseline on the pairs the RM stage held out
+     (``<rm stage dir>/eval_pairs.jsonl``, re-scored here); absent when that file is missing.
 
-Writes into the PPO ``output_dir``: ``eval.json`` (the figures and the settings), ``eval_samples.jsonl`` (one row per
-pair: prompt ids, both responses' ids, EOS flags, texts, rewards, and the per-token log-probs behind the KL) and
-``report.md`` (figures, 5 side-by-side samples, training-curve PNGs under ``report/``).
-
-Training curves come from each stage's logs: its ``log_history.json`` (the trainer's whole log history, written
-when the stage finishes), else the ``log_history`` of the newest ``checkpoint-*/trainer_state.json`` in the stage's
-output directory, else its ``metrics.json`` (one final record). The SFT and RM stage directories are
-the parents of ``sft_model_path`` / ``reward_model_path`` when those end in ``merged``.
+Writes into the PPO ``output_dir``: ``eval.json`` (figures and settings), ``eval_samples.jsonl`` (one row per pair:
+prompt ids, both responses' ids, EOS flags, texts, rewards, the per-token log-probs behind the KL) and ``report.md``
+(figures, 5 side-by-side samples, training-curve PNGs under ``report/``, from each stage's logs: `read_stage_logs`).
+The SFT and RM stage directories are the parents of ``sft_model_path`` / ``reward_model_path`` when those end in
+``merged``.
 """
 
 from __future__ import annotations
@@ -54,8 +40,17 @@ import argparse
 import json
 import logging
 import os
+import sys
 
 import torch
+
+from .checkpoints import complete_checkpoints
+from .config import one_line_arguments, parse_recipe, sibling_recipe
+from .data import DataError, Template, prompt_features, read_records, split_records
+from .demo_task import on_topic, score_response
+from .models import (eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir,
+                     write_json, write_jsonl, write_text)
+from .scoring import cut_at_eos, pad_left, pad_right, response_logprobs, sample, score_sequences  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -68,73 +63,22 @@ RM_FIGURES = ["rm_accuracy", "rm_margin", "rm_length_baseline_accuracy", "rm_num
 DEMO_FIGURES = ["sft_score", "ppo_score", "sft_on_topic_rate", "ppo_on_topic_rate"]  # with --demo
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# sampling, scoring, log-probs
-# ----------------------------------------------------------------------------------------------------------------
-def cut_at_eos(tokens: list[int], eos_token_ids, max_len: int) -> tuple[list[int], bool]:
-    """Response ids up to and including the first EOS (any of ``eos_token_ids``, an int or a list; else the first
-    ``max_len`` tokens), and whether an EOS ended it."""
-    tokens = list(tokens)[:max_len]
-    eos = set(eos_token_ids) if isinstance(eos_token_ids, (list, tuple, set)) else {eos_token_ids}
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1], True
-    return tokens, False
-
-
 @torch.no_grad()
-def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, max_new_tokens: int,
-           temperature: float, seed: int, batch_size: int = 64) -> list[tuple[list[int], bool]]:
-    """Sample one response per prompt (``[num_prompts]`` lists of ids) from a causal LM.
-
-    Prompts are left-padded with ``pad_token_id`` (which must differ from every EOS id); sampling is
-    softmax(logits / ``temperature``) and nothing else (`rlhf_trl.models.sampling_generation_config`: the model's
-    own top-k / top-p / repetition penalty are not applied, as in PPO rollouts), stopping at any of
-    ``eos_token_ids`` (an int or a list), at most ``max_new_tokens`` tokens. The RNG is seeded with ``seed`` once,
-    before the first batch. Returns ``(response ids, ended with EOS)`` per prompt; the ids include the EOS when
-    present.
-    """
-    from .models import sampling_generation_config
-
-    eos = list(eos_token_ids) if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids]
-    config = sampling_generation_config(temperature, max_new_tokens, eos, pad_token_id)
-    model.eval()
-    device = next(model.parameters()).device
-    torch.manual_seed(seed)
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in chunk], device=device)
-        gen = model.generate(input_ids=ids, attention_mask=(ids != pad_token_id).long(), generation_config=config)
-        out.extend(cut_at_eos(row.tolist(), eos, max_new_tokens) for row in gen[:, width:].cpu())
-    return out
-
-
-@torch.no_grad()
-def response_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
-                      batch_size: int = 16) -> list[list[float]]:
-    """Per-token log-probs ``log_softmax(logits)[y_t]`` (temperature 1, nats) of each response given its prompt.
-
-    Each ``prompt + response`` is right-padded and run through ``model`` with an attention mask. Returns one list
-    per response, ``[len(response)]`` floats (empty for an empty response).
-    """
+def policy_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
+                    batch_size: int = 16) -> list[list[float]]:
+    """Per-token log-probs ``log_softmax(logits)[y_t]`` (temperature 1, nats) of each response given its prompt:
+    `rlhf_trl.scoring.response_logprobs` (the PPO engine's) on left-padded prompts and right-padded responses.
+    Returns one list per response, ``[len(response)]`` floats (empty for an empty response)."""
     model.eval()
     device = next(model.parameters()).device
     out: list[list[float]] = []
     for i in range(0, len(prompts), batch_size):
-        seqs = [list(p) + list(r) for p, r in zip(prompts[i : i + batch_size], responses[i : i + batch_size])]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for j, s in enumerate(seqs):
-            ids[j, : len(s)] = torch.tensor(s)
-            mask[j, : len(s)] = 1
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits.float()
-        logp = torch.log_softmax(logits, dim=-1).cpu()
-        for j, (p, r) in enumerate(zip(prompts[i : i + batch_size], responses[i : i + batch_size])):
-            pos = torch.arange(len(p) - 1, len(p) - 1 + len(r))  # logits at t-1 predict token t
-            out.append(logp[j, pos, torch.tensor(list(r), dtype=torch.long)].tolist() if r else [])
+        query = pad_left(prompts[i:i + batch_size], pad_token_id)
+        chunk = responses[i:i + batch_size]
+        response = pad_right([list(r) or [pad_token_id] for r in chunk], pad_token_id)  # an empty one: one pad
+        logp = response_logprobs(model, torch.cat((query, response), 1).to(device), query.shape[1], pad_token_id,
+                                 1.0).float().cpu()
+        out.extend(logp[j, :len(r)].tolist() for j, r in enumerate(chunk))
     return out
 
 
@@ -142,8 +86,11 @@ def figures(rows: list[dict], demo: bool = False) -> dict:
     """The eval figures (see the module docstring) from ``eval_samples.jsonl`` rows.
 
     Each row holds ``sft`` and ``ppo`` dicts with ``response_ids`` (EOS included when ``eos``), ``eos``, ``reward``
-    (and ``score``, ``on_topic`` for the demo); ``ppo`` also holds ``logprobs_ppo`` / ``logprobs_sft`` (one float per response
-    token). Raises ``ValueError`` on no rows.
+    (and ``score``, ``on_topic`` for the demo); ``ppo`` also holds ``logprobs_ppo`` / ``logprobs_sft`` (one float per
+    response token).
+
+    Raises:
+        ValueError: no rows.
     """
     if not rows:
         raise ValueError("no eval samples")
@@ -156,25 +103,21 @@ def figures(rows: list[dict], demo: bool = False) -> dict:
         if demo:
             out[f"{name}_score"] = sum(r[name]["score"] for r in rows) / n
             out[f"{name}_on_topic_rate"] = sum(int(r[name]["on_topic"]) for r in rows) / n
-    out["win_rate"] = sum(
-        1.0 if r["ppo"]["reward"] > r["sft"]["reward"] else 0.5 if r["ppo"]["reward"] == r["sft"]["reward"] else 0.0
-        for r in rows
-    ) / n
+    pairs = [(r["ppo"]["reward"], r["sft"]["reward"]) for r in rows]
+    out["win_rate"] = sum(1.0 if ppo > sft else 0.5 if ppo == sft else 0.0 for ppo, sft in pairs) / n
     diffs = [a - b for r in rows for a, b in zip(r["ppo"]["logprobs_ppo"], r["ppo"]["logprobs_sft"])]
-    out["kl_per_token"] = sum(diffs) / len(diffs) if diffs else 0.0
-    out["num_samples"] = n
-    out["num_kl_tokens"] = len(diffs)
+    out.update(kl_per_token=sum(diffs) / len(diffs) if diffs else 0.0, num_samples=n, num_kl_tokens=len(diffs))
     return out
 
 
 def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
     """Re-score the RM stage's held-out pairs (``eval_pairs.jsonl``: ``chosen_ids``, ``rejected_ids``,
-    ``prompt_length`` per line) with ``reward_model``.
+    ``prompt_length`` per line) with ``reward_model``: ``rm_accuracy``, ``rm_margin``, ``rm_length_baseline_accuracy``,
+    ``rm_num_pairs`` (`rlhf_trl.scoring.pairwise_metrics`).
 
-    Returns ``rm_accuracy``, ``rm_margin``, ``rm_length_baseline_accuracy``, ``rm_num_pairs`` (see
-    `rlhf_trl.scoring.pairwise_metrics`). Raises ``DataError`` naming the file and line on a malformed row.
+    Raises:
+        DataError: a malformed row (naming the file and line).
     """
-    from .data import DataError
     from .rm import evaluate_pairs
 
     feats = {"chosen_ids": [], "rejected_ids": [], "prompt_length": []}
@@ -191,34 +134,24 @@ def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
     return {f"rm_{k}": v for k, v in evaluate_pairs(reward_model, feats, pad_token_id).items()}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# training logs and plots
-# ----------------------------------------------------------------------------------------------------------------
 def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
-    """A stage's training log records and where they came from.
+    """A stage's training log records and where they came from: ``(records, source path or None)``.
 
     The stage's whole ``log_history`` (``log_history.json``, written when a stage finishes), else that of the newest
-    ``checkpoint-N/trainer_state.json`` under ``stage_dir`` that reads (an unfinished run; an unreadable one is skipped
-    with a warning), else ``[metrics.json]``, else
-    ``[]``. Returns ``(records, source path or None)``.
+    ``checkpoint-N/trainer_state.json`` under ``stage_dir`` that reads (an unreadable one is skipped with a warning),
+    else ``[metrics.json]``, else ``[]``.
     """
     if not stage_dir or not os.path.isdir(stage_dir):
         return [], None
     path = os.path.join(stage_dir, "log_history.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            history = json.load(f).get("log_history") or []
-        if history:
-            return history, path
-    from .checkpoints import complete_checkpoints
-
+    if os.path.isfile(path) and (history := _log_history(path)):
+        return history, path
     for ckpt in reversed(complete_checkpoints(stage_dir)):  # the newest checkpoint whose state file reads
         path = os.path.join(ckpt, "trainer_state.json")
         if not os.path.isfile(path):
             continue
         try:
-            with open(path, encoding="utf-8") as f:
-                history = json.load(f).get("log_history") or []
+            history = _log_history(path)
         except (OSError, ValueError, AttributeError) as exc:
             logger.warning("%s is damaged (trainer_state.json cannot be read: %s); reading the logs of an older "
                            "checkpoint", ckpt, exc)
@@ -233,11 +166,14 @@ def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
     return [], None
 
 
-def plot_curves(logs: list[dict], keys: list[str], path: str, title: str) -> list[str]:
-    """Plot each of ``keys`` found in ``logs`` (a list of log dicts) against ``step`` (else the record index),
-    one panel per key, into the PNG ``path``.
+def _log_history(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("log_history") or []
 
-    Returns the keys plotted; writes nothing and returns ``[]`` when no record holds any of them.
+
+def plot_curves(logs: list[dict], keys: list[str], path: str, title: str) -> list[str]:
+    """Plot each of ``keys`` found in ``logs`` (log dicts) against ``step`` (else the record index), one panel per
+    key, into the PNG ``path``. Returns the keys plotted (``[]``, and nothing written, when no record holds any).
     """
     present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in logs)]
     if not present:
@@ -264,9 +200,6 @@ def plot_curves(logs: list[dict], keys: list[str], path: str, title: str) -> lis
     return present
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# report
-# ----------------------------------------------------------------------------------------------------------------
 def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", "⏎")
 
@@ -274,14 +207,14 @@ def _cell(text: str) -> str:
 def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
     """A plain-words reading of the figures (markdown lines): is the reward model better than "the longer response
     wins", and is PPO's reward gain larger than its sampling noise (paired mean difference of PPO - SFT rewards over
-    the ``rows`` with its standard error, reward units), at what KL, EOS rate and length. No targets: at CPU smoke
-    scale these figures are often within noise, and the section says so when they are."""
+    the ``rows`` with its standard error, reward units), at what KL, EOS rate and length. No targets."""
     out = ["## Quality at this scale", ""]
     if "rm_accuracy" in figures:
         gap = figures["rm_accuracy"] - figures["rm_length_baseline_accuracy"]
         verdict = "above" if gap > 0 else "not above"
-        out.append(f"- Reward model: accuracy {figures['rm_accuracy']:.3f} on {figures['rm_num_pairs']} held-out pairs, "
-                   f"{verdict} the length-only baseline ({figures['rm_length_baseline_accuracy']:.3f}, gap {gap:+.3f}).")
+        out.append(f"- Reward model: accuracy {figures['rm_accuracy']:.3f} on {figures['rm_num_pairs']} held-out "
+                   f"pairs, {verdict} the length-only baseline ({figures['rm_length_baseline_accuracy']:.3f}, gap "
+                   f"{gap:+.3f}).")
     diffs = [r["ppo"]["reward"] - r["sft"]["reward"] for r in rows]
     if diffs:
         n = len(diffs)
@@ -335,25 +268,20 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
         logs, source = stage_logs.get(stage, ([], None))
         png = os.path.join(out_dir, "report", f"{stage}_curves.png")
         plotted = plot_curves(logs, curve_keys[stage], png, f"{stage.upper()} training") if logs else []
+        lines += [f"### {stage.upper()}", ""]
         if plotted:
             plots[stage] = png
             note = "" if len(logs) > 1 else " (one final record: no checkpoint `trainer_state.json` was kept)"
-            lines += [f"### {stage.upper()}", "", f"From `{source}`{note}: {', '.join(plotted)}.", "",
+            lines += [f"From `{source}`{note}: {', '.join(plotted)}.", "",
                       f"![{stage} curves](report/{stage}_curves.png)", ""]
         else:
-            lines += [f"### {stage.upper()}", "",
-                      f"No training logs found for this stage{f' (read {source})' if source else ''}.", ""]
+            lines += [f"No training logs found for this stage{f' (read {source})' if source else ''}.", ""]
     result["plots"] = plots
     path = os.path.join(out_dir, "report.md")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(path + ".tmp", path)
+    write_text(path, "\n".join(lines) + "\n")
     return path
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# entry points
-# ----------------------------------------------------------------------------------------------------------------
 def _stage_dir(model_path: str) -> str | None:
     path = os.path.normpath(model_path)
     return os.path.dirname(path) if os.path.basename(path) == "merged" else None
@@ -383,17 +311,6 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
         settings (`rlhf_trl.data.Template`), ``num_prompts`` or ``samples_per_prompt`` < 1. All before anything is
         loaded or written.
     """
-    from .data import Template, prompt_features, read_records, split_records
-    from .models import (
-        eos_token_ids,
-        load_causal_lm,
-        load_sequence_classifier,
-        load_tokenizer,
-        require_model_dir,
-        write_json,
-    )
-    from .scoring import score_sequences
-
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     if num_prompts is not None and num_prompts < 1:
@@ -415,47 +332,11 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     prompt_ids = prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length)["input_ids"]
     prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
     pad, eos = tokenizer.pad_token_id, eos_token_ids(tokenizer, sft_path)  # every EOS id ends a response
-    settings = dict(max_new_tokens=training_args.response_length, temperature=training_args.temperature,
-                    seed=training_args.seed)
-
-    policies = {}
-    responses = {}
-    for name, path in (("sft", sft_path), ("ppo", ppo_path)):
-        model = load_causal_lm(path, None, trust_remote_code)
-        model.generation_config.pad_token_id = pad
-        policies[name] = model
-        responses[name] = sample(model, prompts, pad, eos, **settings)
-    ppo_resp = [r for r, _ in responses["ppo"]]
-    logp_ppo = response_logprobs(policies["ppo"], prompts, ppo_resp, pad)
-    logp_sft = response_logprobs(policies["sft"], prompts, ppo_resp, pad)
-    del policies
-
-    reward_model = load_sequence_classifier(rm_path, None, trust_remote_code)
-    reward_model.config.pad_token_id = pad
-    rewards = {name: score_sequences(reward_model, [p + r for p, (r, _) in zip(prompts, responses[name])], pad).tolist()
-               for name in ("sft", "ppo")}
-    rm_pairs_path = os.path.join(_stage_dir(rm_path) or "", "eval_pairs.jsonl")
-    rm_figures = rm_pair_figures(reward_model, rm_pairs_path, pad) if os.path.isfile(rm_pairs_path) else {}
-    if not rm_figures:
-        logger.warning("eval: no RM held-out pairs at %s; rm_accuracy is not reported", rm_pairs_path)
-    del reward_model
-
-    rows = []
-    for i, p in enumerate(prompts):
-        row = {"prompt_index": i // samples_per_prompt, "sample_index": i % samples_per_prompt,
-               "question": eval_records[i // samples_per_prompt]["question"], "prompt_ids": p}
-        for name in ("sft", "ppo"):
-            ids, ended = responses[name][i]
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            row[name] = {"response_ids": ids, "eos": ended, "text": text, "reward": rewards[name][i]}
-            if demo:
-                from .demo_task import on_topic, score_response
-
-                row[name]["score"] = score_response(row["question"], text)
-                row[name]["on_topic"] = on_topic(row["question"], text)
-        row["ppo"]["logprobs_ppo"] = logp_ppo[i]
-        row["ppo"]["logprobs_sft"] = logp_sft[i]
-        rows.append(row)
+    responses, logprobs = _sample_policies(training_args, {"sft": sft_path, "ppo": ppo_path}, prompts, pad, eos,
+                                           trust_remote_code)
+    rewards, rm_figures, rm_pairs_path = _score_responses(rm_path, prompts, responses, pad, trust_remote_code)
+    questions = [r["question"] for r in eval_records]
+    rows = _sample_rows(prompts, questions, samples_per_prompt, tokenizer, responses, rewards, logprobs, demo)
 
     result = {
         "figures": {**figures(rows, demo), **rm_figures},
@@ -465,34 +346,76 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
         "temperature": training_args.temperature, "response_length": training_args.response_length,
         "seed": training_args.seed,
     }
-    os.makedirs(out_dir, exist_ok=True)
     samples_path = os.path.join(out_dir, "eval_samples.jsonl")
-    with open(samples_path + ".tmp", "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(samples_path + ".tmp", samples_path)
-
+    write_jsonl(samples_path, rows)
     stage_logs = {"sft": read_stage_logs(_stage_dir(training_args.sft_model_path)),
                   "rm": read_stage_logs(_stage_dir(training_args.reward_model_path))}
     stage_logs["ppo"] = (ppo_logs, "the PPO trainer's log_history") if ppo_logs else read_stage_logs(out_dir)
-    report = write_report(out_dir, result, rows, stage_logs)
-    result["report"] = report
+    result["report"] = write_report(out_dir, result, rows, stage_logs)
     result["samples"] = samples_path
     write_json(os.path.join(out_dir, "eval.json"), {**result["figures"], **result})
     logger.info("eval: %s", ", ".join(f"{k} {v:.4g}" for k, v in result["figures"].items()))
     return {**result["figures"], **result}
 
 
+def _sample_rows(prompts: list[list[int]], questions: list[str], samples_per_prompt: int, tokenizer,
+                 responses: dict, rewards: dict, logprobs: dict, demo: bool) -> list[dict]:
+    """The ``eval_samples.jsonl`` rows: one per prompt and sample index (see `figures`)."""
+    rows = []
+    for i, p in enumerate(prompts):
+        row = {"prompt_index": i // samples_per_prompt, "sample_index": i % samples_per_prompt,
+               "question": questions[i // samples_per_prompt], "prompt_ids": p}
+        for name in ("sft", "ppo"):
+            ids, ended = responses[name][i]
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            row[name] = {"response_ids": ids, "eos": ended, "text": text, "reward": rewards[name][i]}
+            if demo:
+                row[name]["score"] = score_response(row["question"], text)
+                row[name]["on_topic"] = on_topic(row["question"], text)
+        row["ppo"]["logprobs_ppo"] = logprobs["ppo"][i]
+        row["ppo"]["logprobs_sft"] = logprobs["sft"][i]
+        rows.append(row)
+    return rows
+
+
+def _sample_policies(training_args, paths: dict[str, str], prompts: list[list[int]], pad: int, eos: list[int],
+                     trust_remote_code: bool) -> tuple[dict, dict]:
+    """Each policy's ``(response ids, ended with EOS)`` per prompt, and both policies' per-token log-probs of the
+    PPO responses (``{"sft": ..., "ppo": ...}`` each)."""
+    policies, responses = {}, {}
+    for name, path in paths.items():
+        model = load_causal_lm(path, None, trust_remote_code)
+        model.generation_config.pad_token_id = pad
+        policies[name] = model
+        responses[name] = sample(model, prompts, pad, eos, max_new_tokens=training_args.response_length,
+                                 temperature=training_args.temperature, seed=training_args.seed)
+    ppo_resp = [r for r, _ in responses["ppo"]]
+    return responses, {name: policy_logprobs(policies[name], prompts, ppo_resp, pad) for name in ("ppo", "sft")}
+
+
+def _score_responses(rm_path: str, prompts: list[list[int]], responses: dict, pad: int,
+                     trust_remote_code: bool) -> tuple[dict, dict, str]:
+    """Raw RM scores of ``prompt + response`` per policy, the RM's held-out pair figures (``{}`` without
+    ``eval_pairs.jsonl``) and that file's path."""
+    reward_model = load_sequence_classifier(rm_path, None, trust_remote_code)
+    reward_model.config.pad_token_id = pad
+    rewards = {name: score_sequences(reward_model, [p + r for p, (r, _) in zip(prompts, responses[name])], pad).tolist()
+               for name in ("sft", "ppo")}
+    rm_pairs_path = os.path.join(_stage_dir(rm_path) or "", "eval_pairs.jsonl")
+    rm_figures = rm_pair_figures(reward_model, rm_pairs_path, pad) if os.path.isfile(rm_pairs_path) else {}
+    if not rm_figures:
+        logger.warning("eval: no RM held-out pairs at %s; rm_accuracy is not reported", rm_pairs_path)
+    return rewards, rm_figures, rm_pairs_path
+
+
 def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> dict:
     """``rlhf-trl eval --config ppo.yaml [--num_prompts N] [--samples_per_prompt K] [--demo] [--key value ...]``.
+    ``ppo_logs``: the PPO trainer's ``log_history`` (default: read from the newest checkpoint). Returns
+    ``{"output_dir", "metrics", "report", ...}`` (``metrics``: the figures).
 
-    ``ppo_logs``: the PPO trainer's ``log_history`` when the caller has it (default: read from the newest
-    checkpoint). Returns ``{"output_dir", "metrics", "report", ...}`` (``metrics``: the figures). Errors: see
-    `evaluate`; a bad recipe or command-line argument raises `RecipeError`.
+    Raises:
+        RecipeError: a bad recipe or command-line argument; otherwise as `evaluate`.
     """
-    import sys
-
-    from .config import one_line_arguments, parse_recipe, sibling_recipe
     from .ppo import recipe_types
 
     argv = list(sys.argv[1:] if argv is None else argv)

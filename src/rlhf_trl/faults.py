@@ -2,27 +2,20 @@
 
 Nothing here is active unless an environment variable asks for it (the tests set them on subprocesses):
 
-- ``RLHF_TRL_FAULT="<save>:<op>[:<action>]"``: in this process's ``<save>``-th checkpoint save (1-based, counting
-  `checkpoint_save` blocks, i.e. ``AtomicCheckpointMixin._save_checkpoint`` calls), at its ``<op>``-th file operation
-  (1-based), do ``<action>``:
+- ``RLHF_TRL_FAULT="<save>:<op>[:<action>]"``: in this process's ``<save>``-th checkpoint save (1-based,
+  `checkpoint_save` blocks), at its ``<op>``-th file operation (1-based), do ``<action>``:
 
   - ``kill`` (default): SIGKILL this process before the operation;
-  - ``torn``: for a write, do the write, cut the file to half its bytes, then SIGKILL (a torn write); other
-    operations: as ``kill``;
-  - ``enospc`` / ``erofs``: raise ``OSError`` (no space left on device / read-only file system) naming the path
-    instead of doing the operation (a full disk or a read-only ``output_dir`` during a save).
+  - ``torn``: for a write, do it, cut the file to half its bytes, then SIGKILL; other operations: as ``kill``;
+  - ``enospc`` / ``erofs``: raise ``OSError`` (no space left / read-only file system) naming the path instead.
 
-  Only the process of rank 0 (``RANK`` / ``LOCAL_RANK`` unset or 0) acts, unless ``RLHF_TRL_FAULT_RANK`` names another.
-- ``RLHF_TRL_FAULT_LOG=<file>``: every file operation of every checkpoint save of every process is appended to the
-  file as one line ``<rank> <save> <op> <kind> <path>`` (kinds: ``write``, ``fsync``, ``rename``, ``remove``,
-  ``rotate``): run once uninterrupted to learn a save's kill points.
+  Only rank 0 (``RANK`` / ``LOCAL_RANK`` unset or 0) acts, unless ``RLHF_TRL_FAULT_RANK`` names another.
+- ``RLHF_TRL_FAULT_LOG=<file>``: every file operation of every save of every process is appended as one line
+  ``<rank> <save> <op> <kind> <path>`` (kinds: ``write``, ``fsync``, ``rename``, ``remove``, ``rotate``).
 
-Counted file operations: ``torch.save``, safetensors' file serialisation (``safetensors.torch.save_file`` and every
-caller that imported it), Python ``open()`` for writing, and the operations `AtomicCheckpointMixin` itself makes
-through `fsync_tree`, `publish` and `file_op` (fsync of each file and directory, the rename that publishes
-``checkpoint-N``, the fsync of ``output_dir``, removing the staging directory, rotating old checkpoints). Writes made
-by native code that bypasses these (the tokenizers library's ``tokenizer.json``) are not counted; they land in the
-staging directory like the rest and are fsynced (counted) before the rename.
+Counted: ``torch.save``, safetensors' ``serialize_file``, Python ``open()`` for writing, and the operations made
+through `fsync_tree`, `publish` and `file_op`. Writes of native code (the tokenizers library's ``tokenizer.json``)
+are not counted, but are fsynced (counted) before the rename like the rest of the staging directory.
 """
 
 from __future__ import annotations
@@ -61,9 +54,7 @@ def _fault() -> tuple[int, int, str] | None:
         ValueError: a malformed value (``<save>:<op>[:<action>]`` with positive integers and a known action).
     """
     spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
-    if _rank() != int(os.environ.get(FAULT_RANK_ENV, "0")):
+    if not spec or _rank() != int(os.environ.get(FAULT_RANK_ENV, "0")):
         return None
     parts = spec.split(":")
     if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts[:2]) or (
@@ -73,12 +64,8 @@ def _fault() -> tuple[int, int, str] | None:
 
 
 def file_op(kind: str, path: str, do=None):
-    """Count one file operation of a checkpoint save and run ``do()`` (if given), honouring ``RLHF_TRL_FAULT``.
-
-    Outside `checkpoint_save` (or with no fault variables set) this only runs ``do()``.
-
-    Returns:
-        what ``do()`` returns.
+    """Count one file operation of a checkpoint save and run ``do()`` (if given), honouring ``RLHF_TRL_FAULT``;
+    outside `checkpoint_save` this only runs ``do()``. Returns what ``do()`` returns.
 
     Raises:
         OSError: the injected ``enospc`` / ``erofs`` fault at this operation (errno ENOSPC / EROFS, naming ``path``).
@@ -117,8 +104,8 @@ def _counting_open(file, mode="r", *args, **kwargs):
 
 @contextmanager
 def checkpoint_save():
-    """Mark one checkpoint save: while inside, file operations are counted (and faults injected) as described in
-    the module docstring. Without ``RLHF_TRL_FAULT`` / ``RLHF_TRL_FAULT_LOG`` in the environment this does nothing."""
+    """Mark one checkpoint save: inside, file operations are counted (and faults injected; see the module docstring).
+    Without ``RLHF_TRL_FAULT`` / ``RLHF_TRL_FAULT_LOG`` in the environment this does nothing."""
     global _saves, _ops, _active
     if not (os.environ.get(FAULT_ENV) or os.environ.get(FAULT_LOG_ENV)) or _active:
         yield
@@ -173,9 +160,9 @@ def fsync_tree(root: str) -> None:
 
 
 def publish(staged: str, final: str, aside: str | None = None) -> None:
-    """fsync ``staged`` (files and directories), rename it to ``final`` and fsync the parent directory, so that
-    after a crash ``final`` is either absent or complete on disk. An existing ``final`` is first renamed to ``aside``
-    (default ``final + ".old"``) and removed once the new one is in place, so a complete copy exists at every moment.
+    """fsync ``staged``, rename it to ``final`` and fsync the parent, so after a crash ``final`` is absent or complete.
+    An existing ``final`` is first renamed to ``aside`` (default ``final + ".old"``) and removed once the new one is in
+    place.
 
     Raises:
         OSError: a write, fsync or rename failed (full disk, read-only file system, ...).
@@ -192,9 +179,8 @@ def publish(staged: str, final: str, aside: str | None = None) -> None:
 
 
 class CheckpointWriteError(OSError):
-    """Writing ``checkpoint-N`` failed (full disk, read-only ``output_dir``, ...): its staging directory was removed,
-    no ``checkpoint-N`` was published, the earlier checkpoints are untouched. The message is one line naming the path
-    the file system refused; ``newest`` is the name of the newest complete checkpoint in ``root`` (None: none)."""
+    """Writing ``checkpoint-N`` failed (full disk, read-only ``output_dir``, ...): nothing was published, the earlier
+    checkpoints are untouched. One-line message naming the refused path and the newest complete checkpoint."""
 
     def __init__(self, name: str, root: str, cause: OSError, newest: str | None = None):
         where = cause.filename or root

@@ -20,16 +20,13 @@ def with_loop_state(trainer_cls):
 
 class LoopStateMixin:
     """What `transformers.Trainer`'s checkpoints lack for a resumed run to log exactly what the uninterrupted run
-    logs: the loss summed since the last log (``_tr_loss``, per process), the step of the last log, the loss total
-    of the whole run (``_total_loss_scalar``, for ``train_loss``), and TRL's running statistics (``_metrics`` since
-    the last log, ``_total_train_tokens``). Saved into each checkpoint as ``loop_state.json`` (one entry per process)
-    and put back when the resumed run starts its first epoch. Without it a resumed run's first logged ``loss`` (and
-    TRL's ``entropy`` / ``accuracy`` ...) averages only the steps after the resume, its ``num_tokens`` restarts at 0,
-    and its final ``train_loss`` is the mean over the resumed steps only.
+    logs: the loss summed since the last log (``_tr_loss``, per process), the step of the last log, the whole run's
+    loss total (``_total_loss_scalar``, for ``train_loss``) and TRL's running statistics (``_metrics``,
+    ``_total_train_tokens``). Saved into each checkpoint as ``loop_state.json`` (one entry per process) and put back
+    when the resumed run starts its first epoch.
 
     Needs the Trainer's ``_run_epoch(..., epoch=, resume_from_checkpoint=, epochs_trained=)`` (transformers >= 5).
-    Mix in before `rlhf_trl.checkpoints.AtomicCheckpointMixin` (`with_loop_state`): its ``checkpoint_extras`` runs
-    inside the atomic save.
+    Mix in before `rlhf_trl.checkpoints.AtomicCheckpointMixin` (`with_loop_state`).
     """
 
     _loop_state_restored = False
@@ -49,13 +46,11 @@ class LoopStateMixin:
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
         """Write ``loop_state.json`` (every process's sums, gathered to the main process, which writes)."""
         super().checkpoint_extras(checkpoint_dir)
-        state = self._loop_state()
+        states = [self._loop_state()]
         if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
-            states = gather_object([state])
-        else:
-            states = [state]
+            states = gather_object(states)
         if self.args.should_save:  # straight into the staged checkpoint (published whole by its rename)
             with open(os.path.join(checkpoint_dir, LOOP_STATE_NAME), "w", encoding="utf-8") as f:
                 json.dump({"processes": states}, f, indent=2)
@@ -68,8 +63,7 @@ class LoopStateMixin:
         return super()._run_epoch(*args, **kwargs)
 
     def _restore_loop_state(self, ckpt: str) -> None:
-        """Put back this process's entry of ``ckpt/loop_state.json`` (a checkpoint without one: nothing, with a
-        warning).
+        """Put back this process's entry of ``ckpt/loop_state.json`` (none: a warning).
 
         Raises:
             ValueError: the file holds another number of processes than this run has.

@@ -1,15 +1,10 @@
 """Merge a LoRA adapter into its base model: ``rlhf-trl merge --adapter DIR --output DIR [--base DIR]``.
 
-The result is a plain `transformers` model directory (safetensors, written atomically) with a tokenizer and a short
-``README.md`` model card:
-
-- ``task_type: CAUSAL_LM`` adapters (SFT / PPO policies) give an ``AutoModelForCausalLM``;
-- ``task_type: SEQ_CLS`` adapters (reward models) give an ``AutoModelForSequenceClassification`` with
-  ``num_labels=1`` and the adapter's trained ``score`` head (peft's ``modules_to_save`` copy).
-
-The base defaults to ``base_model_name_or_path`` of the adapter's ``adapter_config.json`` (a relative path is tried
-as given, then relative to the adapter directory). The tokenizer is the adapter directory's when it holds one, else
-the base's.
+The result is a plain `transformers` model directory (safetensors, written atomically) with a tokenizer (the
+adapter directory's, else the base's) and a short ``README.md`` model card: an ``AutoModelForCausalLM`` for
+``task_type: CAUSAL_LM`` adapters (SFT / PPO policies), an ``AutoModelForSequenceClassification`` (``num_labels=1``,
+the adapter's trained ``score`` head) for ``SEQ_CLS`` ones (reward models). The base defaults to the adapter's
+``base_model_name_or_path`` (as given, else relative to the adapter directory).
 """
 
 from __future__ import annotations
@@ -18,6 +13,11 @@ import argparse
 import json
 import logging
 import os
+import sys
+
+from .config import RecipeError, one_line_arguments
+from .models import (StageInputError, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir,
+                     resize_for_tokenizer, save_pretrained_atomic, torch_dtype, write_text)
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,6 @@ def read_adapter_config(adapter_dir: str) -> dict:
             (`ADAPTER_WEIGHTS`).
         ValueError: the file is not valid JSON, or not a JSON object.
     """
-    from .models import StageInputError
-
     if not os.path.isdir(adapter_dir):
         raise StageInputError(f"--adapter: no LoRA adapter at '{adapter_dir}' (directory not found)")
     path = os.path.join(adapter_dir, "adapter_config.json")
@@ -57,8 +55,8 @@ def read_adapter_config(adapter_dir: str) -> dict:
 
 
 def resolve_base(adapter_dir: str, config: dict, base: str | None = None) -> str:
-    """The base model directory (or hub id): ``base`` if given, else the adapter config's
-    ``base_model_name_or_path`` (tried as given, then relative to ``adapter_dir``).
+    """The base model directory (or hub id): ``base``, else the adapter config's ``base_model_name_or_path`` (as
+    given, else relative to ``adapter_dir``).
 
     Raises:
         ValueError: no base given and the adapter config names none.
@@ -77,14 +75,11 @@ def resolve_base(adapter_dir: str, config: dict, base: str | None = None) -> str
 
 def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
     """Refuse an ``--output`` whose replacement would delete an input or unrelated files: the adapter or base
-    directory itself, a directory holding either, a file, or a non-empty directory that is not a model directory
-    (no ``config.json``; an earlier merge's output is replaced).
+    directory or one holding either, a file, or a non-empty directory without ``config.json``.
 
     Raises:
         RecipeError: one line naming ``--output`` and what it would replace.
     """
-    from .config import RecipeError
-
     out = os.path.realpath(output_dir)
     for what, path in (("adapter", adapter_dir), ("base model", base)):
         if not os.path.isdir(path):
@@ -114,8 +109,7 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
     Args:
         adapter_dir: a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
         output_dir: where the merged model, tokenizer and ``README.md`` go: a new or empty directory, or an earlier
-            merged model (replaced atomically); never the adapter or base directory or one holding them
-            (`check_output`).
+            merged model (replaced atomically).
         base: the base model; default: the adapter config's ``base_model_name_or_path``.
         dtype: ``from_pretrained`` dtype of the base (None: the checkpoint's default).
 
@@ -124,31 +118,21 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
 
     Raises:
         StageInputError: the adapter (its config or weights) or the base model is missing.
-        RecipeError: ``output_dir`` would replace the adapter, the base or files that are not a model
-            (`check_output`).
+        RecipeError: ``output_dir`` would replace the adapter, the base or non-model files (`check_output`).
         ValueError: an adapter config that is not valid JSON, a task type other than CAUSAL_LM / SEQ_CLS, a
-            non-LoRA adapter, or no base can be determined.
-
-    Every check runs before anything is loaded or written.
+            non-LoRA adapter, or no base can be determined. Every check runs before anything is loaded or written.
     """
     from peft import PeftModel
-
-    from .models import (
-        load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir, resize_for_tokenizer,
-        save_pretrained_atomic,
-    )
 
     config = read_adapter_config(adapter_dir)
     task_type = str(config.get("task_type") or "")
     if task_type not in TASK_KINDS:
-        raise ValueError(
-            f"{adapter_dir}: adapter task_type {task_type!r} is not supported; expected one of {sorted(TASK_KINDS)}"
-        )
+        raise ValueError(f"{adapter_dir}: adapter task_type {task_type!r} is not supported; expected one of "
+                         f"{sorted(TASK_KINDS)}")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{adapter_dir}: peft_type {config.get('peft_type')!r} is not a LoRA adapter")
     source = "--base" if base else f"base_model_name_or_path of {adapter_dir}/adapter_config.json"
-    what = f"base model ({source})"
-    base_path = require_model_dir(resolve_base(adapter_dir, config, base), what, None, allow_pickle)
+    base_path = require_model_dir(resolve_base(adapter_dir, config, base), f"base model ({source})", None, allow_pickle)
     check_output(output_dir, adapter_dir, base_path)
     tokenizer_src = adapter_dir if has_tokenizer(adapter_dir) else base_path
     tokenizer = load_tokenizer(tokenizer_src, trust_remote_code=trust_remote_code)
@@ -158,14 +142,10 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
         logger.info("the base's new score head (reported MISSING above when the base is a causal LM) is replaced by "
                     "the adapter's trained one")
     resize_for_tokenizer(model, tokenizer)
-    peft_model = PeftModel.from_pretrained(model, adapter_dir)
-    merged = peft_model.merge_and_unload().eval()
+    merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
     save_pretrained_atomic(merged, tokenizer, output_dir)
     card = model_card(adapter_dir, base_path, task_type, tokenizer_src, config)
-    tmp = os.path.join(output_dir, "README.md.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(card)
-    os.replace(tmp, os.path.join(output_dir, "README.md"))
+    write_text(os.path.join(output_dir, "README.md"), card)
     logger.info("merged %s (%s) into %s -> %s", adapter_dir, task_type, base_path, output_dir)
     return merged
 
@@ -190,11 +170,6 @@ def main(argv: list[str] | None = None) -> dict:
     """``rlhf-trl merge --adapter DIR --output DIR [--base DIR] [--dtype D]``. Returns ``{"output_dir", "merged"}``.
 
     Errors: see `merge_adapter`; a missing or bad argument raises `RecipeError` (``command line: ...``)."""
-    import sys
-
-    from .config import one_line_arguments
-    from .models import torch_dtype
-
     p = one_line_arguments(argparse.ArgumentParser(prog="rlhf-trl merge", description=__doc__,
                                                    formatter_class=argparse.RawTextHelpFormatter))
     p.add_argument("--adapter", required=True, help="peft LoRA adapter directory")

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .faults import publish
+
 logger = logging.getLogger(__name__)
 
 # Tried in order when a tokenizer has no pad token, or its pad token is one of the EOS ids (Qwen base: both
@@ -37,10 +39,9 @@ def sampling_generation_config(temperature: float, max_new_tokens: int | None, e
                                pad_token_id: int, **extra):
     """A ``GenerationConfig`` that samples from ``softmax(logits / temperature)`` and nothing else.
 
-    Every setting of `BIASING_GENERATION_KEYS` is set to its neutral value explicitly: ``generate`` fills the
-    settings a passed config leaves unset from ``model.generation_config``, so a stock checkpoint's top_k / top_p /
-    repetition_penalty would otherwise leak in. Stops at any of ``eos_token_ids``; ``max_new_tokens`` in tokens.
-    Used by PPO rollouts, `rlhf_trl.evaluate` and the demo, so that all of them sample the same distribution.
+    Every setting of `BIASING_GENERATION_KEYS` is set to its neutral value explicitly, or ``generate`` would fill it
+    from ``model.generation_config`` (a stock checkpoint's top_k / top_p ...). Stops at any of ``eos_token_ids``;
+    ``max_new_tokens`` in tokens. Shared by PPO rollouts, `rlhf_trl.evaluate` and the demo.
     """
     from transformers import GenerationConfig
 
@@ -79,10 +80,9 @@ def require_model_dir(path: str, what: str, produced_by: str | None = None, allo
     files = os.listdir(path)
     if not any(f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in files):
         if any(f.endswith((".bin", ".pt", ".pth", ".ckpt")) for f in files) and not allow_pickle:
-            raise StageInputError(
-                f"{what} at '{path}' has only pickle weights (*.bin), which can run code when loaded; convert them to "
-                "safetensors, or set `allow_pickle_weights: true` in the recipe if you trust the files"
-            )
+            raise StageInputError(f"{what} at '{path}' has only pickle weights (*.bin), which can run code when "
+                                  "loaded; convert them to safetensors, or set `allow_pickle_weights: true` in the "
+                                  "recipe if you trust the files")
         if not any(f.endswith((".bin", ".pt", ".pth", ".ckpt")) for f in files):
             raise StageInputError(f"{what} at '{path}' holds no weights (*.safetensors){hint}")
     return path
@@ -95,12 +95,9 @@ def _as_id_list(value) -> list[int]:
 
 
 def eos_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
-    """Every token id that ends a response: the tokenizer's EOS first, then the EOS ids of the model directory's
-    ``generation_config.json`` (a list in Qwen2.5-Instruct: ``[<|im_end|>, <|endoftext|>]``) and ``config.json``.
-
-    Rollouts stop at any of them, the missing-EOS penalty and EOS rates count any of them, and the reward model's
-    score is read at whichever one ends the response. Ids equal to the tokenizer's pad token are left out (the pad
-    token is chosen distinct from all of them by `load_tokenizer`). Returns a list without repeats.
+    """Every token id that ends a response, without repeats: the tokenizer's EOS first, then the EOS ids of the model
+    directory's ``generation_config.json`` (Qwen2.5-Instruct: ``[<|im_end|>, <|endoftext|>]``) and ``config.json``,
+    less the tokenizer's pad id. Rollouts stop at any of them and EOS rates / the missing-EOS penalty count any.
     """
     pad = tokenizer.pad_token_id
     ids = _all_eos_ids(tokenizer, model_dir)
@@ -115,23 +112,16 @@ def _all_eos_ids(tokenizer, model_dir: str | None) -> list[int]:
             if os.path.isfile(path):
                 with open(path, encoding="utf-8") as f:
                     ids += _as_id_list(json.load(f).get("eos_token_id"))
-    out = []
-    for i in ids:
-        if i not in out and 0 <= i < len(tokenizer):
-            out.append(i)
-    return out
+    return list(dict.fromkeys(i for i in ids if 0 <= i < len(tokenizer)))  # in order, without repeats
 
 
 def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = "right", trust_remote_code=False):
-    """Load a tokenizer and make its pad token distinct from every EOS id.
+    """Load a tokenizer and make its pad token distinct from every EOS id (`eos_token_ids`).
 
-    TRL's PPOTrainer masks pad tokens out of every forward pass and reads rewards at the last non-pad token, so a
-    pad token equal to an EOS id would hide the EOS that ends a response. The EOS ids are the tokenizer's EOS and
-    those of ``path``'s ``generation_config.json`` (`eos_token_ids`): stock Qwen2.5-Instruct pads with
-    ``<|endoftext|>``, which its generation_config lists as a second EOS. When ``pad_token`` is not given and the
-    tokenizer's pad is missing or one of the EOS ids, the first of `PAD_CANDIDATES` found in the vocabulary (other
-    than an EOS id) is used; if none exists, ``<|pad|>`` is added (the model's embeddings must then be resized:
-    `resize_for_tokenizer`).
+    TRL's PPOTrainer masks pad tokens out and reads rewards at the last non-pad token, so a pad equal to an EOS id
+    would hide the EOS that ends a response. When ``pad_token`` is not given and the tokenizer's pad is missing or an
+    EOS id, the first of `PAD_CANDIDATES` in the vocabulary (not an EOS id) is used, else ``<|pad|>`` is added (the
+    embeddings must then be resized: `resize_for_tokenizer`).
 
     Raises:
         StageInputError: the tokenizer cannot be found.
@@ -193,9 +183,8 @@ def is_baichuan(path: str) -> bool:
 
 def _check_remote_code(path: str, trust_remote_code: bool) -> None:
     if is_baichuan(path) and not trust_remote_code:
-        raise ValueError(
-            f"'{path}' is a Baichuan remote-code model: set `trust_remote_code: true` in the recipe to run its code"
-        )
+        raise ValueError(f"'{path}' is a Baichuan remote-code model: set `trust_remote_code: true` in the recipe to "
+                         "run its code")
     if trust_remote_code:
         logger.warning("trust_remote_code: the Python code in '%s' will run in this process", path)
 
@@ -208,10 +197,8 @@ def _has_bitsandbytes() -> bool:
 def _bnb_cpu_4bit_problem() -> str | None:
     """None when bitsandbytes' CPU backend quantizes to 4 bits here; otherwise why not (one line).
 
-    The check (once per process, ~10 ms): import bitsandbytes, NF4-quantize a 64 x 64 fp32 tensor on the CPU with
-    ``bitsandbytes.functional.quantize_4bit``, dequantize it and compare. A bitsandbytes without a CPU backend raises
-    there, so does a native library that fails to load; a backend that returns garbage fails the comparison
-    (NF4 of N(0, 1) values keeps every element within ~0.2 of its block's absmax, absmax ~3-4 here: bound 1.0).
+    Once per process: NF4 round trip of a 64 x 64 N(0, 1) tensor through ``bitsandbytes.functional.quantize_4bit``;
+    a missing backend raises, a broken one exceeds the error bound 1.0 (NF4 keeps N(0, 1) values within ~0.2).
     """
     try:
         import bitsandbytes
@@ -241,47 +228,36 @@ def kbit_runs_on_cpu(use_cpu: bool = False) -> bool:
 
 
 def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> None:
-    """Check that a ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) run can quantize here.
-
-    On a CUDA GPU (``use_cpu`` false and ``torch.cuda.is_available()``) bitsandbytes must be installed. On the CPU
-    (``use_cpu`` or no CUDA GPU) only ``load_in_4bit`` runs, through bitsandbytes' CPU backend (bitsandbytes >= 0.50;
-    checked by a real 4-bit round trip of a tiny tensor, `_bnb_cpu_4bit_problem`); ``load_in_8bit`` needs a GPU.
+    """Check that a ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) run can quantize here: bitsandbytes installed;
+    on the CPU (`kbit_runs_on_cpu`) only ``load_in_4bit``, through a working CPU backend (`_bnb_cpu_4bit_problem`).
 
     Raises:
         ValueError: one line naming ``key``, what is missing (the bitsandbytes package, a usable CPU backend, or for
             8 bits a CUDA GPU) and the fix.
     """
     if not _has_bitsandbytes():
-        raise ValueError(
-            f"{key}: true needs the bitsandbytes package, which is not installed here; install it "
-            f"(pip install -e '.[qlora]'), or set {key}: false"
-        )
+        raise ValueError(f"{key}: true needs the bitsandbytes package, which is not installed here; install it "
+                         f"(pip install -e '.[qlora]'), or set {key}: false")
     if not kbit_runs_on_cpu(use_cpu):
         return  # CUDA: unchanged, bitsandbytes' CUDA kernels
     where = "the recipe sets use_cpu: true" if use_cpu else "torch.cuda.is_available() is False"
     if key == "load_in_8bit":
-        raise ValueError(
-            f"load_in_8bit: true needs a CUDA GPU ({where}); on the CPU only load_in_4bit runs: set load_in_4bit: "
-            "true instead, run on a CUDA machine, or set load_in_8bit: false"
-        )
+        raise ValueError(f"load_in_8bit: true needs a CUDA GPU ({where}); on the CPU only load_in_4bit runs: set "
+                         "load_in_4bit: true instead, run on a CUDA machine, or set load_in_8bit: false")
     problem = _bnb_cpu_4bit_problem()
     if problem is not None:
-        raise ValueError(
-            f"load_in_4bit: true on the CPU ({where}) needs a working bitsandbytes CPU backend; {problem}; upgrade "
-            "it (pip install -U 'bitsandbytes>=0.50'), run on a CUDA machine, or set load_in_4bit: false"
-        )
+        raise ValueError(f"load_in_4bit: true on the CPU ({where}) needs a working bitsandbytes CPU backend; "
+                         f"{problem}; upgrade it (pip install -U 'bitsandbytes>=0.50'), run on a CUDA machine, or set "
+                         "load_in_4bit: false")
 
 
 def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, use_cpu: bool = False):
-    """The bitsandbytes config a recipe asks for (TRL's ``ModelConfig``: ``load_in_4bit`` / ``load_in_8bit``,
-    ``bnb_4bit_quant_type``, ``use_bnb_nested_quant``, ``bnb_4bit_quant_storage``; the 4-bit compute dtype is
-    ``dtype``), built by `trl.get_quantization_config`; None when the recipe quantizes nothing.
+    """The bitsandbytes config a recipe's TRL ``ModelConfig`` asks for (``load_in_4bit`` / ``load_in_8bit``,
+    ``bnb_4bit_*``; compute dtype ``dtype``), built by `trl.get_quantization_config`; None when nothing is quantized.
 
-    Quantized weights cannot be trained, only LoRA adapters on them (QLoRA), so every switch in ``lora`` (recipe key
-    -> value; default ``{"use_peft": model_args.use_peft}``; PPO adds ``value_use_peft``) must be on.
-
-    ``use_cpu`` (or no CUDA GPU) means the model quantizes and trains on the CPU: ``load_in_4bit`` through
-    bitsandbytes' CPU backend (compute dtype: ``dtype``; ``float32`` is the tested one), ``load_in_8bit`` not at all.
+    Only LoRA adapters on quantized weights can train (QLoRA), so every switch in ``lora`` (recipe key -> value;
+    default ``{"use_peft": model_args.use_peft}``) must be on. On the CPU (``use_cpu`` or no CUDA GPU) only
+    ``load_in_4bit`` runs.
 
     Raises:
         ValueError: a ``lora`` switch is off; ``load_in_4bit`` with ``dtype: auto``; bitsandbytes missing, or on the
@@ -297,10 +273,8 @@ def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, 
     for switch, on in (lora if lora is not None else {"use_peft": model_args.use_peft}).items():
         if not on:
             what = "the value model is trained too, and " if switch.startswith("value_") else ""
-            raise ValueError(
-                f"{key}: true needs {switch}: true: {what}{bits} quantized weights cannot be trained, only LoRA "
-                f"adapters on them (QLoRA); set {switch}: true, or {key}: false"
-            )
+            raise ValueError(f"{key}: true needs {switch}: true: {what}{bits} quantized weights cannot be trained, "
+                             f"only LoRA adapters on them (QLoRA); set {switch}: true, or {key}: false")
     if model_args.load_in_4bit and model_args.dtype == "auto":
         raise ValueError("load_in_4bit: true needs an explicit dtype (bfloat16, float16 or float32): it is the 4-bit "
                          "compute dtype; 'auto' is not one")
@@ -309,10 +283,8 @@ def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, 
 
 
 def kbit_device_map() -> dict:
-    """Where this process loads a quantized model whole (bitsandbytes weights are quantized as they load; DDP runs one
-    model copy per process): ``{"": local process index}`` (its own GPU) when the run's device is a CUDA GPU,
-    ``{"": "cpu"}`` when it is the CPU (``use_cpu: true``, or no CUDA GPU). The device is that of
-    `accelerate.PartialState`, which the stages set up from ``use_cpu`` before they load models."""
+    """Where this process loads a quantized model whole: ``{"": local process index}`` (its own GPU) when the
+    `accelerate.PartialState` device is a CUDA GPU, ``{"": "cpu"}`` when it is the CPU."""
     from accelerate import PartialState
 
     state = PartialState()
@@ -322,11 +294,9 @@ def kbit_device_map() -> dict:
 def _keep_cpu_4bit_weights_unpacked(model) -> None:
     """Switch off bitsandbytes' CPU repacking of 4-bit weights in ``model`` (in place).
 
-    On CPUs with AVX512-BF16, bitsandbytes 0.50 repacks a ``Linear4bit`` weight into a fused-kernel layout the
-    first time the layer runs in eval mode without gradients (a PPO rollout, an eval pass) and keeps it that way; a
-    later training forward through the same weights then fails. Clearing the layer's ``support_avx512bf16_for_cpu``
-    flag keeps the weights in the standard layout (the dequantize-then-matmul path every other CPU takes). Not seen
-    on CPUs without AVX512-BF16, where the flag is already False.
+    On AVX512-BF16 CPUs bitsandbytes repacks a ``Linear4bit`` weight for a fused kernel the first time it runs in
+    eval mode without gradients (a rollout), and a later training forward then fails. Clearing
+    ``support_avx512bf16_for_cpu`` keeps the standard layout (dequantize-then-matmul).
     """
     for module in model.modules():
         if getattr(module, "support_avx512bf16_for_cpu", False):
@@ -336,13 +306,9 @@ def _keep_cpu_4bit_weights_unpacked(model) -> None:
 def fp32_adapters_for_fp32_compute(model, quantization_config) -> int:
     """Cast the trainable parameters of a QLoRA model back to fp32 when its 4-bit compute dtype is fp32 (in place).
 
-    TRL's SFTTrainer and RewardTrainer cast every trainable parameter of a quantized model to bf16 (the QLoRA
-    paper's choice for bf16 compute on a GPU). With fp32 compute (``dtype: float32``, the CPU recipes) that breaks the
-    reward model: its trained ``score`` head (a peft ``modules_to_save`` copy, no dtype cast around it) gets fp32
-    hidden states and a bf16 weight and fails ("expected m1 and m2 to have the same dtype"); LoRA layers survive the
-    mix (peft casts their input) but run bf16 matmuls, slow on CPUs without AVX512-BF16. Call it after building the
-    trainer, before ``train()`` (the optimizer is created there, from these parameters). Does nothing without
-    ``quantization_config`` or with another compute dtype (the bf16 GPU recipes are unchanged).
+    TRL's SFTTrainer and RewardTrainer cast them to bf16 (the QLoRA paper's choice); with fp32 compute (the CPU
+    recipes) the reward model's ``score`` head then fails on a dtype mismatch and LoRA layers run slow bf16 matmuls.
+    Call after building the trainer, before ``train()``. Does nothing for other compute dtypes.
 
     Returns:
         The number of parameters cast.
@@ -364,11 +330,7 @@ def is_quantized(model) -> bool:
 
 
 def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pickle: bool, quantization_config=None):
-    """Load a causal LM (``kind='causal_lm'``) or a one-label sequence classifier (``'sequence_classifier'``).
-
-    With ``quantization_config`` (a ``BitsAndBytesConfig``) the model is quantized as it loads, onto this process's
-    GPU, or the CPU (`kbit_device_map`).
-    """
+    """Load a causal LM (``kind='causal_lm'``) or a one-label sequence classifier (``'sequence_classifier'``)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     _check_remote_code(path, trust_remote_code)
@@ -384,10 +346,8 @@ def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pick
     else:
         auto, extra = (AutoModelForCausalLM, {}) if kind == "causal_lm" else (AutoModelForSequenceClassification,
                                                                              {"num_labels": 1})
-        model = auto.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None if allow_pickle else True,
-            **extra, **quant,
-        )
+        model = auto.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                     use_safetensors=None if allow_pickle else True, **extra, **quant)
     if quant and quant["device_map"][""] == "cpu":
         _keep_cpu_4bit_weights_unpacked(model)
     return model
@@ -397,9 +357,8 @@ def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow
                    quantization_config=None):
     """A causal LM (policy / SFT model); Baichuan remote-code models go through `rlhf_trl.baichuan`.
 
-    Weights load from safetensors only unless ``allow_pickle``. ``quantization_config`` (a ``BitsAndBytesConfig``,
-    see `recipe_quantization_config`) quantizes the model as it loads, onto this process's GPU or, without one (or
-    under ``use_cpu``), the CPU: 4 bits only, through bitsandbytes' CPU backend.
+    Weights load from safetensors only unless ``allow_pickle``. ``quantization_config`` (`recipe_quantization_config`)
+    quantizes the model as it loads, onto this process's GPU or the CPU (`kbit_device_map`).
 
     Raises:
         ValueError: a remote-code model without ``trust_remote_code``; ``quantization_config`` without bitsandbytes,
@@ -412,24 +371,18 @@ def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = Fa
                              quantization_config=None):
     """A ``num_labels=1`` sequence classifier (reward / value model) with a last-token ``score`` head.
 
-    Baichuan remote-code models get `rlhf_trl.baichuan.BaichuanForSequenceClassification`. Weights load from
-    safetensors only unless ``allow_pickle``. ``quantization_config`` quantizes the model as it loads (the ``score``
-    head, the last module, stays unquantized), onto this process's GPU, or the CPU (4 bits only; see
-    `load_causal_lm`).
+    Baichuan remote-code models get `rlhf_trl.baichuan.BaichuanForSequenceClassification`. Loading as in
+    `load_causal_lm` (the ``score`` head stays unquantized).
 
     Raises:
-        ValueError: a remote-code model without ``trust_remote_code``; ``quantization_config`` without bitsandbytes,
-            or on the CPU with an unusable bitsandbytes CPU backend or 8 bits (`require_kbit_support`).
+        ValueError: as `load_causal_lm`.
     """
     return _load_model("sequence_classifier", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
 
 def resize_for_tokenizer(model, tokenizer) -> None:
-    """Grow the embeddings if the tokenizer gained tokens, and record pad / EOS ids on config and generation config.
-
-    The generation config keeps the model's own settings (sampling, and an EOS list such as Qwen2.5-Instruct's
-    ``[<|im_end|>, <|endoftext|>]``) so that a saved model deploys as the stock one does; the tokenizer's EOS is
-    put first in its EOS list and its pad id becomes the tokenizer's (distinct from every EOS id).
+    """Grow the embeddings if the tokenizer gained tokens, and record pad / EOS ids on config and generation config
+    (which keeps its own settings and EOS list, the tokenizer's EOS first, so a saved model deploys as the stock one).
     """
     embeddings = model.get_input_embeddings()
     # num_embeddings: under DeepSpeed ZeRO-3 ``weight`` is this rank's (possibly empty) partition
@@ -455,14 +408,8 @@ def torch_dtype(name: str | None):
 
 @contextmanager
 def atomic_dir(final_path: str):
-    """Write a directory under a temporary name next to ``final_path`` and rename it into place on success.
-
-    A crash leaves no half-written ``final_path``; an existing ``final_path`` is replaced only after the new one
-    is complete, and the new one's files and directories are fsynced before the rename that publishes it
-    (`faults.publish`).
-    """
-    from .faults import publish
-
+    """Write a directory under a temporary name next to ``final_path`` and rename it into place on success
+    (`faults.publish`: fsynced first; an existing ``final_path`` is replaced only once the new one is complete)."""
     parent = os.path.dirname(os.path.abspath(final_path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.tmp-", dir=parent)
@@ -492,15 +439,9 @@ def save_pretrained_atomic(model, tokenizer, path: str, extra: dict | None = Non
 def merge_and_save(model, tokenizer, path: str):
     """Merge LoRA adapters into the base weights (if ``model`` is a `peft.PeftModel`) and save the plain model.
 
-    For a sequence-classification reward model trained with ``task_type=SEQ_CLS`` the trained ``score`` head
-    (a ``modules_to_save`` copy) is part of the merged model. The adapter is merged in place: use the returned
-    plain model afterwards, not ``model``.
-
-    A LoRA adapter on a bitsandbytes-quantized base (QLoRA) is not merged into the quantized weights (that would
-    round the update away and save a 4-bit model): the base is loaded again unquantized, on the CPU, in the dtype of
-    the quantized model's unquantized parts (bf16 in the QLoRA recipes; fp32 in a CPU run with ``dtype: float32``),
-    the adapter is merged into it and that model is saved. ``model`` is then returned unchanged (quantized, adapter
-    active: what was trained, on its GPU or the CPU).
+    A ``task_type=SEQ_CLS`` adapter's trained ``score`` head is part of the merged model. The adapter is merged in
+    place: use the returned model afterwards. On a quantized base (QLoRA) the adapter is merged into the base loaded
+    again unquantized on the CPU (`_merge_quantized`) and ``model`` is returned unchanged.
 
     Returns:
         The merged plain `transformers` model, or ``model`` itself for a quantized base.
@@ -533,20 +474,19 @@ def _merge_quantized(model, tokenizer, path: str) -> None:
     save_pretrained_atomic(merged, tokenizer, path)
 
 
-def write_json(path: str, data: dict) -> None:
-    """Write JSON atomically (temporary file, then rename)."""
+def write_text(path: str, text: str) -> None:
+    """Write a text file atomically (``path.tmp``, then rename), creating its directory."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, ensure_ascii=False, indent=2)
-    os.replace(tmp, path)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def write_json(path: str, data: dict) -> None:
+    """Write JSON atomically (`write_text`)."""
+    write_text(path, json.dumps(data, ensure_ascii=False, indent=2))
 
 
 def write_jsonl(path: str, rows) -> None:
-    """Write one JSON object per line atomically (temporary file, then rename)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    """Write one JSON object per line atomically (`write_text`)."""
+    write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))

@@ -5,17 +5,15 @@ Recipe keys::
     reward_funcs: ["rlhf_trl.demo_task:ground_truth_reward", "my_rewards.py:length_penalty"]
     reward_weights: [1.0, 0.1]      # optional; default 1.0 each
 
-Each entry is ``"package.module:function"`` (imported), or ``"path/to/file.py:function"`` (a local file, relative to
-the current directory, imported on its own: its directory is not put on ``sys.path``). ``function`` may be a dotted
-attribute path (``module:Class.method``).
+Each entry is ``"package.module:function"`` (imported) or ``"path/to/file.py:function"`` (a local file relative to
+the current directory, not put on ``sys.path``); ``function`` may be dotted (``module:Class.method``).
 
 Calling convention (TRL GRPO's): ``f(prompts=..., completions=..., **columns) -> list[float]``, all by keyword:
 
 - ``prompts``: ``[batch]`` prompt texts; ``completions``: ``[batch]`` decoded responses (no EOS);
-- ``columns``: one list of length ``batch`` per column (`reward_columns`): ``question`` (the normalised question,
-  always), ``system`` (the row's system turn or None, always) and the source rows' extra scalar columns
-  (`rlhf_trl.data.prompt_columns`, e.g. ``topic`` or gsm8k's reference ``answer``). A function that takes
-  ``**kwargs`` gets every column; one without gets only the columns it names;
+- ``columns``: one ``[batch]`` list per column (`reward_columns`): ``question``, ``system`` and the source rows'
+  extra scalar columns (e.g. ``topic`` or gsm8k's ``answer``); a function without ``**kwargs`` gets only those it
+  names;
 - returns ``[batch]`` finite numbers (a list, tuple, 1-D array or 1-D tensor; bools count as 0 / 1).
 
 A tiny example (in ``my_rewards.py``, used as ``reward_funcs: ["my_rewards.py:mentions_topic"]``)::
@@ -23,15 +21,12 @@ A tiny example (in ``my_rewards.py``, used as ``reward_funcs: ["my_rewards.py:me
     def mentions_topic(prompts, completions, topic, **kwargs):
         return [1.0 if t in c else 0.0 for c, t in zip(completions, topic)]
 
-Units: rewards are in reward units. The weighted sum ``sum_i reward_weights[i] * f_i`` is the score of a
-completion when no reward model is given; with a reward model it is added to the reward model's score minus its
-baseline (``reward_baseline``), i.e. ``score = (rm_score - baseline) + sum_i w_i * f_i``, so weights set how many
-reward-model units one unit of each function is worth. PPO's reward shaping (missing-EOS penalty, KL penalty) then
-applies to that score.
+Units: reward units. The score of a completion is ``sum_i reward_weights[i] * f_i``, plus ``rm_score -
+reward_baseline`` with a reward model (so weights set how many RM units one unit of each function is worth); PPO's
+reward shaping (missing-EOS penalty, KL penalty) then applies.
 
 Errors: `load_reward_functions` raises a one-line `ValueError` naming the recipe key and the entry; a function that
-raises, returns something that is not ``[batch]`` numbers, or a non-finite value (NaN, inf, None) stops the run with
-a one-line `RewardFunctionError` naming the function's entry and the PPO update.
+raises or returns anything but ``[batch]`` finite numbers stops the run with a one-line `RewardFunctionError`.
 """
 
 from __future__ import annotations
@@ -58,9 +53,8 @@ _warned: set[str] = set()
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function failed during PPO: it raised, returned something that is not ``[batch]`` numbers, or a
-    non-finite value. The one-line message names the function's entry and the update, e.g. ``reward function
-    rlhf_trl.demo_task:ground_truth_reward at update 3: returned 3 values for 4 completions``."""
+    """A reward function failed during PPO: it raised, or returned something that is not ``[batch]`` finite numbers.
+    The one-line message names the function's entry and the update."""
 
 
 class RewardFunctions:
@@ -72,15 +66,12 @@ class RewardFunctions:
         specs: the recipe entries the functions were loaded from (for messages; default ``module:qualname``).
 
     Attributes:
-        specs: ``list[str]``, the entries; names: ``list[str]``, unique short names (the function names, ``_2``,
-            ``_3`` ... appended to repeats) for logging as ``objective/reward_fn/<name>``; weights: ``list[float]``;
-        last_values: ``dict[str, torch.Tensor]``, each function's unweighted ``[batch]`` float32 values of the last
-            call, by name (empty before the first call).
+        names: unique short names (function names, ``_2``, ``_3`` ... on repeats) for ``objective/reward_fn/<name>``.
+        last_values: name -> the last call's unweighted ``[batch]`` float32 values (empty before the first call).
 
     Raises:
-        ValueError: no function, a weight count that differs from the function count, a weight that is not a finite
-            number, or a function whose signature takes no ``prompts`` / ``completions`` (one line, naming
-            ``reward_funcs`` / ``reward_weights`` and the entry).
+        ValueError: no function, a weight count other than the function count, a non-finite weight, or a function
+            that takes no ``prompts`` / ``completions`` (one line, naming the recipe key and the entry).
     """
 
     def __init__(self, functions: Sequence[Callable], weights: Sequence[float] | None = None,
@@ -111,8 +102,7 @@ class RewardFunctions:
         return "RewardFunctions(" + ", ".join(f"{s} x {w:g}" for s, w in zip(self.specs, self.weights)) + ")"
 
     def __call__(self, prompts: list[str], completions: list[str], update: int, **columns) -> torch.Tensor:
-        """The weighted sum of the functions' rewards, ``[batch]`` float32 (CPU), in reward units; also stores each
-        function's values in `last_values`. See `compute`."""
+        """`compute`'s weighted sum, ``[batch]`` float32 (CPU, reward units); stores the values in `last_values`."""
         total, self.last_values = self.compute(prompts, completions, update, **columns)
         return total
 
@@ -121,19 +111,17 @@ class RewardFunctions:
         """Score a batch.
 
         Args:
-            prompts: ``[batch]`` prompt texts.
-            completions: ``[batch]`` decoded responses.
+            prompts, completions: ``[batch]`` prompt texts and decoded responses.
             update: the PPO update number (for messages only).
-            columns: one list of length ``batch`` per column (`reward_columns`); each function gets them all if it
-                takes ``**kwargs``, else those it names.
+            columns: one ``[batch]`` list per column (`reward_columns`).
 
         Returns:
-            ``(total, values)``: ``total`` ``[batch]`` float32, ``sum_i weights[i] * f_i`` (summed in float64);
-            ``values`` name -> ``[batch]`` float32, each function's unweighted rewards. Both on CPU.
+            ``(total, values)`` on CPU: ``total`` ``[batch]`` float32, ``sum_i weights[i] * f_i`` (summed in
+            float64); ``values`` name -> ``[batch]`` float32, each function's unweighted rewards.
 
         Raises:
-            RewardFunctionError: a function raised, or returned something that is not ``batch`` finite numbers (one
-                line naming the entry and ``update``; the function's own exception is chained).
+            RewardFunctionError: a function raised (chained), or returned something that is not ``batch`` finite
+                numbers (one line naming the entry and ``update``).
             ValueError: ``prompts``, ``completions`` and the columns differ in length (a caller's bug).
         """
         n = len(completions)
@@ -160,8 +148,7 @@ def load_reward_functions(specs: list[str] | None, weights: list[float] | None =
     """Load the recipe's ``reward_funcs`` with their ``reward_weights``.
 
     Args:
-        specs: entries ``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to the current
-            directory); None or ``[]``: no reward function. A single string counts as a list of one.
+        specs: entries in either form of the module docstring (a string counts as a list of one); None / ``[]``: none.
         weights: one finite number per entry (negative ones penalise); None or ``[]``: 1.0 each.
 
     Returns:
@@ -169,10 +156,8 @@ def load_reward_functions(specs: list[str] | None, weights: list[float] | None =
 
     Raises:
         ValueError (one line, naming ``reward_funcs[i]`` / ``reward_weights`` and the entry): an entry in neither
-            form; weights without functions, or a count that differs from the number of functions; a weight that is
-            not a finite number; a module that cannot be imported (the module and the root cause: e.g.
-            ``ModuleNotFoundError: No module named 'x'``); a file that does not exist or fails to import; no such
-            attribute; an attribute that is not callable; a function that takes no ``prompts`` / ``completions``.
+            form; weights without functions or of another count; a non-finite weight; a module or file that cannot be
+            imported (with the root cause); no such attribute, or not callable; no ``prompts`` / ``completions``.
     """
     specs = [specs] if isinstance(specs, str) else list(specs or [])
     weights = [weights] if isinstance(weights, numbers.Real) else (list(weights) if weights else None)
@@ -193,12 +178,10 @@ def reward_columns(records: list[dict]) -> dict[str, list]:
     "prompts")`, one record per completion, in order).
 
     Returns:
-        name -> ``[batch]`` list: ``question`` (the record's normalised question: the last user turn; for a
-        transcript prompt, the transcript), ``system`` (the record's system turn, else the row's own ``system``
-        column, else None), then every extra column of the records (``record["columns"]``, names in order of first
-        appearance; None where a record lacks one, e.g. rows of another source). An extra column named
-        ``question`` is shadowed by the normalised one, and columns named ``prompts`` / ``completions`` (the call's
-        own arguments) are not passed; each is logged once as a warning.
+        name -> ``[batch]`` list: ``question`` (the normalised question), ``system`` (the record's system turn, else
+        the row's ``system`` column, else None), then every extra column (``record["columns"]``, in order of first
+        appearance; None where a record lacks one). Extra columns named ``question``, ``prompts`` or
+        ``completions`` are not passed (a warning, once each).
     """
     extras = [r.get("columns") or {} for r in records]
     out: dict[str, list] = {
@@ -220,9 +203,6 @@ def reward_columns(records: list[dict]) -> dict[str, list]:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# loading
-# ----------------------------------------------------------------------------------------------------------------
 def _parse(i: int, spec) -> tuple[str, str]:
     """``(module or file, attribute path)`` of an entry.
 
@@ -265,7 +245,8 @@ def _resolve(i: int, spec: str, module_name: str, attr: str) -> Callable:
             local = module_name.replace(".", os.sep) + ".py"
             if isinstance(exc, ModuleNotFoundError) and os.path.isfile(local):
                 hint = f" (a local file: write '{local}:{attr}')"
-            raise ValueError(f"{where}: cannot import module {module_name!r}: {_one_line(exc, root=True)}{hint}") from None
+            cause = _one_line(exc, root=True)
+            raise ValueError(f"{where}: cannot import module {module_name!r}: {cause}{hint}") from None
         owner = f"module {module_name!r}"
     obj = module
     for part in attr.split("."):
@@ -319,9 +300,6 @@ def _unique_names(specs: Sequence[str]) -> list[str]:
     return names
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# checking outputs
-# ----------------------------------------------------------------------------------------------------------------
 def _one_line(exc: BaseException, root: bool = False) -> str:
     """``Type: message`` of ``exc`` (``root``: of its innermost cause), whitespace collapsed (``Type`` alone for no
     message)."""

@@ -18,70 +18,45 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 
 def train_bpe_tokenizer(texts: list[str], output_dir: str, vocab_size: int = 1000):
-    """Train a byte-level BPE tokenizer with Qwen-style special tokens on ``texts`` and save it.
-
-    EOS is ``<|endoftext|>`` (as in Qwen base models) and the pad token is a distinct ``<|pad|>``.
-    Returns the loaded `transformers` tokenizer.
-    """
+    """Train a byte-level BPE tokenizer with Qwen-style special tokens on ``texts`` and save it: EOS
+    ``<|endoftext|>`` (as in Qwen base models), a distinct pad ``<|pad|>``. Returns the loaded tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        pad_token="<|pad|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-        clean_up_tokenization_spaces=False,
-    )
-    with_dir = output_dir
-    os.makedirs(with_dir, exist_ok=True)
-    fast.save_pretrained(with_dir)
-    return load_tokenizer(with_dir)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                                   clean_up_tokenization_spaces=False)
+    os.makedirs(output_dir, exist_ok=True)
+    fast.save_pretrained(output_dir)
+    return load_tokenizer(output_dir)
 
 
-def build_tiny_qwen2(
-    tokenizer,
-    output_dir: str,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    intermediate_size: int | None = None,
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-    **config_overrides,
-):
+def build_tiny_qwen2(tokenizer, output_dir: str, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                     intermediate_size: int | None = None, max_position_embeddings: int = 512, seed: int = 0,
+                     **config_overrides):
     """Build a randomly initialized `Qwen2ForCausalLM` sized to ``tokenizer`` and save it with the tokenizer.
 
-    ``config_overrides`` replace `Qwen2Config` fields, e.g. ``vocab_size`` (at least ``len(tokenizer)``; a larger
-    one gives a real model's embedding shape) or ``num_key_value_heads``. Returns the model.
+    ``config_overrides`` replace `Qwen2Config` fields, e.g. ``vocab_size`` (at least ``len(tokenizer)``) or
+    ``num_key_value_heads``. Returns the model.
+
+    Raises:
+        ValueError: ``vocab_size`` is smaller than ``len(tokenizer)``.
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    fields = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    fields = dict(vocab_size=len(tokenizer), hidden_size=hidden_size,
+                  intermediate_size=intermediate_size or 4 * hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=max(1, num_heads // 2),
+                  max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, bos_token_id=None,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     fields.update(config_overrides)
     if fields["vocab_size"] < len(tokenizer):
         raise ValueError(f"vocab_size {fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)}")
@@ -99,10 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="rlhf-trl init-model", description=__doc__)
     p.add_argument("--tokenizer", required=True, help="tokenizer directory (e.g. ../shared/tokenizers/qwen2)")
     p.add_argument("--output", required=True, help="where to save the model and tokenizer")
-    p.add_argument("--hidden_size", type=int, default=64)
-    p.add_argument("--num_layers", type=int, default=2)
-    p.add_argument("--num_heads", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    for name, default in (("hidden_size", 64), ("num_layers", 2), ("num_heads", 4), ("seed", 0)):
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--force", action="store_true", help="rebuild even if --output already holds a model")
     args = p.parse_args(argv)
     if os.path.isfile(os.path.join(args.output, "config.json")) and not args.force:
