@@ -680,10 +680,11 @@ def test_merge_replaces_an_earlier_merged_model_only_once_the_new_one_is_complet
 
     ops = merge_ops(assets, adapter, tmp_path, monkeypatch)
     kinds = [kind for _op, kind, _path in ops]
-    first_rename = kinds.index("rename")  # publishing the new model starts here (`faults.publish`)
-    writes = ops[:first_rename]
+    publishing = kinds.index("fsync")  # publishing the new model starts here (`faults.publish`)
+    writes = ops[:publishing]
     assert {kind for _op, kind, _path in writes} == {"write"}
-    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {os.path.basename(p) for *_, p in writes}
+    assert {"config.json", "model.safetensors", "tokenizer_config.json",
+            "README.md.tmp"} <= {os.path.basename(p) for *_, p in writes}
 
     out = tmp_path / "merged"
     earlier_merge(assets["base_model"], out)
@@ -700,21 +701,17 @@ def test_merge_replaces_an_earlier_merged_model_only_once_the_new_one_is_complet
     assert sorted(os.listdir(tmp_path)) == ["adapter", "merged", "new"]  # no staging, no set-aside copy
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="rlhf_trl.merge writes README.md into --output after the new model is published, and "
-                   "models.atomic_dir / faults.publish move the earlier model aside before the fsyncs and rename that "
-                   "can fail, with no way back: a failure there leaves no model at --output")
 def test_merge_failing_while_publishing_keeps_the_earlier_merged_model(assets, tmp_path, monkeypatch):
-    """The same for the rest of the merge: a failure (ENOSPC) at the rename that sets the earlier model aside, an
-    fsync of the new one, the rename that publishes it, or the write of its README.md leaves the earlier model
-    byte-identical at --output and nothing else behind (strict xfail: see the reason; drop the mark once it passes)."""
+    """The same for the rest of the merge: a failure (ENOSPC) at an fsync of the new model, the rename that sets the
+    earlier model aside, the rename that publishes the new one, or the write of its README.md (written inside the
+    staged directory) leaves the earlier model byte-identical at --output and nothing else behind."""
     adapter = tiny_adapter(assets["base_model"], tmp_path / "adapter")
     ops = merge_ops(assets, adapter, tmp_path, monkeypatch)
     kinds = [kind for _op, kind, _path in ops]
-    first_rename = kinds.index("rename")
+    first_fsync = kinds.index("fsync")
     publishing = next(i for i, (_op, kind, path) in enumerate(ops) if kind == "rename" and path.endswith("/merged"))
-    points = ops[first_rename:publishing + 1] + [o for o in ops if o[2].endswith("/README.md.tmp")]
-    assert len(points) >= 4
+    points = ops[first_fsync:publishing + 1] + [o for o in ops if o[2].endswith("/README.md.tmp")]
+    assert {"fsync", "rename", "write"} <= {kind for _op, kind, _path in points} and len(points) >= 4
     out = tmp_path / "merged"
     earlier_merge(assets["base_model"], out)
     before = tree_hashes(tmp_path)

@@ -161,21 +161,28 @@ def fsync_tree(root: str) -> None:
 
 def publish(staged: str, final: str, aside: str | None = None) -> None:
     """fsync ``staged``, rename it to ``final`` and fsync the parent, so after a crash ``final`` is absent or complete.
-    An existing ``final`` is first renamed to ``aside`` (default ``final + ".old"``) and removed once the new one is in
-    place.
+    An existing ``final`` is renamed to ``aside`` (default ``final + ".old"``) only once ``staged`` is synced, put back
+    if the rename of ``staged`` fails, and removed once the new one is in place.
 
     Raises:
         OSError: a write, fsync or rename failed (full disk, read-only file system, ...).
     """
+    fsync_tree(staged)
     old = None
     if os.path.exists(final):
         old = aside or final + ".old"
         file_op("rename", old, lambda: os.rename(final, old))
-    fsync_tree(staged)
-    file_op("rename", final, lambda: os.rename(staged, final))
-    fsync_path(os.path.dirname(os.path.abspath(final)))
-    if old is not None:
-        file_op("remove", old, lambda: shutil.rmtree(old, ignore_errors=True))
+    try:
+        file_op("rename", final, lambda: os.rename(staged, final))
+    except BaseException:
+        if old is not None:
+            os.rename(old, final)  # the earlier one back in place
+        raise
+    try:
+        fsync_path(os.path.dirname(os.path.abspath(final)))
+    finally:
+        if old is not None:
+            file_op("remove", old, lambda: shutil.rmtree(old, ignore_errors=True))
 
 
 class CheckpointWriteError(OSError):

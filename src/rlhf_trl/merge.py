@@ -17,7 +17,7 @@ import sys
 
 from .config import RecipeError, one_line_arguments
 from .models import (StageInputError, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir,
-                     resize_for_tokenizer, save_pretrained_atomic, torch_dtype, write_text)
+                     resize_for_tokenizer, save_pretrained_atomic, torch_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +143,8 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
                     "the adapter's trained one")
     resize_for_tokenizer(model, tokenizer)
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
-    save_pretrained_atomic(merged, tokenizer, output_dir)
     card = model_card(adapter_dir, base_path, task_type, tokenizer_src, config)
-    write_text(os.path.join(output_dir, "README.md"), card)
+    save_pretrained_atomic(merged, tokenizer, output_dir, files={"README.md": card})
     logger.info("merged %s (%s) into %s -> %s", adapter_dir, task_type, base_path, output_dir)
     return merged
 

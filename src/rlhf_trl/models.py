@@ -418,21 +418,21 @@ def atomic_dir(final_path: str):
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private (0700); the final directory gets the usual mode
     try:
         yield tmp
+        publish(tmp, final_path, aside=tmp + ".old")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    publish(tmp, final_path, aside=tmp + ".old")
 
 
-def save_pretrained_atomic(model, tokenizer, path: str, extra: dict | None = None) -> str:
-    """Save a model (safetensors) and tokenizer to ``path`` atomically; ``extra`` maps file names to JSON data."""
+def save_pretrained_atomic(model, tokenizer, path: str, files: dict[str, str] | None = None) -> str:
+    """Save a model (safetensors), its tokenizer and ``files`` (name -> text, e.g. a model card) to ``path``
+    atomically (`atomic_dir`): an existing ``path`` is replaced only once all of it is written."""
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        for name, data in (extra or {}).items():
-            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-                json.dump(data, f, ensure_ascii=False, indent=2)
+        for name, text in (files or {}).items():
+            write_text(os.path.join(tmp, name), text)
     return path
 
 
