@@ -1,29 +1,15 @@
 """Stage 3: PPO against the reward model (and/or reward functions) with a KL penalty to a frozen reference.
 
-Run: ``rlhf-trl ppo --config recipes/demo/ppo.yaml`` (or ``python -m rlhf_trl.ppo``, ``make ppo RECIPE=...``).
-Resume: ``make ppo RECIPE=... resume_from_checkpoint=true`` (the last checkpoint) or ``=path/to/checkpoint-N``.
-
-Reads top to bottom like `rlhf_trl.sft` / `rlhf_trl.rm`: recipe, data, tokenizer and models, trainer, train, save.
-The loop is the project's own (`rlhf_trl.ppo_engine`, math in `rlhf_trl.ppo_math`; TRL removed its PPOTrainer in
-1.13) wrapped by `rlhf_trl.ppo_trainer.RLHFPPOTrainer` (checkpoints, resume, KL control, sample tables); recipes
-keep TRL 1.12's PPOConfig keys (`rlhf_trl.ppo_config`).
-
-Models:
-  - policy: the merged SFT model (``sft_model_path``) plus a LoRA adapter (``use_peft: true``); the reference is the
-    same model with the adapter disabled, so no second copy of the weights is held;
-  - reward model: the merged RM (``reward_model_path``), frozen, in eval mode, its score shifted by
-    ``reward_baseline`` (a number, or ``auto``: the mean RM score of SFT rollouts on a calibration batch);
-  - value model: initialized from the reward model (``value_model_path`` overrides), trained with the policy, fully
-    or through its own LoRA adapter (``value_use_peft``) with a frozen base;
-  - ``share_reward_value_base: true`` (with ``value_use_peft``): the value model's LoRA adapter sits on the reward
-    model's own weights and the reward model is that base with the adapter switched off
-    (`rlhf_trl.reward_models.SharedBaseRewardModel`): one copy of the weights for both;
-  - reward functions (``reward_funcs`` / ``reward_weights``, `rlhf_trl.rewards`): added to the reward model's score,
-    or the whole reward without ``reward_model_path`` (the value model then starts from ``value_model_path``).
-
-Outputs under ``output_dir``: ``checkpoint-N/``, ``adapter/``, ``merged/`` (plain causal LM + tokenizer),
-``value_model/`` (plain sequence classifier), ``samples.jsonl``, ``run_config.yaml``, ``metrics.json`` and
-``log_history.json``.
+Run: ``rlhf-trl ppo --config recipes/demo/ppo.yaml`` (``make ppo RECIPE=...``; resume: ``resume_from_checkpoint=true``
+or ``=path/to/checkpoint-N``). Reads top to bottom like `rlhf_trl.sft`: recipe, data, tokenizer and models, trainer,
+train, save. The loop is `rlhf_trl.ppo_engine` inside `rlhf_trl.ppo_trainer.RLHFPPOTrainer`; the keys are TRL 1.12's
+PPOConfig's (`rlhf_trl.ppo_config`). Models: the policy is the merged SFT model (``sft_model_path``) plus a LoRA
+adapter (``use_peft``), whose reference is the adapter disabled; the frozen reward model (``reward_model_path``)
+shifted by ``reward_baseline`` (`rlhf_trl.reward_models`); the value model from the reward model (or
+``value_model_path``), trained in full or through its own adapter (``value_use_peft``), optionally on the reward
+model's own weights (``share_reward_value_base``); reward functions (``reward_funcs``, `rlhf_trl.rewards`) add to
+the score or are all of it. Outputs under ``output_dir``: ``checkpoint-N/``, ``adapter/``, ``merged/``,
+``value_model/``, ``samples.jsonl``, ``run_config.yaml``, ``metrics.json``, ``log_history.json``.
 """
 
 from __future__ import annotations

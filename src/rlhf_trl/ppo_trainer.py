@@ -1,17 +1,9 @@
-"""`RLHFPPOTrainer`: the PPO engine (`rlhf_trl.ppo_engine.PPOEngine`) plus what a run needs around it.
-
-- checkpoints written under a temporary name, then renamed (`rlhf_trl.checkpoints.AtomicCheckpointMixin`), holding
-  the policy (adapter and merged), the value model, optimizer / scheduler / RNG / trainer state, the data position
-  (`ResumableLoader`), the reward baseline, the KL coefficient and the run's recipe;
-- exact resume from such a checkpoint (`RLHFPPOTrainer.restore`);
-- ``logging_steps`` honoured (the engine logs every update);
-- an adaptive KL coefficient (``kl_target`` / ``kl_horizon``; `AdaptiveKLController`), logged as
-  ``objective/kl_coef``;
-- a stop on the first non-finite loss, reward or value, naming the update (the last good checkpoint is kept);
-- sample tables (query / response / score / reward) every ``log_samples_every`` updates, to the logs and to
-  ``samples.jsonl``; sampling for them never perturbs the training RNG;
-- stock generation configs: rollouts sample with the recipe's ``temperature`` only (`rollout_generation_config`),
-  and the saved policies keep the checkpoint's own (`deployable_generation_config`).
+"""`RLHFPPOTrainer`: the PPO engine (`rlhf_trl.ppo_engine.PPOEngine`) plus what a run needs around it: atomic
+checkpoints (`rlhf_trl.checkpoints.AtomicCheckpointMixin`) holding the policy, value model, optimizer / scheduler /
+RNG / trainer state, data position (`ResumableLoader`), reward baseline, KL coefficient and recipe; exact resume
+(`RLHFPPOTrainer.restore`); ``logging_steps``; adaptive KL (`AdaptiveKLController`); a stop on the first non-finite
+statistic; sample tables every ``log_samples_every`` updates (never perturbing the training RNG); the saved policies
+keep the checkpoint's own generation config (`deployable_generation_config`).
 """
 
 from __future__ import annotations

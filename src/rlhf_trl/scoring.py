@@ -1,19 +1,12 @@
-"""The tensor operations every stage shares: sampling, response log-probs, values and reward-model scores.
-
-One implementation of each, used by PPO (`rlhf_trl.ppo_engine`), ``rlhf-trl eval`` (`rlhf_trl.evaluate`), the demo
-and RM evaluation (`rlhf_trl.rm.evaluate_pairs`):
-
-- `generate_rollouts`: sample one response per left-padded prompt and the sampled tokens' log-probs (`sample`: the
-  same from lists of ids);
-- `response_logprobs`: a causal LM's log-probs of given response tokens (chunked over the response, checkpointed
-  under autograd, so no ``[batch, seq_len, vocab]`` tensor is held);
-- `response_values`: a value model's estimate before each response token;
-- `sequence_scores`: a reward model's score at the last real token (the response's EOS), as TRL's ``get_reward``
-  (`score_sequences`: the same from lists of ids).
+"""The tensor operations every stage shares, one implementation each, for PPO, ``rlhf-trl eval``, the demo and RM
+evaluation: `generate_rollouts` / `sample` (sampling with the sampled tokens' log-probs), `response_logprobs` (a causal
+LM's log-probs of given response tokens, chunked and checkpointed: no ``[batch, seq_len, vocab]`` tensor is held),
+`response_values` (a value model's estimates), `sequence_scores` / `score_sequences` (a reward model's score at the
+last real token, as TRL's ``get_reward``).
 
 Layout: ``query_responses [batch, T]`` holds a left-padded prompt of ``context_length`` tokens, then the response
-(right-padded with ``pad_token_id``, which differs from every EOS id). Models see pads masked and positions counted
-from the first real token (`model_inputs`).
+(right-padded with ``pad_token_id``, distinct from every EOS id); models see pads masked and positions counted from
+the first real token (`model_inputs`).
 """
 
 from __future__ import annotations
