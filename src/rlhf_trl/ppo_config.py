@@ -11,6 +11,11 @@ from transformers import GenerationConfig, TrainingArguments
 from .models import sampling_generation_config
 
 
+def _f(default, help: str):
+    """A dataclass field with its ``--help`` text."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class PPOConfig(TrainingArguments):
     """PPO settings: the keys (and defaults) of TRL 1.12's PPOConfig plus ``logits_chunk_size``,
@@ -24,58 +29,51 @@ class PPOConfig(TrainingArguments):
     """
 
     # defaults TRL's configs change from TrainingArguments
-    learning_rate: float = field(default=3e-6, metadata={"help": "AdamW learning rate."})
-    logging_steps: float = field(default=10, metadata={"help": "Updates between logged statistics."})
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in the backward."})
-    bf16: bool | None = field(default=None, metadata={"help": "bfloat16 weights (default: true unless fp16)."})
-    lr_scheduler_kwargs: dict | str | None = field(default=None, metadata={"help": "Extra lr scheduler arguments."})
+    learning_rate: float = _f(3e-6, "AdamW learning rate.")
+    logging_steps: float = _f(10, "Updates between logged statistics.")
+    gradient_checkpointing: bool = _f(True, "Recompute activations in the backward.")
+    bf16: bool | None = _f(None, "bfloat16 weights (default: true unless fp16).")
+    lr_scheduler_kwargs: dict | str | None = _f(None, "Extra lr scheduler arguments.")
     # PPO
-    dataset_num_proc: int | None = field(default=None, metadata={"help": "Unused (kept for TRL recipes)."})
-    num_mini_batches: int = field(default=1, metadata={"help": "Mini-batches per rollout batch (optimizer steps)."})
-    total_episodes: int | None = field(default=None, metadata={"help": "Episodes (prompt + response) to train on."})
-    local_rollout_forward_batch_size: int = field(
-        default=64, metadata={"help": "Rollouts generated / scored per forward pass (per process)."})
-    num_sample_generations: int = field(default=10, metadata={"help": "Sample tables over the run (0: none)."})
-    response_length: int = field(default=53, metadata={"help": "Maximum new tokens per response."})
-    stop_token: Literal["eos"] | None = field(default=None, metadata={"help": "'eos': responses end at EOS."})
-    stop_token_id: int | None = field(default=None, metadata={"help": "A token id that ends responses."})
-    temperature: float = field(default=0.7, metadata={"help": "Rollout sampling temperature."})
-    missing_eos_penalty: float | None = field(
-        default=None, metadata={"help": "Subtracted from the score of responses without EOS (reward units)."})
-    sft_model_path: str | None = field(default=None, metadata={"help": "Policy initialization (a local directory)."})
-    reward_model_path: str | None = field(default=None, metadata={"help": "Reward model (a local directory)."})
-    world_size: int | None = field(default=None, metadata={"help": "Computed: processes."})
-    num_total_batches: int | None = field(default=None, metadata={"help": "Computed: updates."})
-    micro_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
-    local_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
-    batch_size: int | None = field(default=None, metadata={"help": "Computed: episodes per update."})
-    local_mini_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
-    mini_batch_size: int | None = field(default=None, metadata={"help": "Computed."})
-    push_to_hub: bool = field(default=False, metadata={"help": "Push the model to the Hub after training."})
-    model_adapter_name: str | None = field(default=None, metadata={"help": "Trained adapter (several adapters)."})
-    ref_adapter_name: str | None = field(default=None, metadata={"help": "Reference adapter (several adapters)."})
-    num_ppo_epochs: int = field(default=4, metadata={"help": "Optimisation passes over each rollout batch."})
-    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten per-token rewards (needs >= 8 per rank)."})
-    kl_coef: float = field(default=0.05, metadata={"help": "KL coefficient (reward units per nat)."})
-    kl_estimator: Literal["k1", "k3"] = field(default="k1", metadata={"help": "KL estimator: k1 or k3."})
-    cliprange: float = field(default=0.2, metadata={"help": "Policy ratio clip range."})
-    vf_coef: float = field(default=0.1, metadata={"help": "Value loss weight."})
-    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip range (reward units)."})
-    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
-    ds3_gather_for_generation: bool = field(
-        default=True, metadata={"help": "ZeRO-3: gather the policy's weights for generation."})
-    logits_chunk_size: int = field(
-        default=32, metadata={"help": "Response positions whose vocabulary logits are formed at once (0: all)."})
-    offload_reward_model: bool = field(
-        default=False, metadata={"help": "Keep the reward model's weights on disk (output_dir/.tmp-offload-*) "
-                                         "between rollouts: one model less in memory during the PPO epochs, one read "
-                                         "of its weights per update."})
-    single_value_forward: bool = field(
-        default=True, metadata={"help": "With 1 PPO epoch, 1 mini-batch, 1 process and whiten_rewards off: the value "
-                                        "model's training forward also gives the rollout's values (one value forward "
-                                        "less per update; `PPOEngine.value_step`). false: TRL 1.12's separate "
-                                        "no-grad forward."})
+    dataset_num_proc: int | None = _f(None, "Unused (kept for TRL recipes).")
+    num_mini_batches: int = _f(1, "Mini-batches per rollout batch (optimizer steps).")
+    total_episodes: int | None = _f(None, "Episodes (prompt + response) to train on.")
+    local_rollout_forward_batch_size: int = _f(64, "Rollouts generated / scored per forward pass (per process).")
+    num_sample_generations: int = _f(10, "Sample tables over the run (0: none).")
+    response_length: int = _f(53, "Maximum new tokens per response.")
+    stop_token: Literal["eos"] | None = _f(None, "'eos': responses end at EOS.")
+    stop_token_id: int | None = _f(None, "A token id that ends responses.")
+    temperature: float = _f(0.7, "Rollout sampling temperature.")
+    missing_eos_penalty: float | None = _f(None, "Subtracted from the score of responses without EOS (reward units).")
+    sft_model_path: str | None = _f(None, "Policy initialization (a local directory).")
+    reward_model_path: str | None = _f(None, "Reward model (a local directory).")
+    world_size: int | None = _f(None, "Computed: processes.")
+    num_total_batches: int | None = _f(None, "Computed: updates.")
+    micro_batch_size: int | None = _f(None, "Computed.")
+    local_batch_size: int | None = _f(None, "Computed.")
+    batch_size: int | None = _f(None, "Computed: episodes per update.")
+    local_mini_batch_size: int | None = _f(None, "Computed.")
+    mini_batch_size: int | None = _f(None, "Computed.")
+    push_to_hub: bool = _f(False, "Push the model to the Hub after training.")
+    model_adapter_name: str | None = _f(None, "Trained adapter (several adapters).")
+    ref_adapter_name: str | None = _f(None, "Reference adapter (several adapters).")
+    num_ppo_epochs: int = _f(4, "Optimisation passes over each rollout batch.")
+    whiten_rewards: bool = _f(False, "Whiten per-token rewards (needs >= 8 per rank).")
+    kl_coef: float = _f(0.05, "KL coefficient (reward units per nat).")
+    kl_estimator: Literal["k1", "k3"] = _f("k1", "KL estimator: k1 or k3.")
+    cliprange: float = _f(0.2, "Policy ratio clip range.")
+    vf_coef: float = _f(0.1, "Value loss weight.")
+    cliprange_value: float = _f(0.2, "Value clip range (reward units).")
+    gamma: float = _f(1.0, "Discount factor.")
+    lam: float = _f(0.95, "GAE lambda.")
+    ds3_gather_for_generation: bool = _f(True, "ZeRO-3: gather the policy's weights for generation.")
+    logits_chunk_size: int = _f(32, "Response positions whose vocabulary logits are formed at once (0: all).")
+    offload_reward_model: bool = _f(False, "Keep the reward model's weights on disk (output_dir/.tmp-offload-*) "
+                                    "between rollouts: one model less in memory during the PPO epochs, one read of its "
+                                    "weights per update.")
+    single_value_forward: bool = _f(True, "With 1 PPO epoch, 1 mini-batch, 1 process and whiten_rewards off: the value "
+                                    "model's training forward also gives the rollout's values (one value forward less "
+                                    "per update; `PPOEngine.value_step`). false: TRL 1.12's separate no-grad forward.")
 
     def __post_init__(self):
         self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
@@ -129,63 +127,31 @@ def sampling_config(args: PPOConfig, eos_ids: list[int] | None, pad_token_id: in
 class PPOScriptArguments:
     """PPO fields that TRL's PPOConfig lacks."""
 
-    reward_baseline: str = field(
-        default="0.0",
-        metadata={
-            "help": "Subtracted from every reward-model score (reward units): a number, or 'auto' for the mean RM "
-            "score of SFT rollouts on reward_baseline_batches calibration batches before training."
-        },
-    )
-    reward_baseline_batches: int = field(
-        default=2, metadata={"help": "Rollout batches (of per_device_train_batch_size prompts) for 'auto'."}
-    )
-    value_model_path: str | None = field(
-        default=None, metadata={"help": "Value model initialization (default: the reward model)."}
-    )
-    value_use_peft: bool = field(
-        default=False, metadata={"help": "Train the value model through a LoRA adapter; its base stays frozen."}
-    )
-    value_lora_r: int = field(default=16, metadata={"help": "LoRA rank of the value model."})
-    value_lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha of the value model."})
-    value_lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout of the value model."})
-    value_lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Value-model modules given LoRA (default: peft's choice for the model)."}
-    )
-    share_reward_value_base: bool = field(
-        default=False,
-        metadata={
-            "help": "Put the value model's LoRA adapter on the reward model's own weights (one copy for both; the "
-            "reward is read with the adapter off). Needs value_use_peft: true and no value_model_path; not with "
-            "DeepSpeed."
-        },
-    )
-    kl_target: float | None = field(
-        default=None,
-        metadata={"help": "Adaptive KL control: target KL per response (nats). None keeps kl_coef fixed."},
-    )
-    kl_horizon: int = field(
-        default=10000, metadata={"help": "Adaptive KL control horizon (episodes), as in Ziegler et al. 2019."}
-    )
-    log_samples_every: int = field(
-        default=10, metadata={"help": "Updates between sample tables (logs and samples.jsonl); 0 turns them off."}
-    )
-    save_merged_checkpoints: bool = field(
-        default=True,
-        metadata={"help": "Write the merged policy into each checkpoint too (default true; costs one model copy in "
-                  "memory while it is written, and its size on disk; false for large or quantized models)."},
-    )
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run model code shipped in the model directories (e.g. Baichuan)."}
-    )
-    reward_funcs: list[str] | None = field(
-        default=None,
-        metadata={"help": "Reward functions 'package.module:function' (or 'file.py:function'), each "
-                  "f(prompts, completions, **columns) -> list[float]; added to the reward model's score (or alone "
-                  "without reward_model_path)."},
-    )
-    reward_weights: list[float] | None = field(
-        default=None, metadata={"help": "Weight of each reward function (default: 1.0 each)."}
-    )
+    reward_baseline: str = _f("0.0", "Subtracted from every reward-model score (reward units): a number, or 'auto' for "
+                              "the mean RM score of SFT rollouts on reward_baseline_batches calibration batches before "
+                              "training.")
+    reward_baseline_batches: int = _f(2, "Rollout batches (of per_device_train_batch_size prompts) for 'auto'.")
+    value_model_path: str | None = _f(None, "Value model initialization (default: the reward model).")
+    value_use_peft: bool = _f(False, "Train the value model through a LoRA adapter; its base stays frozen.")
+    value_lora_r: int = _f(16, "LoRA rank of the value model.")
+    value_lora_alpha: int = _f(32, "LoRA alpha of the value model.")
+    value_lora_dropout: float = _f(0.0, "LoRA dropout of the value model.")
+    value_lora_target_modules: list[str] | None = _f(None, "Value-model modules given LoRA (default: peft's choice for "
+                                                     "the model).")
+    share_reward_value_base: bool = _f(False, "Put the value model's LoRA adapter on the reward model's own weights "
+                                       "(one copy for both; the reward is read with the adapter off). Needs "
+                                       "value_use_peft: true and no value_model_path; not with DeepSpeed.")
+    kl_target: float | None = _f(None, "Adaptive KL control: target KL per response (nats). None keeps kl_coef fixed.")
+    kl_horizon: int = _f(10000, "Adaptive KL control horizon (episodes), as in Ziegler et al. 2019.")
+    log_samples_every: int = _f(10, "Updates between sample tables (logs and samples.jsonl); 0 turns them off.")
+    save_merged_checkpoints: bool = _f(True, "Write the merged policy into each checkpoint too (default true; costs "
+                                       "one model copy in memory while it is written, and its size on disk; false for "
+                                       "large or quantized models).")
+    trust_remote_code: bool = _f(False, "Run model code shipped in the model directories (e.g. Baichuan).")
+    reward_funcs: list[str] | None = _f(None, "Reward functions 'package.module:function' (or 'file.py:function'), "
+                                        "each f(prompts, completions, **columns) -> list[float]; added to the reward "
+                                        "model's score (or alone without reward_model_path).")
+    reward_weights: list[float] | None = _f(None, "Weight of each reward function (default: 1.0 each).")
 
     def __post_init__(self):
         if self.kl_target is not None and (self.kl_target <= 0 or self.kl_horizon <= 0):
