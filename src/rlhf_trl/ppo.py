@@ -68,28 +68,19 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 
 def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model_args, sft_hint=None, rm_hint=None,
         callbacks: list | None = None, run_args: RunArguments | None = None) -> dict:
-    """Train the policy with PPO on the prompts of the recipe's data.
-
-    Returns ``{"output_dir", "merged", "value_model", "metrics", "trainer"}``.
+    """Train the policy with PPO on the prompts of the recipe's data; returns ``{"output_dir", "merged",
+    "value_model", "metrics", "trainer"}`` (with ``share_reward_value_base`` the trainer's ``reward_model`` is None:
+    its weights were merged into the value model at the end).
 
     Raises:
         StageInputError: the SFT or reward model is missing (the hint names the stage to run first).
         DataError: bad rows.
-        ValueError: fewer eval prompts than ``per_device_eval_batch_size``; biasing generation settings;
-            ``max_prompt_length`` (`rlhf_trl.data.prompt_features`); ``reward_funcs`` / ``reward_weights`` that do
-            not load (`rlhf_trl.rewards.load_reward_functions`); chat-template problems
-            (`rlhf_trl.data.chat_end_of_turn_id`); ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft`` or
-            ``value_use_peft`` false, without bitsandbytes (on the CPU: without its working CPU backend, or 8 bits),
-            or with ``save_merged_checkpoints``; ``share_reward_value_base`` with a ``value_model_path``, with
-            ``offload_reward_model`` or under DeepSpeed. (Single values are checked when the recipe is parsed:
-            `rlhf_trl.ppo_config`.)
+        ValueError: fewer eval prompts than ``per_device_eval_batch_size`` x processes; ``max_prompt_length``,
+            reward functions, chat templates, quantization or model layout settings that cannot run (`check_inputs`,
+            `load_models`; single values are checked when the recipe is parsed, `rlhf_trl.ppo_config`).
         TrainingDivergedError: a non-finite loss, reward or value.
 
-    Every input error is raised before anything is written: an earlier run's files go only once the data is read
-    and the models are loaded (`rlhf_trl.checkpoints.begin_writing`).
-
-    With ``share_reward_value_base`` the value model is merged in place at the end, so the returned trainer's
-    ``reward_model`` is None.
+    Every input error is raised before anything is written (`rlhf_trl.checkpoints.begin_writing`).
     """
     from transformers import set_seed
 
