@@ -1,30 +1,20 @@
-"""The one data formatter shared by SFT, reward-model and PPO stages.
+"""The one data formatter shared by SFT, reward-model and PPO stages, in three steps:
 
-Every stage goes through the same three steps:
-
-1. **read** local files (json / jsonl / csv / parquet, each optionally compressed: .gz / .bz2 / .xz / .zst / .lz4),
-   a list or glob of them, a directory of shards, or a hub dataset (with a config name and split) through
-   `datasets`; rows are handed on in Arrow batches, never all as Python objects at once;
-2. **normalise** each row into plain records, whatever the source format:
-   - SFT: ``{"question", "history", "answer"}``
-   - pairs: ``{"question", "history", "chosen", "rejected"}``
-   - prompts: ``{"question", "history"}`` (+ ``"columns"``: the row's extra scalar columns, `prompt_columns`)
-   plus ``"system"`` (a system turn of the row) and ``"text"`` (a prompt that already carries its own turns, e.g.
-   ``"\n\nHuman: ...\n\nAssistant:"``; rendered verbatim, never wrapped in a template) where the row has them.
-   ``history`` is a list of earlier ``(question, answer)`` turns. Supported sources (`FORMATS`, auto-detected from
-   the first row): alpaca (instruction / input / output [/ history]; also TRL's prompt / completion text rows),
-   sharegpt conversations (``[{from, value}]``, optionally with ``chosen`` / ``rejected``), OpenAI / TRL
-   ``messages: [{role, content}]``, TRL's conversational preference and prompt / completion rows (message lists),
-   prompt / chosen / rejected text, implicit-prompt text pairs (only ``chosen`` / ``rejected`` transcripts), ranked
-   answer lists (best first; expanded to all ordered pairs or adjacent pairs), and prompt-only rows (the prompt a
-   string, a list of user turns or a message list);
-3. **tokenize** with one construction used by every stage: ``prompt_ids + response_ids + [eos]``, the prompt and
-   the response each tokenized on its own. With the text templates (default ``问：{question}\n\n答：`` /
-   ``{answer}``, or ``raw``) ``eos`` is the tokenizer's EOS; with ``chat_template: true`` the prompt ids are
-   ``apply_chat_template(messages, add_generation_prompt=True)`` and ``eos`` is the template's end-of-turn token
-   (`chat_end_of_turn_id`). PPO concatenates prompt ids and generated response ids the same way, so the token ids
-   the reward model is trained on equal the ids it scores during PPO (joining the strings first would merge tokens
-   across the ``"答："`` boundary with byte-level BPE).
+1. **read** (`data_read`) local json / jsonl / csv / parquet files (optionally .gz / .bz2 / .xz / .zst / .lz4), a list
+   or glob of them, a directory of shards, or a hub dataset (config name, split) through `datasets`, in Arrow batches;
+2. **normalise** (`data_rows`) each row, whatever its format (`FORMATS`, auto-detected from the first row: alpaca,
+   sharegpt, OpenAI / TRL messages, TRL conversational / prompt-completion rows, prompt / chosen / rejected,
+   implicit-prompt pairs, ranked answer lists, prompt-only rows), into records: SFT ``{"question", "history",
+   "answer"}``, pairs ``{"question", "history", "chosen", "rejected"}``, prompts ``{"question", "history"}`` (+
+   ``"columns"``: extra scalar columns, `prompt_columns`); plus ``"system"`` and ``"text"`` (a prompt carrying its
+   own turns, e.g. ``"\n\nHuman: ...\n\nAssistant:"``, rendered verbatim) where the row has them. ``history`` is a
+   list of earlier ``(question, answer)`` turns;
+3. **tokenize** (`data_features`) every stage alike: ``prompt_ids + response_ids + [eos]``, prompt and response each
+   tokenized on its own. Text templates (default ``问：{question}\n\n答：`` / ``{answer}``, or ``raw``): ``eos`` is
+   the tokenizer's EOS; ``chat_template: true``: the prompt is ``apply_chat_template(messages,
+   add_generation_prompt=True)`` and ``eos`` the template's end-of-turn token (`chat_end_of_turn_id`). PPO joins
+   prompt and generated ids the same way, so the reward model scores the very ids it was trained on (joining strings
+   first would merge tokens across the ``"答："`` boundary with byte-level BPE).
 
 Errors name the file, the row and the field (`DataError`).
 """
@@ -32,23 +22,18 @@ Errors name the file, the row and the field (`DataError`).
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from typing import Iterable, Literal
 
-from .data_args import (  # noqa: F401  (re-exported: the public API of the data modules)
-    DEFAULT_ASSISTANT_MARKER, DEFAULT_COMPLETION_TEMPLATE, DEFAULT_HUMAN_MARKER, DEFAULT_PROMPT_TEMPLATE, FORMATS,
-    HISTORY_SEPARATOR, RAW_TEMPLATE, DataArguments, DataError, Template,
-)
-from .data_features import (  # noqa: F401
-    chat_end_of_turn_id, encode_prompt, encode_response, pair_features, prompt_features, response_eos_id, sft_features,
-)
-from .data_read import (  # noqa: F401
-    BATCH_ROWS, COMPRESSIONS, LOCAL_LOADERS, _arrow_batches, iter_row_batches, load_rows, source_name,
-)
-from .data_rows import (  # noqa: F401
-    ANSWER_KEYS, QUESTION_KEYS, ROLES, _dialogue, _implicit, _pair_rows, _prompt_row, _sft_row, detect_format,
-    prompt_columns, split_transcript,
-)
+# re-exported: the public API of the data modules
+from .data_args import (DEFAULT_ASSISTANT_MARKER, DEFAULT_COMPLETION_TEMPLATE, DEFAULT_HUMAN_MARKER,  # noqa: F401
+                        DEFAULT_PROMPT_TEMPLATE, FORMATS, HISTORY_SEPARATOR, RAW_TEMPLATE, DataArguments, DataError,
+                        Template)
+from .data_features import (chat_end_of_turn_id, encode_prompt, encode_response, pair_features,  # noqa: F401
+                            prompt_features, response_eos_id, sft_features)
+from .data_read import (BATCH_ROWS, COMPRESSIONS, LOCAL_LOADERS, _arrow_batches, iter_row_batches,  # noqa: F401
+                        load_rows, source_name)
+from .data_rows import (ANSWER_KEYS, QUESTION_KEYS, ROLES, _dialogue, _implicit, _pair_rows, _prompt_row,  # noqa: F401
+                        _sft_row, detect_format, prompt_columns, split_transcript)
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +59,10 @@ def _is_message_column(schema, key: str) -> bool:
 
 def _message_plan(signature: bytes, end: str) -> tuple | None:
     """Where a row's record comes from, for rows whose messages have the role codes ``signature`` (all valid):
-    ``(system, start, stop, question, answer)``, indices into the row's message contents (``system`` / ``answer``
-    None where absent; the history pairs are ``contents[start:stop]`` two by two). Found by running `_dialogue` itself
-    on the messages' indices in place of their texts, so the records built from it are the ones `_dialogue` gives.
-    None: `_dialogue` refuses these roles, or its result has another layout; such rows take the plain path."""
+    ``(system, start, question, answer)``, indices into the row's message contents (``system`` / ``answer`` None where
+    absent; the history pairs are ``contents[start:question]`` two by two). Found by running `_dialogue` itself on the
+    messages' indices in place of their texts, so the records built from it are the ones `_dialogue` gives. None:
+    `_dialogue` refuses these roles, or its result has another layout; such rows take the plain path."""
     if not signature or 0 in signature:
         return None
     try:
@@ -88,19 +73,16 @@ def _message_plan(signature: bytes, end: str) -> tuple | None:
     start = question - 2 * len(history)
     if history != [(k, k + 1) for k in range(start, question, 2)]:
         return None
-    return system, start, question, question, answer
+    return system, start, question, answer
 
 
 def _message_records(column, end: str, plans: dict) -> list[dict | None]:
     """SFT records (``end='assistant'``) or prompts (``'user'``; without ``"columns"``) of one Arrow batch of a
     ``messages`` column (`_is_message_column`), each equal to what `_sft_row` / `_prompt_fields` give for the row, or
-    None for a row those must handle (a null or empty list, a null message, an unknown or null role, a null / empty / blank content, roles
-    `_dialogue` refuses): the plain path then reads it, with its exact errors.
-
-    Faster than converting the rows to Python first (`RecordBatch.to_pylist` builds a dict per message): the contents
-    come from the flat child array in one call, the roles as a byte per message (`_ROLE_CODES`), and each distinct
-    sequence of roles is resolved once (`_message_plan`, cached in ``plans``).
-    """
+    None for a row those must handle (null / empty list or message, unknown / null role, null / blank content, roles
+    `_dialogue` refuses): the plain path then reads it, with its exact errors. Faster than `RecordBatch.to_pylist`:
+    contents come from the flat child array in one call, roles as a byte per message (`_ROLE_CODES`), and each distinct
+    role sequence is resolved once (`_message_plan`, cached in ``plans``)."""
     import numpy as np
     import pyarrow.compute as pc
 
@@ -128,17 +110,13 @@ def _message_records(column, end: str, plans: dict) -> list[dict | None]:
         if plan is None:
             append(None)
             continue
-        system, start, stop, question, answer = plan
+        system, start, question, answer = plan
         c = texts[a:b]
-        history = list(zip(c[start:stop:2], c[start + 1:stop:2])) if start != stop else []
-        if answer is None:  # keys in `_record`'s order
-            rec = {"question": c[question], "history": history}
-            if system is not None:
-                rec["system"] = c[system]
-        elif system is None:
-            rec = {"question": c[question], "history": history, "answer": c[answer]}
-        else:
-            rec = {"question": c[question], "history": history, "answer": c[answer], "system": c[system]}
+        rec = {"question": c[question], "history": list(zip(c[start:question:2], c[start + 1:question:2]))}
+        if answer is not None:  # keys in `_record`'s order
+            rec["answer"] = c[answer]
+        if system is not None:
+            rec["system"] = c[system]
         append(rec)
     if column.null_count:
         for k in np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False)).tolist():
@@ -153,18 +131,12 @@ def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str) -
         raise ValueError(f"dataset_format must be one of {FORMATS}, got {args.dataset_format!r}")
     if kind == "pairs" and args.ranked_pairs not in ("all", "adjacent"):
         raise ValueError(f"ranked_pairs must be 'all' or 'adjacent', got {args.ranked_pairs!r}")
-    with _no_gc():  # records hold no reference cycles: the cyclic GC would rescan millions of them for nothing
-        return _normalise_rows(kind, batches, args, source)
-
-
-@contextmanager
-def _no_gc():
     import gc
 
     enabled = gc.isenabled()
-    gc.disable()
+    gc.disable()  # records hold no reference cycles: the cyclic GC would rescan millions of them for nothing
     try:
-        yield
+        return _normalise_rows(kind, batches, args, source)
     finally:
         if enabled:
             gc.enable()
@@ -172,9 +144,8 @@ def _no_gc():
 
 def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: str) -> list[dict]:
     """`_normalise`. ``batches``: lists of row dicts, or Arrow record batches (`_arrow_batches`; one source's rows
-    share their columns), converted here: plainly (`RecordBatch.to_pylist`), or, for the message column of
-    ``messages`` rows read as SFT records or prompts, through `_message_records` (prompts get their other columns as
-    `_prompt_row` gives them)."""
+    share their columns), converted plainly (`RecordBatch.to_pylist`) or, for the message column of ``messages`` rows
+    read as SFT records or prompts, through `_message_records`."""
     out: list[dict] = []
     counts = {"deduplicated": 0}
     fmt = None
@@ -248,14 +219,12 @@ def sft_records(rows: list[dict], args: DataArguments, source: str) -> list[dict
 
 
 def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """Normalise rows into preference pairs ``{"question", "history", "chosen", "rejected"}`` (+ ``"system"`` /
-    ``"text"``).
+    """Normalise rows into pairs ``{"question", "history", "chosen", "rejected"}`` (+ ``"system"`` / ``"text"``).
 
-    Ranked answer lists (best first) give all ordered pairs (``n*(n-1)/2`` for ``n`` answers) when
-    ``ranked_pairs='all'``, or the ``n-1`` adjacent pairs when ``ranked_pairs='adjacent'``. An answer repeated
-    verbatim in a ranked list (real human-ranked data has them, e.g. oasst) counts once, at its best rank, so
-    ``n`` is the number of distinct answers; a list with a single distinct answer gives no pair. Implicit-prompt
-    rows (only chosen / rejected) share their prompt: see `_implicit`.
+    Ranked answer lists (best first) give all ordered pairs (``n*(n-1)/2``; ``ranked_pairs='all'``) or the ``n-1``
+    adjacent ones (``'adjacent'``), ``n`` counting distinct answers: a repeated answer (e.g. in oasst) counts once, at
+    its best rank (one distinct answer: no pair). Implicit-prompt rows (only chosen / rejected) share their prompt:
+    see `_implicit`.
 
     Raises:
         DataError: missing / empty fields, a ranked list with fewer than two answers, chosen == rejected, or an
@@ -288,11 +257,9 @@ def split_records(records: list[dict], eval_split_size: float, seed: int) -> tup
     return rows[n_eval:], rows[:n_eval]
 
 
-SOURCE_KEYS = (
-    "dataset_name", "dataset_config", "dataset_split", "dataset_format", "max_samples", "question_key", "input_key",
-    "answer_key", "good_key", "bad_key", "history_key", "conversations_key", "messages_key", "prompt_turn",
-    "human_marker", "assistant_marker",
-)
+SOURCE_KEYS = ("dataset_name", "dataset_config", "dataset_split", "dataset_format", "max_samples", "question_key",
+               "input_key", "answer_key", "good_key", "bad_key", "history_key", "conversations_key", "messages_key",
+               "prompt_turn", "human_marker", "assistant_marker")
 
 
 def sources(args: DataArguments) -> list[DataArguments]:
@@ -314,10 +281,9 @@ def sources(args: DataArguments) -> list[DataArguments]:
         unknown = sorted(set(entry) - set(SOURCE_KEYS))
         if unknown:
             raise ValueError(f"datasets[{j}] ({entry['dataset_name']}): unknown key(s) {unknown}; use {SOURCE_KEYS}")
-        defaults = {  # mapping keys start from their defaults; max_samples and dataset_split are inherited
-            k: f.default for k, f in DataArguments.__dataclass_fields__.items()
-            if k in SOURCE_KEYS and k not in ("max_samples", "dataset_split")
-        }
+        # mapping keys start from their defaults; max_samples and dataset_split are inherited
+        defaults = {k: f.default for k, f in DataArguments.__dataclass_fields__.items()
+                    if k in SOURCE_KEYS and k not in ("max_samples", "dataset_split")}
         out.append(dataclasses.replace(args, datasets=[], **{**defaults, **entry}))
     if not out:
         raise ValueError("the recipe names no data: set dataset_name (a local file or a hub dataset id) or datasets")

@@ -18,129 +18,71 @@ class DataError(ValueError):
     """Bad input data. The message names the file, and for row-level problems the row (0-based) and field."""
 
     def __init__(self, source: str, message: str, row: int | None = None, field: str | None = None):
-        where = source
-        if row is not None:
-            where += f", row {row}"
-        if field is not None:
-            where += f", field '{field}'"
-        super().__init__(f"{where}: {message}")
+        where = (f", row {row}" if row is not None else "") + (f", field '{field}'" if field is not None else "")
+        super().__init__(f"{source}{where}: {message}")
         self.source, self.row, self.field = source, row, field
+
+
+def _arg(default, help: str):
+    """A recipe field and its ``--help`` text."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class DataArguments:
     """Data fields shared by every stage's recipe (parsed by `TrlParser` next to the TRL config)."""
 
-    dataset_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "Local file (.json/.jsonl/.csv/.parquet, optionally .gz/.bz2/.xz/.zst/.lz4), a glob "
-            "('data/*.jsonl.gz'), a directory of shards, a YAML list of these, or a hub dataset id."
-        },
-    )
-    dataset_config: str | None = field(
-        default=None, metadata={"help": "Config (subset) name of a hub dataset, e.g. 'main' for gsm8k."}
-    )
-    datasets: list[dict] = field(
-        default_factory=list,
-        metadata={
-            "help": "More sources, concatenated after dataset_name (recipe YAML only): a list of mappings, each with "
-            "dataset_name and optionally dataset_config, dataset_split, dataset_format, max_samples, prompt_turn, "
-            "the markers and the *_key column mapping."
-        },
-    )
-    dataset_split: str = field(default="train", metadata={"help": "Split to read (hub datasets / local files)."})
-    dataset_format: str = field(
-        default="auto",
-        metadata={"help": f"One of {FORMATS}. 'auto' detects it from the columns of the first row."},
-    )
-    question_key: str | None = field(
-        default=None, metadata={"help": "Column holding the question (default: instruction / prompt / question / "
-                                        "query); a string, a list of user turns, or a message list."}
-    )
-    input_key: str | None = field(
-        default=None,
-        metadata={"help": "Column appended to the question on a new line (default: input; never the question "
-                          "column itself)."},
-    )
-    answer_key: str | None = field(
-        default=None,
-        metadata={"help": "Column holding the answer, or the ranked answer list (default: output / answer / "
-                          "response / completion)."},
-    )
-    good_key: str | None = field(default=None, metadata={"help": "Column holding the preferred answer (chosen)."})
-    bad_key: str | None = field(default=None, metadata={"help": "Column holding the rejected answer."})
-    history_key: str | None = field(
-        default=None, metadata={"help": "Column with earlier turns as [[question, answer], ...] (default: history)."}
-    )
-    conversations_key: str | None = field(
-        default=None, metadata={"help": "Column with sharegpt turns [{from, value}] (default: conversations)."}
-    )
-    messages_key: str | None = field(
-        default=None, metadata={"help": "Column with OpenAI / TRL turns [{role, content}] (default: messages)."}
-    )
-    prompt_turn: int = field(
-        default=0,
-        metadata={"help": "Prompt columns holding a list of user turns: the turn a PPO prompt uses (0 = the first; "
-                          "later turns refer to answers the model has not given; -1 = the last). SFT / RM refuse "
-                          "such rows."},
-    )
-    human_marker: str = field(
-        default=DEFAULT_HUMAN_MARKER,
-        metadata={"help": "Implicit-prompt pairs (only chosen / rejected transcripts): the marker opening a user "
-                          "turn."},
-    )
-    assistant_marker: str = field(
-        default=DEFAULT_ASSISTANT_MARKER,
-        metadata={"help": "Implicit-prompt pairs: the marker opening an assistant turn; the prompt is the shared "
-                          "prefix of chosen and rejected through the last one."},
-    )
-    prompt_template: str = field(
-        default=DEFAULT_PROMPT_TEMPLATE,
-        metadata={"help": "Prompt template; must contain '{question}', or 'raw': the text as it is (it carries its "
-                          "own turns)."},
-    )
-    completion_template: str = field(
-        default=DEFAULT_COMPLETION_TEMPLATE, metadata={"help": "Completion template; must contain '{answer}'."}
-    )
-    chat_template: bool = field(
-        default=False,
-        metadata={"help": "Render prompts with the tokenizer's chat template (apply_chat_template with the "
-                          "generation prompt) and end responses with its end-of-turn token instead of the text "
-                          "templates."},
-    )
-    system_prompt: str | None = field(
-        default=None,
-        metadata={"help": "chat_template: true only: system turn for rows that have none of their own."},
-    )
-    ranked_pairs: str = field(
-        default="all",
-        metadata={"help": "Ranked answer lists (best first) -> 'all' ordered pairs, or 'adjacent' pairs only."},
-    )
-    eval_split_size: float = field(
-        default=0.05, metadata={"help": "Held-out fraction (<1) or number of rows (>=1) for evaluation."}
-    )
-    max_samples: int | None = field(default=None, metadata={"help": "Use at most this many rows (after reading)."})
-    max_prompt_length: int = field(
-        default=256, metadata={"help": "Prompt tokens kept (from the right) for PPO prompts."}
-    )
-    length_policy: str = field(
-        default="drop",
-        metadata={
-            "help": "SFT rows / RM pairs longer than max_length (tokens): 'drop' them (SFT: rows whose prompt alone "
-            "fills max_length), or 'truncate_prompt' from the left (keeping the newest turns and the whole "
-            "response)."
-        },
-    )
+    dataset_name: str | None = _arg(None, "Local file (.json/.jsonl/.csv/.parquet, optionally .gz/.bz2/.xz/.zst/.lz4), "
+                                    "a glob ('data/*.jsonl.gz'), a directory of shards, a YAML list of these, or a hub "
+                                    "dataset id.")
+    dataset_config: str | None = _arg(None, "Config (subset) name of a hub dataset, e.g. 'main' for gsm8k.")
+    datasets: list[dict] = field(default_factory=list, metadata={
+        "help": "More sources, concatenated after dataset_name (recipe YAML only): a list of mappings, each with "
+        "dataset_name and optionally dataset_config, dataset_split, dataset_format, max_samples, prompt_turn, "
+        "the markers and the *_key column mapping."})
+    dataset_split: str = _arg("train", "Split to read (hub datasets / local files).")
+    dataset_format: str = _arg("auto", f"One of {FORMATS}. 'auto' detects it from the columns of the first row.")
+    question_key: str | None = _arg(None, "Column holding the question (default: instruction / prompt / question / "
+                                    "query); a string, a list of user turns, or a message list.")
+    input_key: str | None = _arg(None, "Column appended to the question on a new line (default: input; never the "
+                                 "question column itself).")
+    answer_key: str | None = _arg(None, "Column holding the answer, or the ranked answer list (default: output / "
+                                  "answer / response / completion).")
+    good_key: str | None = _arg(None, "Column holding the preferred answer (chosen).")
+    bad_key: str | None = _arg(None, "Column holding the rejected answer.")
+    history_key: str | None = _arg(None, "Column with earlier turns as [[question, answer], ...] (default: history).")
+    conversations_key: str | None = _arg(None, "Column with sharegpt turns [{from, value}] (default: conversations).")
+    messages_key: str | None = _arg(None, "Column with OpenAI / TRL turns [{role, content}] (default: messages).")
+    prompt_turn: int = _arg(0, "Prompt columns holding a list of user turns: the turn a PPO prompt uses (0 = the "
+                            "first; later turns refer to answers the model has not given; -1 = the last). SFT / RM "
+                            "refuse such rows.")
+    human_marker: str = _arg(DEFAULT_HUMAN_MARKER, "Implicit-prompt pairs (only chosen / rejected transcripts): the "
+                             "marker opening a user turn.")
+    assistant_marker: str = _arg(DEFAULT_ASSISTANT_MARKER, "Implicit-prompt pairs: the marker opening an assistant "
+                                 "turn; the prompt is the shared prefix of chosen and rejected through the last one.")
+    prompt_template: str = _arg(DEFAULT_PROMPT_TEMPLATE, "Prompt template; must contain '{question}', or 'raw': the "
+                                "text as it is (it carries its own turns).")
+    completion_template: str = _arg(DEFAULT_COMPLETION_TEMPLATE, "Completion template; must contain '{answer}'.")
+    chat_template: bool = _arg(False, "Render prompts with the tokenizer's chat template (apply_chat_template with "
+                               "the generation prompt) and end responses with its end-of-turn token instead of the "
+                               "text templates.")
+    system_prompt: str | None = _arg(None, "chat_template: true only: system turn for rows that have none of their "
+                                     "own.")
+    ranked_pairs: str = _arg("all", "Ranked answer lists (best first) -> 'all' ordered pairs, or 'adjacent' pairs "
+                             "only.")
+    eval_split_size: float = _arg(0.05, "Held-out fraction (<1) or number of rows (>=1) for evaluation.")
+    max_samples: int | None = _arg(None, "Use at most this many rows (after reading).")
+    max_prompt_length: int = _arg(256, "Prompt tokens kept (from the right) for PPO prompts.")
+    length_policy: str = _arg("drop", "SFT rows / RM pairs longer than max_length (tokens): 'drop' them (SFT: rows "
+                              "whose prompt alone fills max_length), or 'truncate_prompt' from the left (keeping the "
+                              "newest turns and the whole response).")
 
 
 @dataclass(frozen=True)
 class Template:
-    """How prompts and completions are rendered.
-
-    Text mode (default): ``问：{question}\\n\\n答：`` + ``{answer}`` (+ EOS at tokenization). ``prompt='raw'``: the
-    question and answer as they are. ``chat=True``: the tokenizer's chat template (`encode_prompt`), with
-    ``system_prompt`` for rows without a system turn of their own.
+    """How prompts and completions are rendered. Text mode (default): ``问：{question}\\n\\n答：`` + ``{answer}`` (+ EOS
+    at tokenization). ``prompt='raw'``: question and answer as they are. ``chat=True``: the tokenizer's chat template
+    (`encode_prompt`), with ``system_prompt`` for rows without a system turn of their own.
 
     Raises:
         ValueError: a text template without its placeholder, ``system_prompt`` without ``chat``, or ``chat`` with
@@ -189,15 +131,15 @@ class Template:
             return text
         if self.prompt == RAW_TEMPLATE:
             return "".join(q + a for q, a in history or []) + question
-        parts = [self.prompt.replace("{question}", q) + self.completion.replace("{answer}", a) for q, a in history or []]
+        parts = [self.prompt.replace("{question}", q) + self.completion.replace("{answer}", a)
+                 for q, a in history or []]
         parts.append(self.prompt.replace("{question}", question))
         return HISTORY_SEPARATOR.join(parts)
 
     def format_completion(self, answer: str, raw: bool = False) -> str:
         """Render the completion text (EOS is appended as a token id by `encode_response`, not as text)."""
-        if raw or self.chat or self.prompt == RAW_TEMPLATE:
-            return answer
-        return self.completion.replace("{answer}", answer)
+        plain = raw or self.chat or self.prompt == RAW_TEMPLATE
+        return answer if plain else self.completion.replace("{answer}", answer)
 
     def messages(self, question: str, history: list[tuple[str, str]] | None = None,
                  system: str | None = None) -> list[dict]:

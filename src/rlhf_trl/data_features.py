@@ -81,17 +81,17 @@ def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
         model_dir = tokenizer.name_or_path
     allowed = eos_token_ids(tokenizer, model_dir)
     if eot not in allowed:
-        raise ValueError(
-            f"the chat template of '{name}' ends assistant turns with {tokenizer.convert_ids_to_tokens(eot)!r} "
-            f"(id {eot}), which is neither the tokenizer's EOS {tokenizer.eos_token!r} nor in eos_token_id of "
-            f"{os.path.join(model_dir or name, 'generation_config.json')} (EOS ids {allowed}); add {eot} there")
+        config = os.path.join(model_dir or name, "generation_config.json")
+        raise ValueError(f"the chat template of '{name}' ends assistant turns with "
+                         f"{tokenizer.convert_ids_to_tokens(eot)!r} (id {eot}), which is neither the tokenizer's EOS "
+                         f"{tokenizer.eos_token!r} nor in eos_token_id of {config} (EOS ids {allowed}); "
+                         f"add {eot} there")
     _END_OF_TURN[id(tokenizer)] = (weakref.ref(tokenizer), eot)
     return eot
 
 
 def response_eos_id(tokenizer, template: Template) -> int:
-    """The id that ends every response: the chat template's end-of-turn token in chat mode, else the tokenizer's
-    EOS.
+    """The id that ends every response: the chat template's end-of-turn token in chat mode, else the tokenizer's EOS.
 
     Raises:
         ValueError: see `chat_end_of_turn_id`.
@@ -103,11 +103,10 @@ def encode_prompt(tokenizer, template: Template, question: str, history=None, sy
                   text: str | None = None) -> list[int]:
     """Token ids of the rendered prompt, ``[prompt_len]``.
 
-    Text / raw modes: the template's text (or ``text``, a prompt carrying its own turns, verbatim), without special
-    tokens (special-token strings in the data are tokenized as text). Chat mode: the tokens of
-    ``apply_chat_template(messages, add_generation_prompt=True)``, messages from `Template.messages` (``text`` is
-    ignored: `_prompt_ids` parses its turns), exactly as the tokenizer tokenizes the rendered template (as TRL does:
-    special-token strings inside message contents become special tokens there).
+    Text / raw modes: the template's text (or ``text`` verbatim), no special tokens added (special-token strings in
+    the data are tokenized as text). Chat mode (``text`` ignored: `_prompt_ids` parses its turns):
+    ``apply_chat_template(messages, add_generation_prompt=True)`` of `Template.messages`, tokenized as rendered (as
+    TRL does: special-token strings in message contents become special tokens).
 
     Raises:
         ValueError: chat mode with a tokenizer without a chat template, or a template that fails on these messages
@@ -123,15 +122,15 @@ def encode_prompt(tokenizer, template: Template, question: str, history=None, sy
 
 
 def encode_response(tokenizer, template: Template, answer: str, raw: bool = False) -> list[int]:
-    """Token ids of the rendered completion followed by the response EOS (`response_eos_id`),
-    ``[response_len + 1]``; tokenized on its own. ``raw``: the answer verbatim (no completion template)."""
+    """Token ids of the rendered completion followed by the response EOS (`response_eos_id`), ``[response_len + 1]``;
+    tokenized on its own. ``raw``: the answer verbatim (no completion template)."""
     return _encode_text(tokenizer, template.format_completion(answer, raw)) + [response_eos_id(tokenizer, template)]
 
 
 def _prompt_ids(tokenizer, template: Template, record: dict) -> list[int]:
     if template.chat and record.get("text") is not None:  # a transcript: render its turns with the chat template
-        system, history, question = split_transcript(record["text"], *record.get("markers", _markers(
-            DEFAULT_HUMAN_MARKER, DEFAULT_ASSISTANT_MARKER)))
+        markers = record.get("markers", _markers(DEFAULT_HUMAN_MARKER, DEFAULT_ASSISTANT_MARKER))
+        system, history, question = split_transcript(record["text"], *markers)
         return encode_prompt(tokenizer, template, question, history, record.get("system", system))
     return encode_prompt(tokenizer, template, record["question"], record.get("history"), record.get("system"),
                          record.get("text"))
@@ -144,10 +143,8 @@ def _response_ids(tokenizer, template: Template, record: dict, key: str) -> list
     return encode_response(tokenizer, template, answer, raw=record.get("text") is not None)
 
 
-def _check_records(records: list[dict], tokenizer, template: Template, source: str,
-                   length_policy: str = "drop") -> None:
-    """Validate ``length_policy`` and chat mode once (template present, end-of-turn is an EOS id); log system turns
-    the text templates drop."""
+def _check_records(records: list[dict], tokenizer, template: Template, source: str, length_policy: str = "drop"):
+    """Check ``length_policy`` and chat mode (`chat_end_of_turn_id`); log the system turns text templates drop."""
     if length_policy not in ("drop", "truncate_prompt"):
         raise ValueError(f"length_policy must be 'drop' or 'truncate_prompt', got {length_policy!r}")
     if template.chat:
@@ -159,22 +156,18 @@ def _check_records(records: list[dict], tokenizer, template: Template, source: s
                        "(chat_template: true keeps it)", source, dropped, len(records))
 
 
-def sft_features(
-    records: list[dict], tokenizer, template: Template, max_length: int | None = None, source: str = "dataset",
-    length_policy: Literal["drop", "truncate_prompt"] = "drop", max_prompt_length: int | None = None,
-) -> dict[str, list]:
+def sft_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
+                 source: str = "dataset", length_policy: Literal["drop", "truncate_prompt"] = "drop",
+                 max_prompt_length: int | None = None) -> dict[str, list]:
     """Tokenize SFT records into ``input_ids`` and ``completion_mask`` (1 on response tokens incl. EOS).
 
-    Returns columns for `trl.SFTTrainer` (pre-tokenized datasets skip its own tokenization), each a list of
-    ``[prompt_len + response_len + 1]`` lists. Rows longer than ``max_length`` tokens:
+    Returns columns for `trl.SFTTrainer` (pre-tokenized: it skips its own tokenization), each a list of
+    ``[prompt_len + response_len + 1]`` lists. Rows longer than ``max_length`` tokens (counts logged):
 
-    - ``length_policy='drop'``: rows whose prompt alone fills ``max_length`` (truncation would leave no answer token
-      to learn from) are dropped; longer rows are cut at the end by the trainer;
-    - ``'truncate_prompt'``: the prompt is cut from the left (the newest turns are kept) so that the whole response
-      fits; if the response alone leaves no room, ``min(max_prompt_length, max_length - 1)`` prompt tokens are kept
-      (the trainer then cuts the response's end).
-
-    Dropped / truncated counts are logged.
+    - ``length_policy='drop'``: rows whose prompt alone fills ``max_length`` (no answer token left to learn from) are
+      dropped; longer rows are cut at the end by the trainer;
+    - ``'truncate_prompt'``: the prompt is cut from the left (newest turns kept) so that the whole response fits; if
+      the response alone leaves no room, ``min(max_prompt_length, max_length - 1)`` prompt tokens are kept.
 
     Raises:
         DataError: no row is left. ValueError: an unknown ``length_policy``; chat mode problems
@@ -210,14 +203,9 @@ def sft_features(
     return {"input_ids": input_ids, "completion_mask": masks}
 
 
-def pair_features(
-    records: list[dict],
-    tokenizer,
-    template: Template,
-    max_length: int | None = None,
-    length_policy: Literal["drop", "truncate_prompt"] = "drop",
-    source: str = "dataset",
-) -> dict[str, list]:
+def pair_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
+                  length_policy: Literal["drop", "truncate_prompt"] = "drop",
+                  source: str = "dataset") -> dict[str, list]:
     """Tokenize pairs into ``chosen_ids`` / ``rejected_ids`` (prompt ids + response ids + EOS) for `RewardTrainer`.
 
     Pairs longer than ``max_length`` tokens are dropped (``length_policy='drop'``) or have their prompt truncated
@@ -246,25 +234,18 @@ def pair_features(
         out["rejected_ids"].append(p + j)
         out["prompt_length"].append(len(p))
     if dropped or truncated:
-        logger.warning(
-            "%s: %d of %d pairs dropped and %d truncated (max_length=%s tokens, length_policy=%s)",
-            source, dropped, len(records), truncated, max_length, length_policy,
-        )
+        logger.warning("%s: %d of %d pairs dropped and %d truncated (max_length=%s tokens, length_policy=%s)",
+                       source, dropped, len(records), truncated, max_length, length_policy)
     if not out["chosen_ids"]:
-        raise DataError(
-            source,
-            f"no pair is left: all {len(records)} pairs exceed max_length={max_length} tokens "
-            f"(raise max_length or set length_policy: truncate_prompt)",
-        )
+        raise DataError(source, f"no pair is left: all {len(records)} pairs exceed max_length={max_length} tokens "
+                                "(raise max_length or set length_policy: truncate_prompt)")
     return out
 
 
 def prompt_features(records: list[dict], tokenizer, template: Template, max_prompt_length: int,
                     source: str = "dataset") -> dict[str, list]:
     """Tokenize prompts for PPO: ``input_ids`` of ``[<= max_prompt_length]`` tokens (kept from the right), built by
-    `encode_prompt` exactly as the SFT / RM stages build their prompts (chat mode: with the generation prompt).
-
-    Left padding is applied by the collator (the tokenizer's ``padding_side`` must be ``'left'``).
+    `encode_prompt` as the SFT / RM stages build theirs. The collator pads on the left (``padding_side='left'``).
 
     Raises:
         ValueError: ``max_prompt_length`` < 1; chat mode problems (`chat_end_of_turn_id`: rollouts must stop at the

@@ -17,9 +17,7 @@ BATCH_ROWS = 8192  # rows converted from Arrow to Python objects at a time
 
 def source_name(dataset_name) -> str:
     """A data source's name for messages: the path / id, or the comma-joined list of them."""
-    if isinstance(dataset_name, (list, tuple)):
-        return ", ".join(str(n) for n in dataset_name)
-    return str(dataset_name)
+    return ", ".join(map(str, dataset_name)) if isinstance(dataset_name, (list, tuple)) else str(dataset_name)
 
 
 def load_rows(dataset_name, split: str = "train", config: str | None = None) -> list[dict]:
@@ -50,9 +48,8 @@ def iter_row_batches(dataset_name, split: str = "train", config: str | None = No
 
 
 def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None):
-    """`iter_row_batches` before the conversion to Python: Arrow record batches of plain columns, or lists of row
-    dicts where `datasets` must decode columns (e.g. `Json` features of mixed-type columns) or index rows; at most
-    ``batch_rows`` (default `BATCH_ROWS`) rows each."""
+    """`iter_row_batches` before the conversion to Python: Arrow record batches of plain columns, or lists of row dicts
+    where `datasets` must decode columns or index rows; at most ``batch_rows`` (default `BATCH_ROWS`) rows each."""
     batch_rows = batch_rows or BATCH_ROWS
     with _quiet_datasets():
         ds = _open_dataset(dataset_name, split, config)
@@ -73,24 +70,22 @@ def _quiet_datasets():
     """No progress bars or error logs from `datasets` while reading: a bad file gets one `DataError` line instead."""
     import datasets
 
-    bars = datasets.utils.logging.is_progress_bar_enabled()
-    level = datasets.utils.logging.get_verbosity()
-    datasets.utils.logging.disable_progress_bar()
-    datasets.utils.logging.set_verbosity(logging.CRITICAL)
+    log = datasets.utils.logging
+    bars, level = log.is_progress_bar_enabled(), log.get_verbosity()
+    log.disable_progress_bar()
+    log.set_verbosity(logging.CRITICAL)
     try:
         yield
     finally:
-        datasets.utils.logging.set_verbosity(level)
+        log.set_verbosity(level)
         if bars:
-            datasets.utils.logging.enable_progress_bar()
+            log.enable_progress_bar()
 
 
 def _split_ext(path: str) -> tuple[str, str]:
     """``('.jsonl', '.gz')`` for ``x.jsonl.gz``, ``('.csv', '')`` for ``x.csv``."""
     base, ext = os.path.splitext(path.lower())
-    if ext in COMPRESSIONS:
-        return os.path.splitext(base)[1], ext
-    return ext, ""
+    return (os.path.splitext(base)[1], ext) if ext in COMPRESSIONS else (ext, "")
 
 
 def _is_local(name: str) -> bool:
@@ -120,11 +115,9 @@ def _local_files(dataset_name) -> list[str] | None:
                 raise DataError(name, "no file matches this pattern")
             files += hits
         elif os.path.isdir(name):
-            hits = sorted(
-                os.path.join(root, f) for root, dirs, fs in os.walk(name) for f in fs
-                if not f.startswith(".") and _split_ext(f)[0] in LOCAL_LOADERS
-                and not any(part.startswith(".") for part in os.path.relpath(root, name).split(os.sep) if part != ".")
-            )
+            hits = sorted(os.path.join(root, f) for root, dirs, fs in os.walk(name) for f in fs
+                          if not f.startswith(".") and _split_ext(f)[0] in LOCAL_LOADERS
+                          and not any(p.startswith(".") for p in os.path.relpath(root, name).split(os.sep) if p != "."))
             if not hits:
                 raise DataError(name, f"directory holds no data file ({kinds})")
             files += hits
@@ -143,10 +136,8 @@ def _local_files(dataset_name) -> list[str] | None:
 
 
 def _offline_flag() -> str | None:
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
-            return var
-    return None
+    return next((v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+                 if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")), None)
 
 
 def _open_dataset(dataset_name, split: str, config: str | None):
@@ -175,16 +166,15 @@ def _open_dataset(dataset_name, split: str, config: str | None):
         raise DataError(dataset_name, f"cannot be loaded from the hub ({where}): {cause}") from None
 
 
-_OPENERS = {"": open, ".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # .zst / .lz4: not re-read here
+_OPENERS = {"": "builtins", ".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # modules with `open`; .zst / .lz4: none
 
 
 def _check_json_file(path: str, kind: str) -> None:
     """Re-read a JSON / JSON Lines file that `datasets` could not parse, with Python's parser, to say where it breaks.
 
-    A file whose first character is ``[`` is one JSON document (the message names its line and column); any other is
-    JSON Lines: one object per non-blank line, row ``k`` being the ``k``-th such line (0-based, as in every
-    `DataError`). Returns quietly when the file parses or cannot be re-read here (the caller then reports `datasets`'
-    own error).
+    A file starting with ``[`` is one JSON document (the message names line and column); any other is JSON Lines, row
+    ``k`` being the ``k``-th non-blank line (0-based). Returns quietly when the file parses or cannot be re-read here
+    (the caller then reports `datasets`' own error).
 
     Raises:
         DataError: the file, the row (JSON Lines) and what is wrong with it, or a file without any row.
@@ -192,13 +182,11 @@ def _check_json_file(path: str, kind: str) -> None:
     import importlib
     import json
 
-    opener = _OPENERS.get(_split_ext(path)[1])
-    if opener is None:
+    module = _OPENERS.get(_split_ext(path)[1])
+    if module is None:
         return
-    if isinstance(opener, str):
-        opener = importlib.import_module(opener).open
     try:
-        with opener(path, "rt", encoding="utf-8-sig") as f:
+        with importlib.import_module(module).open(path, "rt", encoding="utf-8-sig") as f:
             head = f.read(4096).lstrip()[:1]
             f.seek(0)
             if head == "[":

@@ -22,8 +22,7 @@ def detect_format(row: dict, args: DataArguments) -> str:
     """Guess the source format from the keys of one row (honouring the recipe's column mapping).
 
     ``conversations`` -> sharegpt; ``messages`` -> messages; ``chosen`` + ``rejected`` -> pairwise with a question
-    column, else implicit; an answer column -> ranked (a list of answers) or alpaca (also a message list); else
-    prompt.
+    column, else implicit; an answer column -> ranked (a list of answers) or alpaca (also a message list); else prompt.
     """
     keys = row.keys()
     if (args.conversations_key or "conversations") in keys:
@@ -41,20 +40,14 @@ def detect_format(row: dict, args: DataArguments) -> str:
 
 
 def _first(keys: Iterable[str], candidates: Iterable[str]) -> str | None:
-    for c in candidates:
-        if c in keys:
-            return c
-    return None
+    return next((c for c in candidates if c in keys), None)
 
 
-def _missing(row: dict, key: str, source: str, i: int) -> DataError:
-    return DataError(source, f"missing column (columns: {sorted(row)}); map it in the recipe", i, key)
-
-
-def _text(row: dict, key: str, source: str, i: int, allow_empty: bool = False) -> str:
+def _column(row: dict, key: str, source: str, i: int):
+    """``row[key]``; raises `DataError` (missing column) without it."""
     if key not in row:
-        raise _missing(row, key, source, i)
-    return _string(row[key], source, i, key, allow_empty)
+        raise DataError(source, f"missing column (columns: {sorted(row)}); map it in the recipe", i, key)
+    return row[key]
 
 
 def _string(value, source: str, i: int, key: str, allow_empty: bool = False) -> str:
@@ -104,12 +97,13 @@ def _turns_checked(value, source: str, i: int, key: str) -> list[tuple[str, str]
     if value is None:
         raise DataError(source, "is null or missing in this row", i, key)
     if not isinstance(value, list) or not value:
-        raise DataError(source, f"must be a non-empty list of {{role, content}} messages, got {type(value).__name__}",
-                        i, key)
+        raise DataError(source, "must be a non-empty list of {role, content} messages, got "
+                                f"{type(value).__name__}", i, key)
     out = []
     for j, turn in enumerate(value):
         if not isinstance(turn, dict):
-            raise DataError(source, f"message {j} must be a {{role, content}} object, got {type(turn).__name__}", i, key)
+            raise DataError(source, f"message {j} must be a {{role, content}} object, got {type(turn).__name__}",
+                            i, key)
         role = turn.get("role") if turn.get("role") is not None else turn.get("from")
         content = _content(turn.get("content") if turn.get("content") is not None else turn.get("value"))
         if ROLES.get(role) is None:
@@ -130,8 +124,7 @@ def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: 
         DataError: no turn of the kind ``end`` (or no user turn before the last assistant), a system turn that is not
             first, or turns that do not alternate.
     """
-    system = None
-    offset = 0
+    system, offset = None, 0
     if turns and turns[0][0] == "system":
         system, turns, offset = turns[0][1], turns[1:], 1
     last = len(turns) - 1
@@ -149,9 +142,7 @@ def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: 
                 where = "is only allowed as the first message" if role == "system" else f"must be {want}"
                 raise DataError(source, f"message {k + offset} ({role}) {where} (turns alternate user / assistant)",
                                 i, key)
-    answer = None
-    if end == "assistant":
-        answer, body = body[-1][1], body[:-1]
+    answer = body.pop()[1] if end == "assistant" else None  # `body` is a copy
     texts = [text for _, text in body]
     return system, list(zip(texts[0:-1:2], texts[1::2])), texts[-1], answer
 
@@ -174,33 +165,28 @@ def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
         DataError: a missing / null / empty / mistyped field.
     """
     qkey = args.question_key or _first(row, QUESTION_KEYS) or "instruction"
-    if qkey not in row:
-        raise _missing(row, qkey, source, i)
-    value = row[qkey]
+    value = _column(row, qkey, source, i)
     system, history = None, None
     if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
         if kind != "prompts":
             raise DataError(source, f"must be a string for {kind.upper()} rows, got a list of {len(value)} user "
                                     "turn(s) without answers (only PPO prompts read such lists: prompt_turn)", i, qkey)
-        try:
-            question = value[args.prompt_turn if len(value) > 1 else 0]
-        except IndexError:
-            raise DataError(source, f"prompt_turn={args.prompt_turn} is out of range for {len(value)} turns",
-                            i, qkey) from None
+        if len(value) > 1 and not -len(value) <= args.prompt_turn < len(value):
+            raise DataError(source, f"prompt_turn={args.prompt_turn} is out of range for {len(value)} turns", i, qkey)
+        question = value[args.prompt_turn if len(value) > 1 else 0]
         if not question.strip():
             raise DataError(source, "holds an empty turn", i, qkey)
     elif _is_messages(value):
         system, history, question, _ = _dialogue(_turns(value, source, i, qkey), source, i, qkey, "user")
     elif isinstance(value, list):
-        raise DataError(source, "must be a string, a list of user turns or a list of {role, content} messages",
-                        i, qkey)
+        raise DataError(source, "must be a string, a list of user turns or a list of {role, content} messages", i, qkey)
     else:
-        question = _text(row, qkey, source, i)
+        question = _string(value, source, i, qkey)
     ikey = args.input_key or "input"
     if ikey != qkey:
         extra = row.get(ikey)
         if extra is not None:
-            extra = _text(row, ikey, source, i, allow_empty=True)
+            extra = _string(extra, source, i, ikey, allow_empty=True)
             if extra.strip():
                 question = f"{question}\n{extra}"
     if history is None:
@@ -211,48 +197,37 @@ def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
 def _history(row: dict, args: DataArguments, source: str, i: int) -> list[tuple[str, str]]:
     hkey = args.history_key or "history"
     history = row.get(hkey) or []
-    if not isinstance(history, list) or not all(
-        isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in history
-    ):
+    if not isinstance(history, list) or not all(isinstance(t, (list, tuple)) and len(t) == 2
+                                                and all(isinstance(x, str) for x in t) for t in history):
         raise DataError(source, "must be a list of [question, answer] string pairs", i, hkey)
     return [(q, a) for q, a in history]
 
 
-def _sharegpt_turns(row: dict, args: DataArguments, source: str, i: int) -> list[tuple[str, str]]:
-    """Return [(role, text)] with role in {'user', 'assistant'} from [{from, value}] turns."""
-    ckey = args.conversations_key or "conversations"
-    turns = row.get(ckey)
-    if not isinstance(turns, list) or not turns:
-        raise DataError(source, "must be a non-empty list of {from, value} turns", i, ckey)
-    out = []
-    for j, turn in enumerate(turns):
+def _sharegpt_dialogue(row: dict, args: DataArguments, source: str, i: int, needs_answer: bool,
+                       drop_answer: bool = False):
+    """Split a sharegpt row's ``[{from, value}]`` user / assistant turns (system / tool turns skipped) into (history
+    pairs, last question, last answer or None); ``drop_answer``: a last assistant turn is dropped first."""
+    key = args.conversations_key or "conversations"
+    value = row.get(key)
+    if not isinstance(value, list) or not value:
+        raise DataError(source, "must be a non-empty list of {from, value} turns", i, key)
+    turns = []
+    for j, turn in enumerate(value):
         if not isinstance(turn, dict) or "value" not in turn:
-            raise DataError(source, f"turn {j} must be a {{from, value}} object", i, ckey)
+            raise DataError(source, f"turn {j} must be a {{from, value}} object", i, key)
         role = ROLES.get(turn.get("from", turn.get("role")))
         if role is None or role == "system":
             continue  # system / tool turns are not part of the single-turn template
         if not isinstance(turn["value"], str) or not turn["value"].strip():
-            raise DataError(source, f"turn {j} has an empty or non-string value", i, ckey)
-        out.append((role, turn["value"]))
-    return out
-
-
-def _sharegpt_dialogue(row: dict, args: DataArguments, source: str, i: int, needs_answer: bool,
-                       drop_answer: bool = False):
-    """Split a sharegpt row's turns (`_sharegpt_turns`) into (history pairs, last question, last answer or None);
-    ``drop_answer``: a last assistant turn is dropped first."""
-    key = args.conversations_key or "conversations"
-    turns = _sharegpt_turns(row, args, source, i)
+            raise DataError(source, f"turn {j} has an empty or non-string value", i, key)
+        turns.append((role, turn["value"]))
     if drop_answer and turns and turns[-1][0] == "assistant":
         turns = turns[:-1]
-    if needs_answer:
-        if len(turns) < 2 or turns[-1][0] != "assistant" or turns[-2][0] != "user":
-            raise DataError(source, "must end with a user turn followed by an assistant turn", i, key)
-        body, question, answer = turns[:-2], turns[-2][1], turns[-1][1]
-    else:
-        if not turns or turns[-1][0] != "user":
-            raise DataError(source, "must end with a user turn", i, key)
-        body, question, answer = turns[:-1], turns[-1][1], None
+    answer = turns.pop()[1] if needs_answer and turns and turns[-1][0] == "assistant" else None
+    if not turns or turns[-1][0] != "user" or (needs_answer and answer is None):
+        need = "a user turn followed by an assistant turn" if needs_answer else "a user turn"
+        raise DataError(source, f"must end with {need}", i, key)
+    body, question = turns[:-1], turns[-1][1]
     history = [(body[k][1], body[k + 1][1]) for k in range(0, len(body) - 1, 2)]
     return history, question, answer
 
@@ -312,10 +287,10 @@ def split_transcript(text: str, human_marker: str = DEFAULT_HUMAN_MARKER,
 def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
     """An implicit-prompt pair: ``chosen`` / ``rejected`` transcripts (strings) or message lists sharing a prompt.
 
-    Text: the prompt is the shared prefix through the last ``assistant_marker``, kept verbatim as ``text`` (and as
-    ``question``; ``markers`` = (human, assistant) parse its turns for chat templates: `split_transcript`); the
-    answers are the rest, leading space included. Messages: the prompt is the shared leading messages (ending with a
-    user turn); each side must then hold exactly one assistant message.
+    Text: the prompt is the shared prefix through the last ``assistant_marker``, kept verbatim as ``text`` and
+    ``question`` (``markers``: for `split_transcript` with chat templates); the answers are the rest, leading space
+    included. Messages: the prompt is the shared leading messages (ending with a user turn), then one assistant
+    message on each side.
 
     Raises:
         DataError: missing / mistyped sides, identical sides, or no shared prefix ending in the assistant marker
@@ -339,9 +314,7 @@ def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
                 "markers": _markers(args.human_marker, marker)}
     both = f"{gkey}/{bkey}"
     for key in (gkey, bkey):
-        if key not in row:
-            raise _missing(row, key, source, i)
-        if row[key] is None:
+        if _column(row, key, source, i) is None:
             raise DataError(source, "is null or missing in this row", i, key)
     if not (_is_messages(chosen) and _is_messages(rejected)):
         raise DataError(source, "chosen and rejected must both be transcripts (strings) or both message lists",
@@ -367,7 +340,7 @@ def _implicit_text_error(row: dict, args: DataArguments, source: str, i: int, k:
     if row[gkey] == row[bkey]:
         raise DataError(source, "chosen and rejected answers are identical", i, f"{gkey}/{bkey}")
     if k < 0:
-        raise DataError(source, f"chosen and rejected share no prefix ending in the assistant marker "
+        raise DataError(source, "chosen and rejected share no prefix ending in the assistant marker "
                                 f"{args.assistant_marker!r} (set human_marker / assistant_marker)", i, f"{gkey}/{bkey}")
     cut = k + len(args.assistant_marker)
     for key in (gkey, bkey):
@@ -400,9 +373,7 @@ def _sft_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> d
         return _record(system, history, question, answer=_answer_text(row.get(key), source, i, key))
     if fmt in ("alpaca", "ranked"):
         key = args.answer_key or _first(row, ANSWER_KEYS) or "output"
-        if key not in row:
-            raise _missing(row, key, source, i)
-        value = row[key]
+        value = _column(row, key, source, i)
         if fmt == "ranked":
             if not isinstance(value, list) or not value:
                 raise DataError(source, "must be a non-empty list of answers", i, key)
@@ -427,10 +398,8 @@ def _pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, co
         raise DataError(source, f"format '{fmt}' holds no preference pairs")
     if fmt in ("pairwise", "sharegpt", "messages"):
         gkey, bkey = args.good_key or "chosen", args.bad_key or "rejected"
-        for key in (gkey, bkey):
-            if key not in row:
-                raise _missing(row, key, source, i)
-        ranked = [_answer_text(row[gkey], source, i, gkey), _answer_text(row[bkey], source, i, bkey)]
+        good, bad = _column(row, gkey, source, i), _column(row, bkey, source, i)
+        ranked = [_answer_text(good, source, i, gkey), _answer_text(bad, source, i, bkey)]
         pairs = [(0, 1)]
         field_name = f"{gkey}/{bkey}"
     else:
@@ -445,10 +414,8 @@ def _pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, co
             ranked = list(dict.fromkeys(ranked))
             counts["deduplicated"] += 1
         n = len(ranked)
-        if args.ranked_pairs == "all":
-            pairs = [(a, b) for a in range(n) for b in range(a + 1, n)]
-        else:
-            pairs = [(a, a + 1) for a in range(n - 1)]
+        pairs = ([(a, b) for a in range(n) for b in range(a + 1, n)] if args.ranked_pairs == "all"
+                 else [(a, a + 1) for a in range(n - 1)])
         field_name = key
     out = []
     for a, b in pairs:
@@ -462,25 +429,18 @@ _SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
 
 
 def prompt_columns(row: dict, fmt: str, args: DataArguments) -> dict:
-    """The extra columns of a prompt row: every column whose value is a scalar (str / int / float / bool / None) and
-    that is not read as the prompt (``fmt`` sharegpt: the conversations column; messages: the messages column;
-    implicit: chosen / rejected; else the question, ``input`` and ``history`` columns). Answer columns of SFT / pair
-    rows count as extras (e.g. gsm8k's ``answer``: a reward function's reference); list / dict columns do not.
-
-    PPO passes them to reward functions (`rlhf_trl.rewards.reward_columns`). Row order of the keys is kept.
-    """
+    """The extra columns of a prompt row, in row order, for PPO's reward functions (`rlhf_trl.rewards.reward_columns`):
+    every scalar column (str / int / float / bool / None) not read as the prompt (``fmt`` sharegpt: conversations;
+    messages: messages; implicit: chosen / rejected; else the question, ``input`` and ``history`` columns). Answer
+    columns count (e.g. gsm8k's ``answer``: a reward function's reference); list / dict columns do not."""
     if fmt == "sharegpt":
         used = (args.conversations_key or "conversations",)
     elif fmt == "messages":
         used = (args.messages_key or "messages",)
     elif fmt == "implicit":
         used = (args.good_key or "chosen", args.bad_key or "rejected")
-    else:
-        qkey = args.question_key
-        if qkey is None:  # as `_prompt` picks it (the row has one: `_prompt_fields` read it)
-            for qkey in QUESTION_KEYS:
-                if qkey in row:
-                    break
+    else:  # the question column as `_prompt` picks it
+        qkey = args.question_key or _first(row, QUESTION_KEYS)
         used = (qkey, args.input_key or "input", args.history_key or "history")
     out = {}
     for k, v in row.items():  # a plain loop: faster than a comprehension here

@@ -24,17 +24,9 @@ from .checkpoints import begin_writing, save_final_model, start_run, with_atomic
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, Template, describe_sources, pair_features, read_records, split_records
 from .loop_state import with_loop_state
-from .models import (
-    fp32_adapters_for_fp32_compute,
-    load_sequence_classifier,
-    load_tokenizer,
-    recipe_quantization_config,
-    require_model_dir,
-    resize_for_tokenizer,
-    torch_dtype,
-    write_json,
-    write_jsonl,
-)
+from .models import (fp32_adapters_for_fp32_compute, load_sequence_classifier, load_tokenizer,
+                     recipe_quantization_config, require_model_dir, resize_for_tokenizer, torch_dtype, write_json,
+                     write_jsonl)
 from .scoring import pairwise_metrics, score_sequences
 
 logger = logging.getLogger(__name__)
@@ -168,11 +160,8 @@ def _evaluate(reward_model, eval_feats: dict, pad_token_id: int, out: str) -> di
 
 
 def evaluate_pairs(model, feats: dict, pad_token_id: int, batch_size: int = 16) -> dict:
-    """Score ``feats["chosen_ids"]`` / ``feats["rejected_ids"]`` and return `pairwise_metrics`.
-
-    Response lengths (tokens, EOS included) for the length baseline are the sequence lengths minus
-    ``feats["prompt_length"]``.
-    """
+    """Score ``feats["chosen_ids"]`` / ``feats["rejected_ids"]`` and return `pairwise_metrics`; response lengths
+    (tokens, EOS included) for the length baseline are the sequence lengths minus ``feats["prompt_length"]``."""
     chosen = score_sequences(model, feats["chosen_ids"], pad_token_id, batch_size)
     rejected = score_sequences(model, feats["rejected_ids"], pad_token_id, batch_size)
     c_len = [len(c) - p for c, p in zip(feats["chosen_ids"], feats["prompt_length"])]

@@ -19,16 +19,8 @@ from .checkpoints import begin_writing, save_final_model, start_run, with_atomic
 from .config import RunArguments, parse_recipe, save_recipe
 from .data import DataArguments, Template, describe_sources, read_records, sft_features, split_records
 from .loop_state import with_loop_state
-from .models import (
-    fp32_adapters_for_fp32_compute,
-    load_causal_lm,
-    load_tokenizer,
-    recipe_quantization_config,
-    require_model_dir,
-    resize_for_tokenizer,
-    torch_dtype,
-    write_json,
-)
+from .models import (fp32_adapters_for_fp32_compute, load_causal_lm, load_tokenizer, recipe_quantization_config,
+                     require_model_dir, resize_for_tokenizer, torch_dtype, write_json)
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +68,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
                                trust_remote_code=training_args.trust_remote_code)
     training_args.pad_token = tokenizer.pad_token
     train_ds, eval_ds = _datasets(data_args, training_args, tokenizer, template, train_records, eval_records)
-    # with a quantized model TRL's SFTTrainer does the QLoRA preparation itself (adapter in bf16, input grads for
-    # gradient checkpointing) and deliberately no longer calls peft's prepare_model_for_kbit_training
+    # quantized: TRL's SFTTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
     model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
                            quantization_config=quantization)
     resize_for_tokenizer(model, tokenizer)
@@ -121,15 +112,13 @@ def _datasets(data_args: DataArguments, training_args, tokenizer, template: Temp
 
 
 def _trainer_class(model, model_path: str, training_args):
-    """`trl.SFTTrainer`, or `own_head_loss` of it (``loss_type`` None / chunked_nll set to 'nll') for a model whose
-    output head is not ``nn.Linear``."""
+    """`trl.SFTTrainer`, or `own_head_loss` of it (``loss_type`` None / chunked_nll -> 'nll') for non-Linear heads."""
     from trl import SFTTrainer
 
     head = model.get_output_embeddings()
     if isinstance(head, torch.nn.Linear):
         return SFTTrainer
-    # TRL computes the loss from lm_head.weight / .bias directly (1.12-1.14: loss_type chunked_nll; >= 1.15: always):
-    # wrong for Baichuan2's NormHead, which normalizes its weight in forward and has no bias
+    # TRL computes the loss from lm_head.weight / .bias directly: wrong for Baichuan2's NormHead (`OwnHeadLossMixin`)
     logger.warning("%s: output head %s is not nn.Linear; the SFT loss runs the model's own head (loss_type 'nll' "
                    "or 'dft' from its logits)", model_path, type(head).__name__)
     if training_args.loss_type in (None, "chunked_nll"):
@@ -159,16 +148,13 @@ def _save(trainer, tokenizer, model_path: str, metrics: dict, data_args: DataArg
 class OwnHeadLossMixin:
     """SFT loss from the logits of the model's own forward, for output heads that are not ``nn.Linear``.
 
-    TRL's SFTTrainer multiplies the hidden states by ``lm_head.weight`` (+ ``lm_head.bias``) itself: TRL 1.12-1.14
-    with ``loss_type: chunked_nll`` (1.12's default; ``nll`` ran the model's forward), TRL >= 1.15 always (its fused LM
-    head, ``add_fused_lm_head``; ``chunked_nll`` became an alias of ``nll``, with no way back to the model's forward
-    but the deprecated ``compute_loss_func``, whose metrics still take the fused path). A head that transforms its
-    weight in ``forward`` (Baichuan2's ``NormHead`` normalizes each row; it has no ``bias``) breaks that. This
-    ``compute_loss`` runs the model's ordinary forward (the head's own ``forward``, full logits) and computes what TRL's
-    does from them, on every TRL version: the NLL (``loss_type: dft``: DFT, the NLL weighted by the detached token
-    probability) summed over the label tokens (labels ``!= -100``, shifted by one) and divided by
-    ``num_items_in_batch`` (the label tokens of the whole accumulated batch) or, without it, by this batch's count;
-    and TRL's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` metrics.
+    TRL's SFTTrainer multiplies the hidden states by ``lm_head.weight`` (+ ``.bias``) itself (TRL 1.12-1.14 with
+    ``loss_type: chunked_nll``; TRL >= 1.15 always, its fused LM head), which breaks a head that transforms its weight
+    in ``forward`` (Baichuan2's ``NormHead``). This ``compute_loss`` runs the model's ordinary forward and computes
+    what TRL's does from the logits: the NLL (``loss_type: dft``: weighted by the detached token probability) summed
+    over the label tokens (labels ``!= -100``, shifted by one) and divided by ``num_items_in_batch`` (label tokens of
+    the whole accumulated batch; without it, this batch's count); and TRL's ``entropy``, ``mean_token_accuracy`` and
+    ``num_tokens`` metrics.
     """
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -194,7 +180,8 @@ class OwnHeadLossMixin:
             gather = self.accelerator.gather_for_metrics
             n = gather(mask.sum()).sum()
             self._metrics[mode]["entropy"].append((gather((entropy * mask).sum()).sum() / n).item() if n > 0 else 0.0)
-            self._metrics[mode]["mean_token_accuracy"].append((gather(correct.sum()).sum() / n).item() if n > 0 else 0.0)
+            accuracy = (gather(correct.sum()).sum() / n).item() if n > 0 else 0.0
+            self._metrics[mode]["mean_token_accuracy"].append(accuracy)
             if mode == "train" and "attention_mask" in inputs:
                 self._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item()
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
