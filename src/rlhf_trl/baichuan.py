@@ -1,24 +1,19 @@
-"""Baichuan / Baichuan2 remote-code models made usable by TRL on transformers 5 (SFT, reward model, PPO).
+"""Baichuan / Baichuan2 remote-code models made usable by TRL on transformers 5 (SFT, reward model, PPO), used by
+`rlhf_trl.models` for ``trust_remote_code: true`` and ``model_type: baichuan``. What it adds:
 
-Used by `rlhf_trl.models` when a recipe sets ``trust_remote_code: true`` and ``config.json`` has ``model_type:
-baichuan``: the ``*_baichuan.py`` files shipped with the weights run in this process. What this module adds:
+- **Tokenizer init order**: the remote ``__init__`` reads ``self.sp_model`` before loading it; `load_tokenizer`
+  uses a subclass that loads it first, then runs the remote ``__init__`` unchanged.
+- **position_ids**: the remote forwards compute positions from the cache length, so ``position_ids`` (and other
+  keywords they do not name: ``cache_position``, ``logits_to_keep``, ...) are dropped; rotary (7B) and ALiBi (13B)
+  depend only on token distance and pads are masked, so left padding changes nothing.
+- **generate**: `load_causal_lm` returns a subclass with `transformers.GenerationMixin` driving the remote legacy KV
+  cache (a tuple of per-layer ``(key, value)``).
+- **Sequence classifier**: `BaichuanForSequenceClassification`, the remote ``BaichuanModel`` as ``model`` plus a
+  bias-free ``score`` Linear(hidden, 1) read at the last non-pad token, as TRL's reward and value models expect.
+- **Saving**: ``save_pretrained`` also copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``, so
+  every stage output is again a Baichuan directory.
 
-- **Tokenizer init order.** The remote ``__init__`` calls ``super().__init__`` (-> ``get_vocab()`` ->
-  ``self.sp_model``) before it loads its sentencepiece model, and fails (``TypeError`` / ``AttributeError``).
-  `load_tokenizer` uses a subclass that loads ``sp_model`` first, then runs the remote ``__init__`` unchanged.
-- **position_ids.** TRL's PPO passes ``position_ids`` to the policy and to the reward / value backbones; Baichuan's
-  forwards compute positions from the cache length. They are dropped: rotary (7B) and ALiBi (13B) encodings depend
-  only on token distance and pads are masked, so left padding changes nothing. Other keywords the remote forward
-  does not name (``cache_position``, ``logits_to_keep``, ...) are dropped too.
-- **No ``generate``.** `load_causal_lm` returns a subclass mixing in `transformers.GenerationMixin` that drives the
-  remote legacy KV cache (a tuple of per-layer ``(key, value)``), not a ``DynamicCache``.
-- **No sequence classifier.** `BaichuanForSequenceClassification`: the remote ``BaichuanModel`` as ``model`` and a
-  bias-free ``score`` Linear(hidden, 1) read at the last non-pad token, as TRL's reward and value models expect
-  (``base_model_prefix = "model"``, ``model.score(hidden_states)``).
-- **Saving.** ``save_pretrained`` (models and tokenizer) also copies the remote ``*.py`` files and keeps
-  ``auto_map`` / ``model_type``, so every stage output (``merged/``, ``value_model/``) is again a Baichuan directory.
-
-LoRA targets: ``W_pack`` (fused q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``. With
+LoRA targets: ``W_pack`` (fused q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; with
 ``task_type=SEQ_CLS`` peft trains and saves ``score`` as a ``modules_to_save`` copy.
 """
 

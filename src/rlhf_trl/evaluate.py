@@ -1,37 +1,22 @@
-"""Evaluate a PPO run against its SFT policy: ``rlhf-trl eval --config recipes/<run>/ppo.yaml``.
+"""Evaluate a PPO run against its SFT policy: ``rlhf-trl eval --config recipes/<run>/ppo.yaml [--num_prompts N]
+[--samples_per_prompt K] [--demo]`` plus any PPO recipe override.
 
-Options: ``[--output_dir DIR] [--num_prompts N] [--samples_per_prompt K] [--demo]`` plus any PPO recipe override
-(``--output_dir`` is the PPO run's ``output_dir``, as in the recipe).
+Both policies (``sft_model_path``, ``<output_dir>/merged``) sample ``samples_per_prompt`` responses to each of the
+first ``num_prompts`` held-out prompts of the PPO recipe (`split_records`, built as PPO builds them) with the same
+seed and settings (`rlhf_trl.scoring.sample`: softmax(logits / ``temperature``) only, at most ``response_length``
+tokens, ending at the first EOS); the reward model scores each ``prompt + response`` (`score_sequences`: the raw
+score, without ``reward_baseline`` or ``missing_eos_penalty``). Figures (``eval.json``) over the pairs (same prompt,
+same sample index): ``sft_reward`` / ``ppo_reward`` (mean RM score, reward units); ``win_rate`` (PPO's score above
+SFT's, ties 1/2); ``kl_per_token`` (nats per token: mean over the PPO responses' tokens of ``log p_ppo - log p_sft``
+at temperature 1, `policy_logprobs`; a Monte Carlo estimate of KL(pi_ppo || pi_sft) when ``temperature`` is 1);
+``*_mean_length`` (tokens, EOS excluded); ``*_eos_rate``; with ``--demo`` the ground truth ``*_score`` in [-1, 1] and
+``*_on_topic_rate`` (`rlhf_trl.demo_task`); ``rm_accuracy`` / ``rm_margin`` / ``rm_length_baseline_accuracy`` /
+``rm_num_pairs`` on the RM stage's held-out ``eval_pairs.jsonl`` when present.
 
-Prompts: the first ``num_prompts`` of the PPO recipe's held-out split (``split_records``, as `rlhf_trl.ppo` holds
-it out), each sampled ``samples_per_prompt`` times.
-
-1. Sampling. The SFT policy (``sft_model_path``) and the PPO policy (``<output_dir>/merged``) sample responses to the
-   same prompts (built as PPO builds them: `prompt_features`) with the same seed and settings: softmax(logits /
-   ``temperature``), ``top_k=0``, ``top_p=1``, at most ``response_length`` new tokens, ending at the first EOS.
-2. Rewards. Each ``prompt ids + response ids`` is scored by the reward model (``reward_model_path``) with
-   `rlhf_trl.scoring.score_sequences`: the raw RM score, without PPO's ``reward_baseline`` and ``missing_eos_penalty``.
-3. Figures (``eval.json``), over all ``num_prompts x samples_per_prompt`` pairs (same prompt, same sample index):
-
-   - ``sft_reward`` / ``ppo_reward``: mean RM score (reward units);
-   - ``win_rate``: fraction of pairs where the PPO response's score > the SFT response's (ties count 1/2);
-   - ``kl_per_token`` (nats per token): mean over every PPO response token (EOS included when sampled) of
-     ``log p_ppo(y_t | x, y_<t) - log p_sft(y_t | x, y_<t)``, plain ``log_softmax(logits)`` (temperature 1) of each
-     model on ``prompt + PPO response``, pooled over tokens: a Monte Carlo estimate of the per-token
-     KL(pi_ppo || pi_sft) only when ``temperature`` is 1;
-   - ``sft_mean_length`` / ``ppo_mean_length``: mean response length in tokens, EOS excluded;
-   - ``sft_eos_rate`` / ``ppo_eos_rate``: fraction of responses that ended with EOS;
-   - with ``--demo``: ``sft_score`` / ``ppo_score``, the mean ground truth (`rlhf_trl.demo_task.score_response`) in
-     [-1, 1], and ``sft_on_topic_rate`` / ``ppo_on_topic_rate`` (`rlhf_trl.demo_task.on_topic`) in [0, 1];
-   - ``rm_accuracy`` / ``rm_margin`` / ``rm_length_baseline_accuracy`` / ``rm_num_pairs``: the reward model's pairwise
-     accuracy, mean margin (reward units) and the "longer response wins" baseline on the pairs the RM stage held out
-     (``<rm stage dir>/eval_pairs.jsonl``, re-scored here); absent when that file is missing.
-
-Writes into the PPO ``output_dir``: ``eval.json`` (figures and settings), ``eval_samples.jsonl`` (one row per pair:
-prompt ids, both responses' ids, EOS flags, texts, rewards, the per-token log-probs behind the KL) and ``report.md``
-(figures, 5 side-by-side samples, training-curve PNGs under ``report/``, from each stage's logs: `read_stage_logs`).
-The SFT and RM stage directories are the parents of ``sft_model_path`` / ``reward_model_path`` when those end in
-``merged``.
+Writes into the PPO ``output_dir``: ``eval.json`` (figures and settings), ``eval_samples.jsonl`` (one row per pair,
+with the per-token log-probs behind the KL) and ``report.md`` (figures, 5 side-by-side samples, training-curve PNGs
+under ``report/`` from each stage's logs, `read_stage_logs`; the SFT / RM stage directories are the parents of
+``sft_model_path`` / ``reward_model_path`` when those end in ``merged``).
 """
 
 from __future__ import annotations
@@ -50,7 +35,7 @@ from .data import DataError, Template, prompt_features, read_records, split_reco
 from .demo_task import on_topic, score_response
 from .models import (eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir,
                      write_json, write_jsonl, write_text)
-from .scoring import cut_at_eos, pad_left, pad_right, response_logprobs, sample, score_sequences  # noqa: F401
+from .scoring import pad_left, pad_right, response_logprobs, sample, score_sequences
 
 logger = logging.getLogger(__name__)
 

@@ -235,21 +235,18 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    def checkpoint_extras(self, checkpoint_dir: str) -> None:
-        """What the Trainer's checkpoint files lack: value model, merged policy, data position, baseline / KL state,
-        recipe."""
-        self._save_extras(checkpoint_dir, self.dataloader.state(), merged=self.script_args.save_merged_checkpoints)
-
-    def _save_extras(self, ckpt: str, data_state: dict | None, merged: bool) -> None:
-        rank = self.accelerator.process_index
-        if data_state is not None and rank > 0:  # each process's own data position and RNG state
+    def checkpoint_extras(self, ckpt: str) -> None:
+        """What the Trainer's checkpoint files lack: each process's data position and RNG state; from the main
+        process the value model, the merged policy (``save_merged_checkpoints``), baseline / KL state and recipe."""
+        rank, data_state = self.accelerator.process_index, self.dataloader.state()
+        if rank > 0:
             os.makedirs(ckpt, exist_ok=True)
             torch.save(data_state, os.path.join(ckpt, _data_state_name(rank)))
         if not self.args.should_save:  # under `accelerate launch`, the main process writes the other extras
             return
         unwrapped = self.unwrapped
         unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
-        if merged:
+        if self.script_args.save_merged_checkpoints:
             from peft import PeftModel
 
             policy = unwrapped.policy
@@ -258,8 +255,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             with deployable_generation_config(policy, self.stock_generation_config):
                 policy.save_pretrained(os.path.join(ckpt, "merged"), safe_serialization=True)
             self.processing_class.save_pretrained(os.path.join(ckpt, "merged"))
-        if data_state is not None:
-            torch.save(data_state, os.path.join(ckpt, "data_state.pt"))
+        torch.save(data_state, os.path.join(ckpt, "data_state.pt"))
         write_json(os.path.join(ckpt, "reward_baseline.json"), {"reward_baseline": self.reward_baseline,
                                                                 "kl_coef": self.args.kl_coef})
         if self.recipe_configs:
@@ -275,17 +271,13 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             FileNotFoundError: the checkpoint lacks a file needed to resume.
             ValueError: the checkpoint belongs to a run with another number of updates, or has none left.
         """
-        from peft import PeftModel, set_peft_model_state_dict
-        from safetensors.torch import load_file
-
         needed = ["optimizer.pt", "scheduler.pt", "trainer_state.json", "data_state.pt", "value_model"]
         missing = [n for n in needed if not os.path.exists(os.path.join(ckpt, n))]
         if missing:
             raise FileNotFoundError(f"cannot resume from {ckpt}: missing {missing}")
         unwrapped = self.unwrapped
-        _load_weights(unwrapped.policy, ckpt, PeftModel, set_peft_model_state_dict, load_file)
-        _load_weights(unwrapped.value_model, os.path.join(ckpt, "value_model"), PeftModel,
-                      set_peft_model_state_dict, load_file)
+        _load_weights(unwrapped.policy, ckpt)
+        _load_weights(unwrapped.value_model, os.path.join(ckpt, "value_model"))
         self.optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=True))
         saved = OnlineTrainerState.load_from_json(os.path.join(ckpt, "trainer_state.json"))
@@ -351,8 +343,15 @@ def _data_state_name(rank: int) -> str:
     return "data_state.pt" if rank == 0 else f"data_state_rank{rank}.pt"
 
 
-def _load_weights(model, folder, PeftModel, set_peft_model_state_dict, load_file) -> None:
-    """Load a policy / value model's trainable weights saved by ``save_pretrained`` in ``folder``."""
+def _load_weights(model, folder: str) -> None:
+    """Load a policy / value model's trainable weights saved by ``save_pretrained`` in ``folder``.
+
+    Raises:
+        ValueError: the saved weights do not match the model's parameters.
+    """
+    from peft import PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
     if isinstance(model, PeftModel):
         set_peft_model_state_dict(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
         return

@@ -12,6 +12,7 @@ import os
 from contextlib import contextmanager
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .ppo_config import sampling_config
@@ -51,16 +52,12 @@ def apply_reward_baseline(reward_model, baseline: float):
 
 
 class SharedBaseRewardModel(nn.Module):
-    """The reward model read off the value model's weights: the value model's base with its LoRA adapter (and
-    trained value head) switched off, plus the reward model's own frozen score head.
-
-    Built by ``share_reward_value_base: true``: the value model is ``get_peft_model(reward_model, LoRA SEQ_CLS)``,
-    which wraps the reward model's modules in place, so without this the reward model would hold a second full
-    copy of the same weights. ``backbone(input_ids=[batch, seq_len], attention_mask=..., ...)`` runs under
-    ``value_model.disable_adapter()``.
-
-    The value model is deliberately not a submodule (``.eval()``, ``requires_grad_(False)`` and device moves of
-    the reward model must not reach the trainable adapter); only the original score head is.
+    """The reward model read off the value model's weights (``share_reward_value_base``): the value model's base with
+    its LoRA adapter (and trained value head) off, plus the reward model's own frozen score head. The value model is
+    ``get_peft_model(reward_model, LoRA SEQ_CLS)``, which wraps the reward model's modules in place: this holds no
+    second copy. ``backbone(input_ids=[batch, seq_len], attention_mask=..., ...)`` runs under
+    ``value_model.disable_adapter()``. The value model is not a submodule (``.eval()``, ``requires_grad_(False)``
+    and device moves of the reward model must not reach the trainable adapter); only the original score head is.
 
     Raises:
         ValueError: ``value_model`` is not a peft sequence-classification model with a wrapped ``score`` head.
@@ -107,8 +104,6 @@ class OffloadedWeights:
     """
 
     def __init__(self, module: nn.Module, path: str):
-        from safetensors.torch import save_file
-
         self.module, self.path = module, path
         self.params = dict(module.named_parameters())  # remove_duplicate: a tied parameter once
         bad = [n for n, p in self.params.items() if type(p) is not nn.Parameter or not p.is_floating_point()]
@@ -125,8 +120,6 @@ class OffloadedWeights:
 
     def read(self) -> None:
         """Read the weights back from the file onto their devices."""
-        from safetensors.torch import load_file
-
         for name, tensor in load_file(self.path).items():
             self.params[name].data = tensor.to(self.params[name].device)
 

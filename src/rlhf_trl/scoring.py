@@ -133,17 +133,6 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
     return query_responses, logprobs
 
 
-def cut_at_eos(tokens: list[int], eos_token_ids, max_len: int) -> tuple[list[int], bool]:
-    """Response ids up to and including the first EOS (any of ``eos_token_ids``, an int or a list; else the first
-    ``max_len`` tokens), and whether an EOS ended it."""
-    tokens = list(tokens)[:max_len]
-    eos = set(eos_token_ids) if isinstance(eos_token_ids, (list, tuple, set)) else {eos_token_ids}
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[: i + 1], True
-    return tokens, False
-
-
 def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, max_new_tokens: int,
            temperature: float, seed: int, batch_size: int = 64) -> list[tuple[list[int], bool]]:
     """Sample one response per prompt (``[num_prompts]`` lists of ids) with `generate_rollouts`.
@@ -151,8 +140,8 @@ def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, ma
     Sampling is softmax(logits / ``temperature``) and nothing else (`rlhf_trl.models.sampling_generation_config`:
     the model's own top-k / top-p / repetition penalty are not applied, as in PPO rollouts), stopping at any of
     ``eos_token_ids`` (an int or a list), at most ``max_new_tokens`` tokens. The RNG is seeded with ``seed`` once,
-    before the first batch. Returns ``(response ids, ended with EOS)`` per prompt; the ids include the EOS when
-    present.
+    before the first batch. Returns ``(response ids, ended with EOS)`` per prompt: the ids up to and including the
+    first EOS (`truncate_at_eos`), else all ``max_new_tokens`` of them.
     """
     from .models import sampling_generation_config
 
@@ -162,7 +151,10 @@ def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, ma
     queries = pad_left(prompts, pad_token_id).to(next(model.parameters()).device)
     torch.manual_seed(seed)
     query_responses, _ = generate_rollouts(model, queries, pad_token_id, config, batch_size)
-    return [cut_at_eos(row.tolist(), eos, max_new_tokens) for row in query_responses[:, queries.shape[1]:].cpu()]
+    responses = truncate_at_eos(query_responses[:, queries.shape[1]:], eos, pad_token_id).cpu()
+    pads = responses == pad_token_id  # a response ends at its first pad (after its EOS), as PPO reads it
+    lengths = torch.where(pads.any(1), pads.int().argmax(1), responses.shape[1]).tolist()
+    return [(row[:n].tolist(), bool(eos_mask(row[:n], eos).any())) for row, n in zip(responses, lengths)]
 
 
 def response_hidden(backbone, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
