@@ -11,8 +11,11 @@ the first real token (`model_inputs`).
 
 from __future__ import annotations
 
+import copy
+import random
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -21,10 +24,6 @@ from . import ppo_math as pm
 
 def rng_state() -> dict:
     """Python, numpy and torch (CPU, CUDA) RNG states."""
-    import random
-
-    import numpy as np
-
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.random.get_rng_state_all()
@@ -33,10 +32,6 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Put back the RNG states `rng_state` returned."""
-    import random
-
-    import numpy as np
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.random.set_rng_state(state["cpu"])
@@ -94,8 +89,7 @@ def truncate_at_eos(responses: torch.Tensor, eos_token_ids, pad_token_id: int) -
     at the response's own EOS (the last non-pad token). Rows without EOS are unchanged. The list-valued form of
     TRL 1.12's ``truncate_response`` (its PPOTrainer module), which stops at one id only.
     """
-    hit = eos_mask(responses, eos_token_ids)
-    first = torch.where(hit.any(1), hit.int().argmax(1), responses.shape[1])  # [batch]
+    first = pm.first_true_indices(eos_mask(responses, eos_token_ids))  # [batch]
     after = torch.arange(responses.shape[1], device=responses.device)[None, :] > first[:, None]
     return responses.masked_fill(after, pad_token_id)
 
@@ -111,8 +105,6 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
     as TRL 1.12's ``batch_generation``, without stacking the ``[b, R, vocab]`` logits: one ``[rows, vocab]``
     log-softmax per decoding step.
     """
-    import copy
-
     context = queries.shape[1]
     config = copy.deepcopy(generation_config)
     config.return_dict_in_generate, config.output_scores = True, True  # the sampling logits give the log-probs
@@ -152,8 +144,7 @@ def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, ma
     torch.manual_seed(seed)
     query_responses, _ = generate_rollouts(model, queries, pad_token_id, config, batch_size)
     responses = truncate_at_eos(query_responses[:, queries.shape[1]:], eos, pad_token_id).cpu()
-    pads = responses == pad_token_id  # a response ends at its first pad (after its EOS), as PPO reads it
-    lengths = torch.where(pads.any(1), pads.int().argmax(1), responses.shape[1]).tolist()
+    lengths = pm.first_true_indices(responses == pad_token_id).tolist()  # ends at its first pad, as PPO reads it
     return [(row[:n].tolist(), bool(eos_mask(row[:n], eos).any())) for row, n in zip(responses, lengths)]
 
 
@@ -216,9 +207,7 @@ def last_token_index(query_responses: torch.Tensor, pad_token_id: int, context_l
     Raises:
         ValueError: a row holds only pad tokens.
     """
-    hit = query_responses[:, context_length:] == pad_token_id
-    first_pad = torch.where(hit.any(1), hit.int().argmax(1), hit.shape[1])
-    last = first_pad - 1 + context_length
+    last = pm.first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     if bool((last < 0).any()):
         raise ValueError("a sequence holds only pad tokens")
     return last
