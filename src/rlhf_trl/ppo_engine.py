@@ -1,13 +1,10 @@
 """The PPO engine: rollouts, rewards, advantages and clipped updates of a policy and a value model.
 
-TRL removed its PPOTrainer in 1.13; this is the project's own loop, written to TRL 1.12's algorithm. One update
-(`PPOEngine.train`) reads top to bottom: `PPOEngine.rollout` (sample with ``temperature`` only, stop at any EOS id;
-reference log-probs, values, the reward model's score at the EOS minus its baseline plus reward functions minus
-``missing_eos_penalty``) -> `PPOEngine.advantages` (`ppo_math.compute_advantages`: KL-shaped rewards, GAE, whitened
-advantages) -> `PPOEngine.optimise` (``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps of clipped policy loss
-+ ``vf_coef`` x clipped value loss) -> `PPOEngine.update_metrics` (TRL 1.12's names). The math is in
-`rlhf_trl.ppo_math`, the tensor operations in `rlhf_trl.scoring`, the settings in `rlhf_trl.ppo_config`.
-`tests/test_ppo_oracle.py` holds ten updates to TRL 1.12's ``PPOTrainer`` (docs/ppo-engine.md).
+TRL removed its PPOTrainer in 1.13; this is the project's own loop, written to TRL 1.12's algorithm: one update
+(`PPOEngine.train`) is `PPOEngine.rollout` -> `PPOEngine.advantages` -> `PPOEngine.optimise` ->
+`PPOEngine.update_metrics` (TRL 1.12's names). The math is in `rlhf_trl.ppo_math`, the tensor operations in
+`rlhf_trl.scoring`, the settings in `rlhf_trl.ppo_config`. `tests/test_ppo_oracle.py` holds ten updates to TRL 1.12's
+``PPOTrainer`` (docs/ppo-engine.md).
 
 With one PPO epoch of one mini-batch in one process (``single_value_forward``, the default) the value model's
 training forward also gives the rollout's values (`PPOEngine.value_step`): one value forward less per update.
@@ -68,13 +65,6 @@ class PolicyAndValue(nn.Module):
         return logprobs, entropy, values
 
 
-def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout probability to 0 (log-probs must be a function of the weights alone)."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0
-
-
 def _fp32(accelerator):
     """What `accelerate` does to a prepared model's outputs under mixed precision: fp32 (else the identity)."""
     return (lambda t: t.float()) if accelerator.native_amp else (lambda t: t)
@@ -107,6 +97,7 @@ class PPOEngine(Trainer):
                  value_model, data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None,
                  eos_token_ids: list[int] | None = None, reward_functions=None, reward_columns=None):
         from transformers import DataCollatorWithPadding
+        from trl.trainer.utils import disable_dropout_in_model
 
         if ref_model is not None and ref_model is model:
             raise ValueError("the reference must be a copy of the policy (or None with a LoRA policy)")
@@ -129,7 +120,7 @@ class PPOEngine(Trainer):
         self._set_batch_sizes()
         for m in (self.policy_model, self.ref_model, self.value_model, self.reward_model):
             if m is not None:
-                disable_dropout(m)
+                disable_dropout_in_model(m)  # log-probs must be a function of the weights alone
         self.model = PolicyAndValue(self.policy_model, self.value_model)
         self.model.config = self.policy_model.config
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
@@ -196,15 +187,11 @@ class PPOEngine(Trainer):
             self.eval_dataloader = acc.prepare(DataLoader(
                 self.eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=self.data_collator,
                 drop_last=True))
-        for name in ("reward_model", "ref_model"):
-            if getattr(self, name) is None:
-                continue
-            if self.is_deepspeed_enabled:
-                from trl.models.utils import prepare_deepspeed
+        from trl.models.utils import prepare_deepspeed
 
-                setattr(self, name, prepare_deepspeed(getattr(self, name), acc))
-            else:
-                setattr(self, name, getattr(self, name).to(acc.device))
+        for name in ("reward_model", "ref_model"):
+            if (m := getattr(self, name)) is not None:
+                setattr(self, name, prepare_deepspeed(m, acc) if self.is_deepspeed_enabled else m.to(acc.device))
         # one process, no wrapper: policy and value losses back-propagated one after the other (`losses`)
         self.split_backward = isinstance(self.model, PolicyAndValue)
         self.single_value_forward = (args.single_value_forward and self.split_backward and args.num_ppo_epochs == 1
