@@ -132,7 +132,6 @@ def test_local_file_types(tmp_path, ext):
     "row, field, message",
     [
         ({"instruction": "q", "output": None}, "output", "null"),
-        ({"instruction": "q", "output": "   "}, "output", "empty"),
         ({"instruction": "q", "output": 3}, "output", "must be a string"),
         ({"instruction": "", "output": "a"}, "instruction", "empty"),
     ],

@@ -10,14 +10,18 @@ PACKAGE = REPO / "src" / "rlhf_trl"
 
 
 def _imports(path: Path) -> set[str]:
-    """Package modules that ``path`` imports anywhere in its body (``from .x import``, ``from rlhf_trl.x import``)."""
+    """Package modules that ``path`` imports anywhere in its body (``from .x import``, ``from rlhf_trl.x import``);
+    a module of a subpackage (``data/``) imports ``from ..x``, and its own siblings are left out."""
     out = set()
+    level = 1 if path.parent == PACKAGE else 2
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
             module = node.module or ""
-            if node.level == 1 and module:
+            if node.level != level and node.level:
+                continue
+            if node.level == level and module:
                 out.add(module.split(".")[0])
-            elif node.level == 1:  # from . import x, y
+            elif node.level == level:  # from . import x, y
                 out.update(a.name for a in node.names)
             elif module.startswith("rlhf_trl."):
                 out.add(module.split(".")[1])
@@ -27,7 +31,11 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_no_import_cycles():
-    graph = {p.stem: _imports(p) & {q.stem for q in PACKAGE.glob("*.py")} for p in PACKAGE.glob("*.py")}
+    names = {q.stem for q in PACKAGE.glob("*.py")} | {q.name for q in PACKAGE.iterdir() if (q / "__init__.py").exists()}
+    graph: dict[str, set[str]] = {}
+    for p in PACKAGE.rglob("*.py"):  # a subpackage is one node
+        node = p.stem if p.parent == PACKAGE else p.relative_to(PACKAGE).parts[0]
+        graph.setdefault(node, set()).update(_imports(p) & names - {node})
     graph.pop("__main__", None)
     cycles = []
 

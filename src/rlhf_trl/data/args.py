@@ -11,7 +11,8 @@ HISTORY_SEPARATOR = "\n\n"
 DEFAULT_HUMAN_MARKER = "\n\nHuman:"
 DEFAULT_ASSISTANT_MARKER = "\n\nAssistant:"
 
-FORMATS = ("auto", "alpaca", "sharegpt", "pairwise", "ranked", "prompt", "messages", "conversational", "implicit")
+FORMATS = ("auto", "alpaca", "sharegpt", "pairwise", "ranked", "prompt", "messages", "conversational", "implicit",
+           "firefly")
 
 
 class DataError(ValueError):
@@ -20,7 +21,7 @@ class DataError(ValueError):
     def __init__(self, source: str, message: str, row: int | None = None, field: str | None = None):
         where = (f", row {row}" if row is not None else "") + (f", field '{field}'" if field is not None else "")
         super().__init__(f"{source}{where}: {message}")
-        self.source, self.row, self.field = source, row, field
+        self.source, self.row, self.field, self.message = source, row, field, message
 
 
 def _arg(default, help: str):
@@ -76,6 +77,38 @@ class DataArguments:
     length_policy: str = _arg("drop", "SFT rows / RM pairs longer than max_length (tokens): 'drop' them (SFT: rows "
                               "whose prompt alone fills max_length), or 'truncate_prompt' from the left (keeping the "
                               "newest turns and the whole response).")
+    on_bad_row: str = _arg("error", "A bad row (missing / empty / mistyped field): 'error' stops with one line naming "
+                           "file, row and field; 'skip' skips it, counted by reason in data_report.json.")
+    max_bad_row_fraction: float = _arg(0.05, "on_bad_row: skip: stop when more than this fraction of a source's rows "
+                                       "is bad.")
+    min_score_margin: float | None = _arg(None, "Pairs with score_chosen / score_rejected: skip pairs whose margin is "
+                                          "below this (tied pairs are always skipped).")
+    dataset_encoding: str = _arg("utf-8", "Text encoding of local json / jsonl / csv files (any Python codec: gbk, "
+                                 "gb18030, big5, ...); UTF-8 files may start with a BOM.")
+
+    def __post_init__(self):
+        import codecs
+
+        choices = {"dataset_format": FORMATS, "ranked_pairs": ("all", "adjacent"),
+                   "length_policy": ("drop", "truncate_prompt"), "on_bad_row": ("error", "skip")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key} must be one of {list(allowed)}, got {getattr(self, key)!r}")
+        ranges = {"eval_split_size": (self.eval_split_size, 0, "a fraction < 1 or a row count >= 1, not negative"),
+                  "max_prompt_length": (self.max_prompt_length, 1, ">= 1 (tokens)"),
+                  "max_samples": (self.max_samples, 1, ">= 1 (rows) or null"),
+                  "min_score_margin": (self.min_score_margin, 0, ">= 0 or null")}
+        for key, (value, low, want) in ranges.items():
+            if value is not None and value < low:
+                raise ValueError(f"{key} must be {want}, got {value}")
+        if not 0 <= self.max_bad_row_fraction <= 1:
+            raise ValueError(f"max_bad_row_fraction must be within [0, 1], got {self.max_bad_row_fraction}")
+        try:
+            codecs.lookup(self.dataset_encoding)
+        except LookupError:
+            raise ValueError(f"dataset_encoding: unknown codec {self.dataset_encoding!r}; use e.g. utf-8, gbk, "
+                             "gb18030, big5") from None
+        Template.from_args(self)  # template placeholders and chat options
 
 
 @dataclass(frozen=True)
@@ -118,9 +151,10 @@ class Template:
         return "chat" if self.chat else "raw" if self.prompt == RAW_TEMPLATE else "text"
 
     def format_prompt(self, question: str, history: list[tuple[str, str]] | None = None,
-                      text: str | None = None) -> str:
+                      text: str | None = None, system: str | None = None) -> str:
         """Render the prompt text (text / raw modes). Earlier turns are rendered with the same template, separated by
         a blank line (raw: concatenated as they are). ``text`` (a prompt carrying its own turns) is returned as is.
+        A ``{system}`` slot in the prompt template takes the system turn (or nothing), once, before the first turn.
 
         Raises:
             ValueError: in chat mode (chat prompts are token ids: `encode_prompt`).
@@ -134,7 +168,14 @@ class Template:
         parts = [self.prompt.replace("{question}", q) + self.completion.replace("{answer}", a)
                  for q, a in history or []]
         parts.append(self.prompt.replace("{question}", question))
+        if self.has_system_slot:
+            parts = [p.replace("{system}", system or "" if k == 0 else "") for k, p in enumerate(parts)]
         return HISTORY_SEPARATOR.join(parts)
+
+    @property
+    def has_system_slot(self) -> bool:
+        """Whether rendered prompts keep a row's system turn (chat mode, or ``{system}`` in the text template)."""
+        return self.chat or "{system}" in self.prompt
 
     def format_completion(self, answer: str, raw: bool = False) -> str:
         """Render the completion text (EOS is appended as a token id by `encode_response`, not as text)."""

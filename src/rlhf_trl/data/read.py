@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import codecs
 import glob
 import logging
 import os
 from contextlib import contextmanager
 from typing import Iterator
 
-from .data_args import DataError
+from .args import DataError
 
 LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # read by `datasets` (.zst needs zstandard, .lz4 needs lz4)
@@ -47,12 +48,14 @@ def iter_row_batches(dataset_name, split: str = "train", config: str | None = No
         yield batch if batch.__class__ is list else batch.to_pylist()
 
 
-def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None):
+def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None,
+                   encoding: str = "utf-8"):
     """`iter_row_batches` before the conversion to Python: Arrow record batches of plain columns, or lists of row dicts
-    where `datasets` must decode columns or index rows; at most ``batch_rows`` (default `BATCH_ROWS`) rows each."""
+    where `datasets` must decode columns or index rows; at most ``batch_rows`` (default `BATCH_ROWS`) rows each.
+    ``encoding``: of local json / csv files (`_open_dataset`)."""
     batch_rows = batch_rows or BATCH_ROWS
     with _quiet_datasets():
-        ds = _open_dataset(dataset_name, split, config)
+        ds = _open_dataset(dataset_name, split, config, encoding)
     if len(ds) == 0:
         raise DataError(source_name(dataset_name), "holds no rows")
     from datasets.features.features import require_decoding
@@ -140,16 +143,32 @@ def _offline_flag() -> str | None:
                  if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")), None)
 
 
-def _open_dataset(dataset_name, split: str, config: str | None):
+def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = "utf-8"):
+    """The `datasets.Dataset` of a source. Local json / csv files are decoded with ``encoding`` (UTF-8: checked, since
+    Arrow keeps invalid bytes until they are read; `_check_encoding`); a JSON array of ``[prompt, answer]`` lists
+    becomes ``instruction`` / ``output`` rows (`_pairs_of_lists`)."""
     import datasets
 
     files = _local_files(dataset_name)
     if files is not None:
         loader = LOCAL_LOADERS[_split_ext(files[0])[0]]
         kind = loader if len(files) == 1 else f"{loader} ({len(files)} files)"
+        text = {"encoding": encoding} if loader in ("json", "csv") else {}
         try:
-            return datasets.load_dataset(loader, data_files=files, split="train")
+            ds = datasets.load_dataset(loader, data_files=files, split="train", **text)
+            if text and codecs.lookup(encoding).name == "utf-8":
+                try:
+                    ds.data.table.validate(full=True)
+                except Exception:  # pyarrow.lib.ArrowInvalid: a string column holds invalid UTF-8
+                    for f in files:
+                        _check_encoding(f, encoding)
+            return _pairs_of_lists(ds, files) if loader == "json" and ds.column_names == ["text"] else ds
+        except DataError:
+            raise
         except Exception as exc:  # datasets wraps parser errors in several exception types
+            if text:
+                for f in files:
+                    _check_encoding(f, encoding)
             if loader == "json":
                 for f in files:  # name the file and the row where Python's own parser stops
                     _check_json_file(f, kind)
@@ -164,6 +183,52 @@ def _open_dataset(dataset_name, split: str, config: str | None):
                                           f"it; unset {flag} once to download it, or pass a local file") from None
         where = f"config {config!r}, split {split!r}" if config else f"split {split!r}"
         raise DataError(dataset_name, f"cannot be loaded from the hub ({where}): {cause}") from None
+
+
+def _pairs_of_lists(ds, files: list[str]):
+    """A JSON array of lists (`datasets` reads each list as a column ``text``): ``[prompt, answer]`` lists become
+    ``instruction`` / ``output`` rows; a file with a real ``text`` column is returned as it is.
+
+    Raises:
+        DataError: the lists are not all two strings.
+    """
+    import datasets
+    import pyarrow as pa
+
+    column = ds.data.table.column("text")
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        return ds
+    rows = column.to_pylist()
+    for i, row in enumerate(rows):
+        if row is None or len(row) != 2 or not all(isinstance(x, str) for x in row):
+            raise DataError(source_name(files), f"holds a JSON array of lists; only [prompt, answer] lists of two "
+                                                f"strings are read, this one holds {row!r:.60}", i)
+    return datasets.Dataset.from_dict({"instruction": [r[0] for r in rows], "output": [r[1] for r in rows]})
+
+
+def _check_encoding(path: str, encoding: str) -> None:
+    """Decode ``path`` with ``encoding`` to find the first byte it cannot decode.
+
+    Raises:
+        DataError: the file, the line and the byte offset, and the fix (``dataset_encoding``).
+    """
+    import importlib
+
+    module = _OPENERS.get(_split_ext(path)[1])
+    if module is None:
+        return
+    decoder = codecs.getincrementaldecoder(encoding)()
+    line, offset = 1, 0
+    with importlib.import_module(module).open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                line += chunk.count(b"\n", 0, exc.start)
+                raise DataError(path, f"line {line}, byte {offset + exc.start}: not valid {encoding} ({exc.reason}); "
+                                      "set dataset_encoding to the file's encoding (gbk, gb18030, big5, ...)") from None
+            line += chunk.count(b"\n")
+            offset += len(chunk)
 
 
 _OPENERS = {"": "builtins", ".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # modules with `open`; .zst / .lz4: none

@@ -7,8 +7,9 @@ import os
 import weakref
 from typing import Any, Literal
 
-from .data_args import DEFAULT_ASSISTANT_MARKER, DEFAULT_HUMAN_MARKER, DataError, Template
-from .data_rows import _markers, split_transcript
+from .args import DEFAULT_ASSISTANT_MARKER, DEFAULT_HUMAN_MARKER, DataError, Template
+from .report import DataReport
+from .turns import _markers, split_transcript
 
 logger = logging.getLogger("rlhf_trl.data")  # the data modules log as one
 
@@ -64,7 +65,7 @@ def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
     cached = _END_OF_TURN.get(id(tokenizer))
     if cached is not None and cached[0]() is tokenizer and model_dir is None:
         return cached[1]
-    from .models import eos_token_ids
+    from ..models import eos_token_ids
 
     rendered = _render_chat(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}],
                             "a user turn and an assistant turn")
@@ -113,7 +114,7 @@ def encode_prompt(tokenizer, template: Template, question: str, history=None, sy
             (`_render_chat`).
     """
     if not template.chat:
-        return _encode_text(tokenizer, template.format_prompt(question, history, text))
+        return _encode_text(tokenizer, template.format_prompt(question, history, text, system))
     _require_chat_template(tokenizer)
     short = question if len(question) <= 40 else question[:37] + "..."
     rendered = _render_chat(tokenizer, template.messages(question, history, system), f"the prompt {short!r}",
@@ -128,6 +129,11 @@ def encode_response(tokenizer, template: Template, answer: str, raw: bool = Fals
 
 
 def _prompt_ids(tokenizer, template: Template, record: dict) -> list[int]:
+    if "messages" in record:  # a tool-calling conversation (chat mode only: `rlhf_trl.data.rows._conversation`)
+        what = f"the tool-calling prompt {record['question'][:30]!r}"
+        rendered = _render_chat(tokenizer, record["messages"], what, tools=record.get("tools"),
+                                add_generation_prompt=True)
+        return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     if template.chat and record.get("text") is not None:  # a transcript: render its turns with the chat template
         markers = record.get("markers", _markers(DEFAULT_HUMAN_MARKER, DEFAULT_ASSISTANT_MARKER))
         system, history, question = split_transcript(record["text"], *markers)
@@ -137,28 +143,53 @@ def _prompt_ids(tokenizer, template: Template, record: dict) -> list[int]:
 
 
 def _response_ids(tokenizer, template: Template, record: dict, key: str) -> list[int]:
+    if "target" in record:  # an assistant's tool call: rendered by the chat template, up to its end-of-turn
+        return _encode_text(tokenizer, _rendered_target(tokenizer, record)) + [response_eos_id(tokenizer, template)]
     answer = record[key]
     if template.chat and record.get("text") is not None:
         answer = answer.lstrip()  # "\n\nAssistant: Sure" -> the chat template's assistant turn holds "Sure"
     return encode_response(tokenizer, template, answer, raw=record.get("text") is not None)
 
 
-def _check_records(records: list[dict], tokenizer, template: Template, source: str, length_policy: str = "drop"):
-    """Check ``length_policy`` and chat mode (`chat_end_of_turn_id`); log the system turns text templates drop."""
+def _rendered_target(tokenizer, record: dict) -> str:
+    """The text the chat template renders for ``record["target"]`` after the prompt, cut before its end-of-turn."""
+    kwargs = {"tools": record.get("tools")}
+    what = f"the tool call answering {record['question'][:30]!r}"
+    prompt = _render_chat(tokenizer, record["messages"], what, add_generation_prompt=True, **kwargs)
+    full = _render_chat(tokenizer, record["messages"] + [record["target"]], what, **kwargs)
+    end = tokenizer.convert_ids_to_tokens(chat_end_of_turn_id(tokenizer))
+    if not full.startswith(prompt) or end not in full[len(prompt):]:
+        raise ValueError(f"the chat template of '{_tokenizer_name(tokenizer)}' does not render {what} after its "
+                         "prompt; use a template that supports tool calls")
+    return full[len(prompt):].split(end, 1)[0]
+
+
+def _check_records(records: list[dict], tokenizer, template: Template, source: str, length_policy: str = "drop",
+                   report: DataReport | None = None):
+    """Check ``length_policy``, chat mode (`chat_end_of_turn_id`) and, for tool-calling rows, a chat template that
+    takes tools; count the system turns a text template without ``{system}`` drops."""
     if length_policy not in ("drop", "truncate_prompt"):
         raise ValueError(f"length_policy must be 'drop' or 'truncate_prompt', got {length_policy!r}")
     if template.chat:
         chat_end_of_turn_id(tokenizer)
+        if any("messages" in r for r in records) and "tools" not in tokenizer.chat_template:
+            raise ValueError(f"{source}: tool-calling rows, but the chat template of '{_tokenizer_name(tokenizer)}' "
+                             "does not take tools; use a tokenizer whose template renders tools (Qwen2.5's does)")
+    if template.has_system_slot:
         return
     dropped = sum(1 for r in records if r.get("system") is not None and r.get("text") is None)
     if dropped:
-        logger.warning("%s: %d of %d rows have a system turn; the text template has no place for it: dropped "
-                       "(chat_template: true keeps it)", source, dropped, len(records))
+        if report is not None:
+            report.system_turns_dropped += dropped
+        logger.warning("%s: %d of %d rows have a system turn; the text template has no {system} slot: dropped "
+                       "(chat_template: true, or {system} in prompt_template, keeps it)", source, dropped,
+                       len(records))
 
 
 def sft_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
                  source: str = "dataset", length_policy: Literal["drop", "truncate_prompt"] = "drop",
-                 max_prompt_length: int | None = None) -> dict[str, list]:
+                 max_prompt_length: int | None = None, report: DataReport | None = None,
+                 split: str = "train") -> dict[str, list]:
     """Tokenize SFT records into ``input_ids`` and ``completion_mask`` (1 on response tokens incl. EOS).
 
     Returns columns for `trl.SFTTrainer` (pre-tokenized: it skips its own tokenization), each a list of
@@ -169,13 +200,16 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
     - ``'truncate_prompt'``: the prompt is cut from the left (newest turns kept) so that the whole response fits; if
       the response alone leaves no room, ``min(max_prompt_length, max_length - 1)`` prompt tokens are kept.
 
+    Rows whose answer the trainer will cut at ``max_length`` are counted too; all counts and the token lengths go into
+    ``report`` (under ``split``).
+
     Raises:
         DataError: no row is left. ValueError: an unknown ``length_policy``; chat mode problems
             (`chat_end_of_turn_id`).
     """
-    _check_records(records, tokenizer, template, source, length_policy)
+    _check_records(records, tokenizer, template, source, length_policy, report)
     input_ids, masks = [], []
-    dropped = truncated = 0
+    dropped = truncated = cut = 0
     for r in records:
         p = _prompt_ids(tokenizer, template, r)
         c = _response_ids(tokenizer, template, r, "answer")
@@ -189,8 +223,18 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
             elif len(p) >= max_length:
                 dropped += 1
                 continue
+            cut += len(p) + len(c) > max_length
         input_ids.append(p + c)
         masks.append([0] * len(p) + [1] * len(c))
+    if report is not None:
+        report.count("dropped", f"{split} rows (prompt fills max_length)", dropped)
+        report.count("truncated", f"{split} prompts", truncated)
+        report.count("truncated", f"{split} answers (cut at max_length)", cut)
+        report.lengths(split, "prompt", [m.count(0) for m in masks])
+        report.lengths(split, "response", [sum(m) for m in masks])
+    if cut:
+        logger.warning("%s: %d of %d answers are cut at max_length=%s tokens (their ends are not learned)", source,
+                       cut, len(records), max_length)
     if dropped:
         logger.warning("%s: %d of %d rows dropped: the prompt alone fills max_length=%s tokens "
                        "(length_policy: truncate_prompt keeps them)", source, dropped, len(records), max_length)
@@ -205,17 +249,18 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
 
 def pair_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
                   length_policy: Literal["drop", "truncate_prompt"] = "drop",
-                  source: str = "dataset") -> dict[str, list]:
+                  source: str = "dataset", report: DataReport | None = None, split: str = "train") -> dict[str, list]:
     """Tokenize pairs into ``chosen_ids`` / ``rejected_ids`` (prompt ids + response ids + EOS) for `RewardTrainer`.
 
     Pairs longer than ``max_length`` tokens are dropped (``length_policy='drop'``) or have their prompt truncated
     from the left so that the longer response still fits whole (``'truncate_prompt'``; a pair whose response alone
-    exceeds ``max_length`` is dropped). Counts of dropped / truncated pairs are logged.
+    exceeds ``max_length`` is dropped). Counts of dropped / truncated pairs are logged and, with the token lengths,
+    go into ``report`` (under ``split``). An empty answer is its EOS alone.
 
     Raises:
         DataError: no pair is left. ValueError: chat mode problems (`chat_end_of_turn_id`).
     """
-    _check_records(records, tokenizer, template, source, length_policy)
+    _check_records(records, tokenizer, template, source, length_policy, report)
     out = {"chosen_ids": [], "rejected_ids": [], "prompt_length": []}
     dropped = truncated = 0
     for r in records:
@@ -233,6 +278,12 @@ def pair_features(records: list[dict], tokenizer, template: Template, max_length
         out["chosen_ids"].append(p + c)
         out["rejected_ids"].append(p + j)
         out["prompt_length"].append(len(p))
+    if report is not None:
+        report.count("dropped", f"{split} pairs (longer than max_length)", dropped)
+        report.count("truncated", f"{split} pair prompts", truncated)
+        report.lengths(split, "prompt", out["prompt_length"])
+        report.lengths(split, "response", [max(len(c), len(j)) - p for c, j, p in
+                                           zip(out["chosen_ids"], out["rejected_ids"], out["prompt_length"])])
     if dropped or truncated:
         logger.warning("%s: %d of %d pairs dropped and %d truncated (max_length=%s tokens, length_policy=%s)",
                        source, dropped, len(records), truncated, max_length, length_policy)
@@ -243,9 +294,10 @@ def pair_features(records: list[dict], tokenizer, template: Template, max_length
 
 
 def prompt_features(records: list[dict], tokenizer, template: Template, max_prompt_length: int,
-                    source: str = "dataset") -> dict[str, list]:
-    """Tokenize prompts for PPO: ``input_ids`` of ``[<= max_prompt_length]`` tokens (kept from the right), built by
-    `encode_prompt` as the SFT / RM stages build theirs. The collator pads on the left (``padding_side='left'``).
+                    source: str = "dataset", report: DataReport | None = None, split: str = "train") -> dict[str, list]:
+    """Tokenize prompts for PPO: ``input_ids`` of ``[<= max_prompt_length]`` tokens (kept from the right; the cut ones
+    counted in ``report``), built by `encode_prompt` as the SFT / RM stages build theirs. The collator pads on the
+    left (``padding_side='left'``).
 
     Raises:
         ValueError: ``max_prompt_length`` < 1; chat mode problems (`chat_end_of_turn_id`: rollouts must stop at the
@@ -253,6 +305,13 @@ def prompt_features(records: list[dict], tokenizer, template: Template, max_prom
     """
     if max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {max_prompt_length}")
-    _check_records(records, tokenizer, template, source)
-    ids = [_prompt_ids(tokenizer, template, r)[-max_prompt_length:] for r in records]
-    return {"input_ids": ids}
+    _check_records(records, tokenizer, template, source, report=report)
+    full = [_prompt_ids(tokenizer, template, r) for r in records]
+    cut = sum(len(p) > max_prompt_length for p in full)
+    if cut:
+        logger.warning("%s: %d of %d prompts cut to their last max_prompt_length=%d tokens", source, cut, len(full),
+                       max_prompt_length)
+    if report is not None:
+        report.count("truncated", f"{split} prompts (kept from the right)", cut)
+        report.lengths(split, "prompt", [min(len(p), max_prompt_length) for p in full])
+    return {"input_ids": [p[-max_prompt_length:] for p in full]}

@@ -1,0 +1,168 @@
+"""The one data formatter shared by SFT, reward-model and PPO stages, in three steps:
+
+1. **read** (`data_read`) local json / jsonl / csv / parquet files (optionally .gz / .bz2 / .xz / .zst / .lz4), a list
+   or glob of them, a directory of shards, or a hub dataset (config name, split) through `datasets`, in Arrow batches;
+2. **normalise** (`data_rows`) each row, whatever its format (`FORMATS`, auto-detected from the first row: alpaca,
+   sharegpt, OpenAI / TRL messages, TRL conversational / prompt-completion rows, prompt / chosen / rejected,
+   implicit-prompt pairs, ranked answer lists, prompt-only rows), into records: SFT ``{"question", "history",
+   "answer"}``, pairs ``{"question", "history", "chosen", "rejected"}``, prompts ``{"question", "history"}`` (+
+   ``"columns"``: extra scalar columns, `prompt_columns`); plus ``"system"`` and ``"text"`` (a prompt carrying its
+   own turns, e.g. ``"\n\nHuman: ...\n\nAssistant:"``, rendered verbatim) where the row has them. ``history`` is a
+   list of earlier ``(question, answer)`` turns;
+3. **tokenize** (`data_features`) every stage alike: ``prompt_ids + response_ids + [eos]``, prompt and response each
+   tokenized on its own. Text templates (default ``问：{question}\n\n答：`` / ``{answer}``, or ``raw``): ``eos`` is
+   the tokenizer's EOS; ``chat_template: true``: the prompt is ``apply_chat_template(messages,
+   add_generation_prompt=True)`` and ``eos`` the template's end-of-turn token (`chat_end_of_turn_id`). PPO joins
+   prompt and generated ids the same way, so the reward model scores the very ids it was trained on (joining strings
+   first would merge tokens across the ``"答："`` boundary with byte-level BPE).
+
+Errors name the file, the row and the field (`DataError`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Literal
+
+# re-exported: the public API of the data modules
+from .args import (DEFAULT_ASSISTANT_MARKER, DEFAULT_COMPLETION_TEMPLATE, DEFAULT_HUMAN_MARKER,  # noqa: F401
+                   DEFAULT_PROMPT_TEMPLATE, FORMATS, HISTORY_SEPARATOR, RAW_TEMPLATE, DataArguments, DataError, Template)
+from .features import (chat_end_of_turn_id, encode_prompt, encode_response, pair_features,  # noqa: F401
+                       prompt_features, response_eos_id, sft_features)
+from .normalise import _counted, _normalise
+from .read import (BATCH_ROWS, COMPRESSIONS, LOCAL_LOADERS, _arrow_batches, iter_row_batches,  # noqa: F401
+                   load_rows, source_name)
+from .report import DataReport
+from .rows import (ANSWER_KEYS, QUESTION_KEYS, ROLES, SkipRow, _dialogue, _implicit, _pair_rows,  # noqa: F401
+                   _prompt_row, _sft_row, detect_format, prompt_columns, split_transcript)
+
+logger = logging.getLogger(__name__)
+
+
+def sft_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
+    """Normalise rows into SFT records ``{"question", "history", "answer"}`` (+ ``"system"`` / ``"text"``).
+
+    Accepts alpaca (also TRL prompt / completion, text or message lists), sharegpt and ``messages`` rows (the last
+    assistant turn is the target, earlier turns the history), pairwise, conversational preference and
+    implicit-prompt rows (the chosen answer).
+
+    Raises:
+        DataError: a row lacks a mapped column, or a field is null, empty or mistyped; a list of several user turns
+            as the question.
+    """
+    return _normalise("sft", [rows], args, source)
+
+
+def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
+    """Normalise rows into pairs ``{"question", "history", "chosen", "rejected"}`` (+ ``"system"`` / ``"text"``).
+
+    Ranked answer lists (best first) give all ordered pairs (``n*(n-1)/2``; ``ranked_pairs='all'``) or the ``n-1``
+    adjacent ones (``'adjacent'``), ``n`` counting distinct answers: a repeated answer (e.g. in oasst) counts once, at
+    its best rank (one distinct answer: no pair). Implicit-prompt rows (only chosen / rejected) share their prompt:
+    see `_implicit`.
+
+    Raises:
+        DataError: missing / empty fields, a ranked list with fewer than two answers, chosen == rejected, or an
+            implicit pair without a shared prompt.
+    """
+    return _normalise("pairs", [rows], args, source)
+
+
+def prompt_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
+    """Normalise rows of any supported format into prompts ``{"question", "history"}`` (+ ``"system"`` / ``"text"``).
+
+    A list of user turns gives turn ``prompt_turn``; a message list gives everything up to its last user turn. A row
+    with extra scalar columns (`prompt_columns`: e.g. ``topic``, or an answer column) also gets ``"columns"``, a dict
+    of them, for PPO's reward functions; a row without any gets no ``"columns"`` key.
+
+    Raises:
+        DataError: the question field is missing, null, empty or mistyped.
+    """
+    return _normalise("prompts", [rows], args, source)
+
+
+def split_records(records: list[dict], eval_split_size: float, seed: int,
+                  report: DataReport | None = None) -> tuple[list[dict], list[dict]]:
+    """Shuffle deterministically and split off ``eval_split_size`` (fraction < 1, or a row count) for evaluation;
+    the sizes go into ``report``.
+
+    Raises:
+        DataError: the eval split would leave no training record (``eval_split_size`` >= the records).
+    """
+    import random
+
+    rows = list(records)
+    random.Random(seed).shuffle(rows)
+    n_eval = int(round(len(rows) * eval_split_size)) if eval_split_size < 1 else int(eval_split_size)
+    if n_eval >= len(rows):
+        raise DataError("eval_split_size", f"{eval_split_size} leaves no training record of the {len(rows)} read; "
+                                           "lower it (a fraction < 1, or a row count below the records)")
+    if report is not None:
+        report.train_size, report.eval_size = len(rows) - n_eval, n_eval
+    return rows[n_eval:], rows[:n_eval]
+
+
+SOURCE_KEYS = ("dataset_name", "dataset_config", "dataset_split", "dataset_format", "max_samples", "question_key",
+               "input_key", "answer_key", "good_key", "bad_key", "history_key", "conversations_key", "messages_key",
+               "prompt_turn", "human_marker", "assistant_marker", "dataset_encoding")
+
+
+def sources(args: DataArguments) -> list[DataArguments]:
+    """The recipe's data sources: ``dataset_name`` (if set) then each entry of ``datasets``.
+
+    Each entry of ``datasets`` inherits the template, ``ranked_pairs``, ``max_samples`` and ``dataset_split`` of the
+    recipe and sets its own ``dataset_name``, format and column mapping (`SOURCE_KEYS`); mapping keys it does not
+    set start from their defaults.
+
+    Raises:
+        ValueError: no source at all, or an entry with an unknown key or without ``dataset_name``.
+    """
+    import dataclasses
+
+    out = [args] if args.dataset_name else []
+    for j, entry in enumerate(args.datasets or []):
+        if not isinstance(entry, dict) or not entry.get("dataset_name"):
+            raise ValueError(f"datasets[{j}] must be a mapping with a dataset_name, got {entry!r}")
+        unknown = sorted(set(entry) - set(SOURCE_KEYS))
+        if unknown:
+            raise ValueError(f"datasets[{j}] ({entry['dataset_name']}): unknown key(s) {unknown}; use {SOURCE_KEYS}")
+        # mapping keys start from their defaults; max_samples and dataset_split are inherited
+        defaults = {k: f.default for k, f in DataArguments.__dataclass_fields__.items()
+                    if k in SOURCE_KEYS and k not in ("max_samples", "dataset_split")}
+        out.append(dataclasses.replace(args, datasets=[], **{**defaults, **entry}))
+    if not out:
+        raise ValueError("the recipe names no data: set dataset_name (a local file or a hub dataset id) or datasets")
+    return out
+
+
+def describe_sources(args: DataArguments) -> str:
+    """The recipe's data files / dataset ids, comma-separated (for messages)."""
+    names = [source_name(args.dataset_name)] if args.dataset_name else []
+    names += [source_name(e.get("dataset_name")) for e in args.datasets or [] if isinstance(e, dict)]
+    return ", ".join(names) or "<no dataset>"
+
+
+def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts"],
+                 report: DataReport | None = None) -> list[dict]:
+    """Read every source of the recipe (`sources`) and normalise it into records of ``kind`` (see module doc).
+
+    Rows are streamed from `datasets`' Arrow cache in batches (`iter_row_batches`), so only the records are held as
+    Python objects; ``max_samples`` stops reading early.
+
+    Raises:
+        DataError: see `iter_row_batches`, `sft_records`, `pair_records`, `prompt_records`.
+    """
+    records = []
+    if report is not None:
+        report.template = Template.from_args(args).mode
+    for src in sources(args):
+        name = source_name(src.dataset_name)
+        batches = _arrow_batches(src.dataset_name, src.dataset_split, src.dataset_config, BATCH_ROWS,
+                                 src.dataset_encoding)
+        counted = _counted(batches, src.max_samples)
+        part = _normalise(kind, counted, src, name, report)
+        logger.info("%s: %d rows -> %d %s records", name, counted.rows, len(part), kind)
+        records.extend(part)
+    return records
+
+

@@ -1,0 +1,251 @@
+"""Step 2 of `rlhf_trl.data`, over a whole source: normalise its rows (`rlhf_trl.data.rows`) under the bad-row
+policy (``on_bad_row``, ``max_bad_row_fraction``), counting every skip in the `DataReport`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from .args import FORMATS, DataArguments, DataError
+from .report import DataReport
+from .rows import ROLES, SkipRow, _dialogue, _implicit, _pair_rows, _prompt_row, _sft_row, detect_format, prompt_columns
+
+logger = logging.getLogger("rlhf_trl.data")
+SKIP_HINT = "; fix the row, or set on_bad_row: skip to skip such rows"
+
+_ROLE_CODES = {"system": 1, "user": 2, "assistant": 3}  # codes of `_message_records`' role signatures; 0: bad
+_ROLE_NAMES = {code: role for role, code in _ROLE_CODES.items()}
+
+
+def _is_message_column(schema, key: str) -> bool:
+    """Whether column ``key`` is a list of structs with string ``role`` and ``content`` fields (others may follow)."""
+    import pyarrow as pa
+
+    k = schema.get_field_index(key)
+    if k < 0:
+        return False
+    kind = schema.field(k).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
+        return False
+    struct = kind.value_type
+    return all(struct.get_field_index(name) >= 0 and (pa.types.is_string(struct.field(name).type)
+                                                       or pa.types.is_large_string(struct.field(name).type))
+               for name in ("role", "content"))
+
+
+def _message_plan(signature: bytes, end: str) -> tuple | None:
+    """Where a row's record comes from, for rows whose messages have the role codes ``signature`` (all valid):
+    ``(system, start, question, answer)``, indices into the row's message contents (``system`` / ``answer`` None where
+    absent; the history pairs are ``contents[start:question]`` two by two). Found by running `_dialogue` itself on the
+    messages' indices in place of their texts, so the records built from it are the ones `_dialogue` gives. None:
+    `_dialogue` refuses these roles, or its result has another layout; such rows take the plain path."""
+    if not signature or 0 in signature:
+        return None
+    try:
+        system, history, question, answer = _dialogue([(_ROLE_NAMES[c], k) for k, c in enumerate(signature)],
+                                                      "", 0, "", end)
+    except DataError:
+        return None
+    start = question - 2 * len(history)
+    if history != [(k, k + 1) for k in range(start, question, 2)]:
+        return None
+    return system, start, question, answer
+
+
+def _message_records(column, end: str, plans: dict) -> list[dict | None]:
+    """SFT records (``end='assistant'``) or prompts (``'user'``; without ``"columns"``) of one Arrow batch of a
+    ``messages`` column (`_is_message_column`), each equal to what `_sft_row` / `_prompt_fields` give for the row, or
+    None for a row those must handle (null / empty list or message, unknown / null role, null / blank content, roles
+    `_dialogue` refuses): the plain path then reads it, with its exact errors. Faster than `RecordBatch.to_pylist`:
+    contents come from the flat child array in one call, roles as a byte per message (`_ROLE_CODES`), and each distinct
+    role sequence is resolved once (`_message_plan`, cached in ``plans``)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    offsets = column.offsets.to_numpy()
+    first = int(offsets[0])
+    messages = column.values.slice(first, int(offsets[-1]) - first)
+    roles, contents = messages.field("role"), messages.field("content")
+    texts = contents.to_pylist()
+    coded = pc.dictionary_encode(roles)
+    codes = np.array([_ROLE_CODES.get(ROLES.get(r), 0) for r in coded.dictionary.to_pylist()] + [0], np.uint8)
+    codes = codes[pc.fill_null(coded.indices, len(codes) - 1).to_numpy()]  # a null role -> 0
+    if messages.null_count:
+        codes[~messages.is_valid().to_numpy(zero_copy_only=False)] = 0
+    if not all(texts) or any(map(str.isspace, texts)):  # a null / empty content (falsy), or a blank one
+        codes[[not t or t.isspace() for t in texts]] = 0
+    signatures = codes.tobytes()
+    bounds = (offsets - first).tolist()
+    out: list[dict | None] = []
+    append = out.append
+    for a, b in zip(bounds, bounds[1:]):
+        signature = signatures[a:b]
+        plan = plans.get(signature, False)
+        if plan is False:
+            plan = plans[signature] = _message_plan(signature, end)
+        if plan is None:
+            append(None)
+            continue
+        system, start, question, answer = plan
+        c = texts[a:b]
+        rec = {"question": c[question], "history": list(zip(c[start:question:2], c[start + 1:question:2]))}
+        if system is not None:  # keys in `_sft_row`'s order
+            rec["system"] = c[system]
+        if answer is not None:
+            rec["answer"] = c[answer]
+        append(rec)
+    if column.null_count:
+        for k in np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False)).tolist():
+            out[k] = None
+    return out
+
+
+def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
+               report: DataReport | None = None) -> list[dict]:
+    """Normalise batches of rows into records of ``kind`` ('sft' / 'pairs' / 'prompts'); row numbers run on across
+    batches. The format is resolved from the first row (``dataset_format: auto``) and checked on every row.
+
+    A bad row (`DataError` naming its row) stops the read (``on_bad_row: error``, the message says how to skip) or is
+    skipped and counted in ``report`` (``skip``); more bad rows than ``max_bad_row_fraction`` of the rows read stop it
+    too. Rows with nothing for the stage (`SkipRow`) are skipped and counted under either policy.
+
+    Raises:
+        DataError: a bad row under ``error``, too many bad rows, a file-level problem, or no usable row.
+    """
+    report = report if report is not None else DataReport(kind)
+    if args.dataset_format not in FORMATS:
+        raise ValueError(f"dataset_format must be one of {FORMATS}, got {args.dataset_format!r}")
+    if kind == "pairs" and args.ranked_pairs not in ("all", "adjacent"):
+        raise ValueError(f"ranked_pairs must be 'all' or 'adjacent', got {args.ranked_pairs!r}")
+    import gc
+
+    enabled = gc.isenabled()
+    gc.disable()  # records hold no reference cycles: the cyclic GC would rescan millions of them for nothing
+    try:
+        out = _normalise_rows(kind, batches, args, source, report)
+    finally:
+        if enabled:
+            gc.enable()
+    _check_bad_rows(report, args, source)
+    return out
+
+
+def _check_bad_rows(report: DataReport, args: DataArguments, source: str) -> None:
+    """Log one line of this source's skips; raise if its bad rows exceed ``max_bad_row_fraction`` or no record is
+    left."""
+    entry = report.sources[-1]
+    bad, n, skips = entry["bad_rows"], entry["rows_read"], entry["skipped"]
+    reasons = "; ".join(f"{reason}: {count}" for reason, count in skips.items())
+    if skips:
+        logger.warning("%s: %d of %d rows skipped (on_bad_row: %s): %s", source, sum(skips.values()), n,
+                       args.on_bad_row, reasons)
+    if bad > args.max_bad_row_fraction * n:
+        raise DataError(source, f"{bad} of {n} rows are bad, more than max_bad_row_fraction="
+                                f"{args.max_bad_row_fraction} ({reasons}); fix the data or raise max_bad_row_fraction")
+    if not entry["records"]:
+        raise DataError(source, f"no usable row: all {n} rows were skipped ({reasons})")
+
+
+def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: str, report: DataReport) -> list:
+    """`_normalise`. ``batches``: lists of row dicts, or Arrow record batches (`_arrow_batches`; one source's rows
+    share their columns), converted plainly (`RecordBatch.to_pylist`) or, for the message column of ``messages`` rows
+    read as SFT records or prompts, through `_message_records`."""
+    out: list[dict] = []
+    counts = {"deduplicated": 0, "bad": 0, "skipped": {}}
+    fmt = None
+    auto = args.dataset_format == "auto"
+    i = 0
+    for batch in batches:
+        arrow = batch.__class__ is not list
+        if fmt is None and len(batch):
+            row = batch.slice(0, 1).to_pylist()[0] if arrow else batch[0]
+            if not isinstance(row, dict):
+                raise DataError(source, f"must be an object, got {type(row).__name__}", i)
+            fmt = detect_format(row, args) if auto else args.dataset_format
+            keys0 = tuple(row)
+            by_keys = fmt not in ("alpaca", "ranked")  # these two also depend on the answer's type
+            if kind == "pairs":
+                add, one = out.extend, lambda r, f, a, s, n: _pair_rows(r, f, a, s, n, counts)
+            else:
+                add, one = out.append, _sft_row if kind == "sft" else _prompt_row
+            # messages rows: SFT records and prompts come from the message column alone (`_sft_row`, `_prompt_row`)
+            plain = {"system", "tools"} | ({"label"} if kind == "sft" else set())  # columns the fast path ignores
+            fast_key = ((args.messages_key or "messages") if fmt == "messages" and kind != "pairs"
+                        and not plain & set(keys0) else None)
+            plans: dict[bytes, tuple | None] = {}
+        if arrow:
+            if fast_key is not None and _is_message_column(batch.schema, fast_key):
+                records = _message_records(batch.column(fast_key), "assistant" if kind == "sft" else "user", plans)
+                extras = (batch.drop_columns([fast_key]).to_pylist()  # prompts: the other columns (`_prompt_row`)
+                          if kind == "prompts" and batch.num_columns > 1 else None)
+                for k, rec in enumerate(records):
+                    if rec is None:  # a row the fast conversion does not vouch for: the plain path (and its errors)
+                        _policy(one, add, batch.slice(k, 1).to_pylist()[0], fmt, args, source, i, report, counts)
+                    else:
+                        if extras is not None:
+                            columns = prompt_columns(extras[k], fmt, args)
+                            if columns:
+                                rec["columns"] = columns
+                        add(rec)
+                    i += 1
+                continue
+            batch = batch.to_pylist()
+        for row in batch:
+            if i and not isinstance(row, dict):
+                raise DataError(source, f"must be an object, got {type(row).__name__}", i)
+            if i and auto and not (by_keys and tuple(row) == keys0):  # Arrow rows of one file share their columns
+                got = detect_format(row, args)
+                if got != fmt:
+                    _policy(_mixed, add, row, (got, fmt), args, source, i, report, counts)
+                    i += 1
+                    continue
+            _policy(one, add, row, fmt, args, source, i, report, counts)
+            i += 1
+    if fmt is None:
+        raise DataError(source, "holds no rows")
+    if counts["deduplicated"]:
+        report.deduplicated += counts["deduplicated"]
+        logger.warning("%s: %d ranked lists hold repeated answers; each kept once, at its best rank",
+                       source, counts["deduplicated"])
+    report.sources.append({"name": source, "format": fmt, "rows_read": i, "skipped": counts["skipped"],
+                           "bad_rows": counts["bad"], "records": len(out)})
+    return out
+
+
+def _policy(one, add, row: dict, fmt, args: DataArguments, source: str, i: int, report: DataReport, counts: dict):
+    """``add(one(row, ...))`` under the bad-row policy (see `_normalise`)."""
+    try:
+        add(one(row, fmt, args, source, i))
+        return
+    except SkipRow as skip:
+        reason, bad = str(skip), False
+    except DataError as exc:
+        if exc.row is None:
+            raise
+        if args.on_bad_row != "skip":
+            raise DataError(exc.source, exc.message + SKIP_HINT, exc.row, exc.field) from None
+        reason, bad = (f"field '{exc.field}': {exc.message}" if exc.field else exc.message), True
+    counts["bad"] += bad
+    reason = report.skip(source, i, reason, bad)
+    counts["skipped"][reason] = counts["skipped"].get(reason, 0) + 1
+
+
+def _mixed(row, fmts, args, source, i):
+    raise DataError(source, f"looks like '{fmts[0]}' but row 0 is '{fmts[1]}' (mixed formats in one file)", i)
+
+
+class _counted:
+    """Batches of rows, cut at ``limit`` rows in all; ``rows`` counts the rows handed out."""
+
+    def __init__(self, batches: Iterable[list[dict]], limit: int | None):
+        self.batches, self.limit, self.rows = batches, limit, 0
+
+    def __iter__(self):
+        for batch in self.batches:  # lists of rows, or Arrow record batches (sliced alike)
+            if self.limit is not None and self.rows + len(batch) > self.limit:
+                batch = batch[: self.limit - self.rows]
+            self.rows += len(batch)
+            if len(batch):
+                yield batch
+            if self.limit is not None and self.rows >= self.limit:
+                return

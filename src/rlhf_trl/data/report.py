@@ -1,0 +1,74 @@
+"""What a stage did with its data (`DataReport`), written as ``data_report.json`` beside the stage's outputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+logger = logging.getLogger("rlhf_trl.data")
+EXAMPLES = 5  # row numbers kept per skip reason
+
+
+@dataclass
+class DataReport:
+    """Counts of one stage's data, filled by `read_records`, `split_records` and the ``*_features`` functions.
+
+    ``sources``: per file / dataset, ``{name, format, rows_read, records}``; ``skipped``: per reason, ``{count,
+    bad, examples}`` (``bad``: counted against ``max_bad_row_fraction``; ``examples``: up to 5 ``"file, row k"``);
+    ``truncated`` / ``dropped``: rows (pairs) cut or dropped for ``max_length`` (tokens); ``token_lengths``: per
+    split and part (prompt / response), the 50th / 90th / 99th percentile and maximum in tokens.
+    """
+
+    stage: str
+    template: str = ""
+    sources: list = field(default_factory=list)
+    skipped: dict = field(default_factory=dict)
+    deduplicated: int = 0
+    truncated: dict = field(default_factory=dict)
+    dropped: dict = field(default_factory=dict)
+    system_turns_dropped: int = 0
+    train_size: int = 0
+    eval_size: int = 0
+    token_lengths: dict = field(default_factory=dict)
+
+    def skip(self, source: str, row: int, reason: str, bad: bool) -> str:
+        """Count one skipped row under ``reason`` (numbers in it generalised to N); returns the reason counted."""
+        reason = re.sub(r"\d+", "N", reason)
+        entry = self.skipped.setdefault(reason, {"count": 0, "bad": bad, "examples": []})
+        entry["count"] += 1
+        if len(entry["examples"]) < EXAMPLES:
+            entry["examples"].append(f"{source}, row {row}")
+        return reason
+
+    def count(self, kind: str, what: str, n: int) -> None:
+        """Add ``n`` to ``truncated`` / ``dropped`` (``kind``) under ``what`` (e.g. ``'train prompt'``)."""
+        if n:
+            bucket = getattr(self, kind)
+            bucket[what] = bucket.get(what, 0) + n
+
+    def lengths(self, split: str, part: str, values: list[int]) -> None:
+        """Record token-length percentiles of ``values`` (tokens per row) for ``split`` / ``part``."""
+        if values:
+            ordered = sorted(values)
+            pick = {f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in (50, 90, 99)}
+            self.token_lengths.setdefault(split, {})[part] = {**pick, "max": ordered[-1]}
+
+    def summary(self) -> str:
+        """One line: rows read / used, skipped by reason, truncated, dropped, the split sizes."""
+        read = sum(s["rows_read"] for s in self.sources)
+        skipped = "; ".join(f"{reason}: {e['count']}" for reason, e in self.skipped.items()) or "none"
+        extra = "".join(f", {kind} {d}" for kind, d in (("truncated", self.truncated), ("dropped", self.dropped)) if d)
+        return (f"{self.stage} data: {read} rows read -> {self.train_size} train / {self.eval_size} eval; "
+                f"skipped: {skipped}{extra}")
+
+    def write(self, output_dir: str) -> str:
+        """Write ``output_dir/data_report.json`` and log `summary`; returns the path."""
+        path = os.path.join(output_dir, "data_report.json")
+        os.makedirs(output_dir, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(asdict(self), f, ensure_ascii=False, indent=2)
+        logger.info("%s (%s)", self.summary(), path)
+        return path

@@ -1,0 +1,358 @@
+"""Step 2 of `rlhf_trl.data`: normalise one row of any source format into an SFT record, pairs or a prompt.
+
+A row that is valid but has nothing for the stage (an empty SFT answer, a KTO row labelled false, a pair whose scores
+tie) raises `SkipRow`: skipped and counted whatever ``on_bad_row`` says. A bad row raises `DataError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable
+
+from .args import DataArguments, DataError
+from .turns import (ROLES, TOOL_ROLES, _content, _dialogue, _is_messages, _markers, _turns,  # noqa: F401
+                    chat_messages, parse_tools, split_transcript, tool_dialogue)
+
+QUESTION_KEYS = ("instruction", "prompt", "question", "query")
+ANSWER_KEYS = ("output", "answer", "response", "completion")
+CONVERSATION_KEYS = {"sharegpt": "conversations", "messages": "messages", "firefly": "conversation"}
+
+
+class SkipRow(Exception):
+    """A valid row with nothing for this stage; ``reason`` is counted in the data report."""
+
+
+def _is_conversation(value) -> bool:
+    """A message list opening with a user (or system) turn: a whole conversation, not an answer."""
+    return _is_messages(value) and ROLES.get(value[0].get("role", value[0].get("from"))) in ("user", "system")
+
+
+def detect_format(row: dict, args: DataArguments) -> str:
+    """Guess the source format from the keys of one row (honouring the recipe's column mapping).
+
+    chosen + rejected both message lists (UltraFeedback-binarized) -> implicit; ``conversations`` -> sharegpt;
+    ``messages`` -> messages; ``conversation`` -> firefly; chosen + rejected -> pairwise with a question column, else
+    implicit; an answer column -> ranked (a list of answers) or alpaca (also a message list); else prompt.
+    """
+    keys = row.keys()
+    good, bad = args.good_key or "chosen", args.bad_key or "rejected"
+    if good in keys and bad in keys and _is_conversation(row[good]) and _is_conversation(row[bad]):
+        return "implicit"  # whole conversations on each side: the prompt is their shared leading messages
+    if (args.conversations_key or "conversations") in keys:
+        return "sharegpt"
+    if (args.messages_key or "messages") in keys:
+        return "messages"
+    if (args.conversations_key or "conversation") in keys:
+        return "firefly"
+    if good in keys and bad in keys:
+        qkey = args.question_key or _first(keys, QUESTION_KEYS)
+        return "pairwise" if qkey is not None and qkey in keys else "implicit"
+    answer = args.answer_key or _first(keys, ANSWER_KEYS)
+    if answer is not None and answer in keys:
+        value = row[answer]
+        return "ranked" if isinstance(value, list) and not _is_messages(value) else "alpaca"
+    return "prompt"
+
+
+def _first(keys: Iterable[str], candidates: Iterable[str]) -> str | None:
+    return next((c for c in candidates if c in keys), None)
+
+
+def _column(row: dict, key: str, source: str, i: int, recipe_key: str):
+    """``row[key]``; without it, `DataError` naming the recipe key that maps the column and the file's columns,
+    closest first."""
+    if key not in row:
+        close = difflib.get_close_matches(key, list(row), n=3, cutoff=0.3)
+        names = close + sorted(k for k in row if k not in close)
+        raise DataError(source, f"missing column; set {recipe_key} to one of {names}", i, key)
+    return row[key]
+
+
+def _string(value, source: str, i: int, key: str, allow_empty: bool = False) -> str:
+    """``value``, which must be a string (not blank unless ``allow_empty``)."""
+    if value is None:  # json/jsonl rows are read as one table: a key absent from this row reads as null
+        raise DataError(source, "is null or missing in this row", i, key)
+    if not isinstance(value, str):
+        raise DataError(source, f"must be a string, got {type(value).__name__}", i, key)
+    if not allow_empty and not value.strip():
+        raise DataError(source, "is empty", i, key)
+    return value
+
+
+def _conversation(row: dict, fmt: str, args: DataArguments, source: str, i: int, end: str) -> tuple:
+    """``(record fields, answer)`` of a sharegpt / messages / firefly row cut at its last ``end`` turn
+    (`rlhf_trl.data.turns`). A ``system`` column is the system turn of rows without one; rows with tool turns or a
+    ``tools`` column keep their prompt as chat ``messages`` (+ ``tools``; a tool-call answer also as ``target``)."""
+    key = getattr(args, f"{'messages' if fmt == 'messages' else 'conversations'}_key") or CONVERSATION_KEYS[fmt]
+    turns = _turns(_column(row, key, source, i, f"{fmt if fmt == 'messages' else 'conversations'}_key"), source, i, key)
+    if turns[0][0] != "system" and isinstance(row.get("system"), str) and row["system"].strip():
+        turns.insert(0, ("system", row["system"]))
+    tools = parse_tools(row.get("tools"), source, i) if "tools" in row else None
+    if tools is None and not any(role in TOOL_ROLES for role, _ in turns):
+        system, history, question, answer = _dialogue(turns, source, i, key, end)
+        return _record(system, history, question), answer
+    if not args.chat_template:
+        role = next((r for r, _ in turns if r in TOOL_ROLES), "tools column")
+        raise DataError(source, f"holds a tool-calling conversation ({role}); the text template cannot show it: set "
+                                "chat_template: true (the tokenizer's template renders tools)", i, key)
+    system, prompt, question, answer = tool_dialogue(turns, source, i, key, end)
+    rec = _record(system, [], question, messages=chat_messages(([("system", system)] if system else []) + prompt))
+    if tools:
+        rec["tools"] = tools
+    if answer is not None and answer[0] == "tool_call":
+        rec["target"] = chat_messages([answer])[0]
+    return rec, None if answer is None else answer[1]
+
+
+def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
+    """The prompt part of a row: ``(system, history, question)``.
+
+    The question column (``question_key`` or the first of `QUESTION_KEYS`) holds a string, a list of user turns
+    (one question per row for SFT / RM; PPO prompts take turn ``prompt_turn``), or a message list (everything up to
+    the last user turn); the ``input`` column (never the question column itself) is appended on a new line;
+    ``history`` pairs come first.
+
+    Raises:
+        DataError: a missing / null / empty / mistyped field.
+    """
+    qkey = args.question_key or _first(row, QUESTION_KEYS) or "instruction"
+    value = _column(row, qkey, source, i, "question_key")
+    system, history = None, None
+    if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        if kind != "prompts":
+            raise DataError(source, f"must be a string for {kind.upper()} rows, got a list of {len(value)} user "
+                                    "turn(s) without answers (only PPO prompts read such lists: prompt_turn)", i, qkey)
+        if len(value) > 1 and not -len(value) <= args.prompt_turn < len(value):
+            raise DataError(source, f"prompt_turn={args.prompt_turn} is out of range for {len(value)} turns", i, qkey)
+        question = value[args.prompt_turn if len(value) > 1 else 0]
+        if not question.strip():
+            raise DataError(source, "holds an empty turn", i, qkey)
+    elif _is_messages(value):
+        system, history, question, _ = _dialogue(_turns(value, source, i, qkey), source, i, qkey, "user")
+    elif isinstance(value, list):
+        raise DataError(source, "must be a string, a list of user turns or a list of {role, content} messages", i, qkey)
+    else:
+        question = _string(value, source, i, qkey)
+    ikey = args.input_key or "input"
+    if ikey != qkey:
+        extra = row.get(ikey)
+        if extra is not None:
+            extra = _string(extra, source, i, ikey, allow_empty=True)
+            if extra.strip():
+                question = f"{question}\n{extra}"
+    if history is None:
+        history = _history(row, args, source, i)
+    return system, history, question
+
+
+def _history(row: dict, args: DataArguments, source: str, i: int) -> list[tuple[str, str]]:
+    hkey = args.history_key or "history"
+    history = row.get(hkey) or []
+    if not isinstance(history, list) or not all(isinstance(t, (list, tuple)) and len(t) == 2
+                                                and all(isinstance(x, str) for x in t) for t in history):
+        raise DataError(source, "must be a list of [question, answer] string pairs", i, hkey)
+    return [(q, a) for q, a in history]
+
+
+def _answer_text(value: Any, source: str, i: int, key: str) -> str:
+    """An answer (may be empty: the response is then the EOS alone): a string, a ``{from, value}`` /
+    ``{role, content}`` object, or a list of one assistant message."""
+    if isinstance(value, list) and value and all(isinstance(t, dict) for t in value):
+        turns = _turns(value, source, i, key)
+        if len(turns) != 1 or turns[0][0] != "assistant":
+            raise DataError(source, f"must be one assistant message, got {len(turns)} message(s) "
+                                    f"({', '.join(r for r, _ in turns)}); if chosen / rejected hold whole "
+                                    "conversations, set dataset_format: implicit", i, key)
+        return turns[0][1]
+    if isinstance(value, dict):  # LLaMA-Factory sharegpt pairs: {"from": "gpt", "value": "..."}
+        value = value.get("value") if value.get("value") is not None else value.get("content")
+    value = _string(_content(value), source, i, key, allow_empty=True)
+    return value if value.strip() else ""
+
+
+def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
+    """An implicit-prompt pair: ``chosen`` / ``rejected`` transcripts (strings) or message lists sharing a prompt.
+
+    Text: the prompt is the shared prefix through the last ``assistant_marker``, kept verbatim as ``text`` and
+    ``question`` (``markers``: for `split_transcript` with chat templates); the answers are the rest, leading space
+    included (an empty or blank rest is an empty answer: the EOS alone). Messages (UltraFeedback-binarized): the
+    prompt is the shared leading messages (ending with a user turn), then one assistant message on each side.
+
+    Raises:
+        DataError: missing / mistyped sides, identical sides, or no shared prefix ending in the assistant marker
+            (text) / a user turn (messages).
+    """
+    gkey, bkey = args.good_key or "chosen", args.bad_key or "rejected"
+    chosen, rejected = row.get(gkey), row.get(bkey)
+    both = f"{gkey}/{bkey}"
+    if chosen.__class__ is str and rejected.__class__ is str:  # the common case first: transcripts
+        marker = args.assistant_marker
+        k = chosen.rfind(marker)
+        text = chosen[: k + len(marker)]
+        while k >= 0 and not rejected.startswith(text):
+            k = chosen.rfind(marker, 0, k)
+            text = chosen[: k + len(marker)]
+        good, bad = chosen[len(text):], rejected[len(text):]
+        if chosen == rejected:
+            raise DataError(source, "chosen and rejected answers are identical", i, both)
+        if k < 0:
+            raise DataError(source, "chosen and rejected share no prefix ending in the assistant marker "
+                                    f"{args.assistant_marker!r} (set human_marker / assistant_marker)", i, both)
+        # the transcript is the prompt; its turns are parsed only to render it with a chat template (_prompt_ids)
+        return {"question": text, "history": [], "chosen": good if good.strip() else "",
+                "rejected": bad if bad.strip() else "", "text": text, "markers": _markers(args.human_marker, marker)}
+    for key in (gkey, bkey):
+        if _column(row, key, source, i, "good_key" if key == gkey else "bad_key") is None:
+            raise DataError(source, "is null or missing in this row", i, key)
+    if not (_is_messages(chosen) and _is_messages(rejected)):
+        raise DataError(source, "chosen and rejected must both be transcripts (strings) or both message lists",
+                        i, both)
+    c, r = _turns(chosen, source, i, gkey), _turns(rejected, source, i, bkey)
+    if c == r:
+        raise DataError(source, "chosen and rejected answers are identical", i, both)
+    n = 0
+    while n < min(len(c), len(r)) and c[n] == r[n]:
+        n += 1
+    if n == 0 or c[n - 1][0] != "user":
+        raise DataError(source, "chosen and rejected share no leading messages ending with a user turn", i, both)
+    for key, rest in ((gkey, c[n:]), (bkey, r[n:])):
+        if len(rest) != 1 or rest[0][0] != "assistant":
+            raise DataError(source, f"after the shared prompt must hold one assistant message, got {len(rest)}",
+                            i, key)
+    system, history, question, _ = _dialogue(c[:n], source, i, gkey, "user")
+    return _record(system, history, question, chosen=c[n][1], rejected=r[n][1])
+
+
+def _record(system, history, question, **answers) -> dict:
+    rec = {"question": question, "history": history, **answers}
+    if system is not None:
+        rec["system"] = system
+    return rec
+
+
+def _sft_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:
+    if row.get("label") is False:
+        raise SkipRow("label: false (an undesirable KTO row: not a target)")
+    if fmt in CONVERSATION_KEYS:
+        rec, answer = _conversation(row, fmt, args, source, i, "assistant")
+    elif fmt == "implicit":
+        rec = _implicit(row, args, source, i)
+        answer = rec.pop("chosen")
+        del rec["rejected"]
+    elif fmt == "pairwise":
+        rec = _record(*_prompt(row, args, source, i, "sft"))
+        key = args.good_key or "chosen"
+        answer = _answer_text(row.get(key), source, i, key)
+    else:
+        rec = _record(*_prompt(row, args, source, i, "sft"))
+        key = args.answer_key or _first(row, ANSWER_KEYS) or "output"
+        answer = _column(row, key, source, i, "answer_key")
+        if fmt == "ranked":
+            if not isinstance(answer, list) or not answer:
+                raise DataError(source, "must be a non-empty list of answers", i, key)
+            answer = answer[0]
+        answer = _answer_text(answer, source, i, key)
+    if not answer.strip():
+        raise SkipRow("empty answer (nothing to learn)")
+    rec["answer"] = answer
+    return rec
+
+
+def _pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, counts: dict) -> list[dict]:
+    if isinstance(row.get("label"), bool):
+        raise DataError(source, "holds unpaired KTO rows (a boolean 'label' per answer); a reward model needs chosen / "
+                                "rejected pairs", i, "label")
+    _check_scores(row, args, source, i)
+    if fmt == "implicit":
+        return [_implicit(row, args, source, i)]
+    if fmt in CONVERSATION_KEYS:
+        if (args.good_key or "chosen") not in row:
+            raise DataError(source, f"format '{fmt}' holds no preference pairs (add chosen / rejected columns)")
+        rec, _ = _conversation(row, fmt, args, source, i, "user")
+    elif fmt in ("pairwise", "ranked"):
+        rec = _record(*_prompt(row, args, source, i, "rm"))
+    else:
+        raise DataError(source, f"format '{fmt}' holds no preference pairs")
+    if fmt != "ranked":
+        gkey, bkey = args.good_key or "chosen", args.bad_key or "rejected"
+        good, bad = _column(row, gkey, source, i, "good_key"), _column(row, bkey, source, i, "bad_key")
+        ranked = [_answer_text(good, source, i, gkey), _answer_text(bad, source, i, bkey)]
+        pairs = [(0, 1)]
+        field_name = f"{gkey}/{bkey}"
+    else:
+        key = args.answer_key or _first(row, ANSWER_KEYS) or "output"
+        answers = row.get(key)
+        if not isinstance(answers, list):
+            raise DataError(source, "must be a list of answers ranked best first", i, key)
+        if len(answers) < 2:
+            raise DataError(source, f"a ranked list needs at least 2 answers, got {len(answers)}", i, key)
+        ranked = [_answer_text(a, source, i, f"{key}[{j}]") for j, a in enumerate(answers)]
+        if len(set(ranked)) < len(ranked):  # a repeated answer is one answer: keep its best (first) rank
+            ranked = list(dict.fromkeys(ranked))
+            counts["deduplicated"] += 1
+        n = len(ranked)
+        pairs = ([(a, b) for a in range(n) for b in range(a + 1, n)] if args.ranked_pairs == "all"
+                 else [(a, a + 1) for a in range(n - 1)])
+        field_name = key
+    out = []
+    for a, b in pairs:
+        if ranked[a] == ranked[b]:
+            raise DataError(source, "chosen and rejected answers are identical", i, field_name)
+        out.append({**rec, "chosen": ranked[a], "rejected": ranked[b]})
+    return out
+
+
+def _check_scores(row: dict, args: DataArguments, source: str, i: int) -> None:
+    """Pairs with ``score_chosen`` / ``score_rejected``: tied scores, a lower chosen score, or a margin below
+    ``min_score_margin`` skip the row (`SkipRow`)."""
+    good, bad = row.get("score_chosen"), row.get("score_rejected")
+    if not isinstance(good, (int, float)) or not isinstance(bad, (int, float)):
+        return
+    if good == bad:
+        raise SkipRow("tied scores (score_chosen == score_rejected)")
+    if good < bad:
+        raise SkipRow("score_chosen below score_rejected")
+    if args.min_score_margin is not None and good - bad < args.min_score_margin:
+        raise SkipRow(f"score margin below min_score_margin={args.min_score_margin}")
+
+
+_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
+
+
+def prompt_columns(row: dict, fmt: str, args: DataArguments) -> dict:
+    """The extra columns of a prompt row, in row order, for PPO's reward functions (`rlhf_trl.rewards.reward_columns`):
+    every scalar column (str / int / float / bool / None) not read as the prompt (``fmt`` sharegpt / messages /
+    firefly: the turns; implicit: chosen / rejected; else the question, ``input`` and ``history`` columns). Answer
+    columns count (e.g. gsm8k's ``answer``: a reward function's reference); list / dict columns do not."""
+    if fmt in CONVERSATION_KEYS:
+        key = "messages_key" if fmt == "messages" else "conversations_key"
+        used = (getattr(args, key) or CONVERSATION_KEYS[fmt], "tools")
+    elif fmt == "implicit":
+        used = (args.good_key or "chosen", args.bad_key or "rejected")
+    else:  # the question column as `_prompt` picks it
+        qkey = args.question_key or _first(row, QUESTION_KEYS)
+        used = (qkey, args.input_key or "input", args.history_key or "history")
+    out = {}
+    for k, v in row.items():  # a plain loop: faster than a comprehension here
+        if k not in used and v.__class__ in _SCALAR_TYPES:
+            out[k] = v
+    return out
+
+
+def _prompt_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:
+    rec = _prompt_fields(row, fmt, args, source, i)
+    if len(row) > 1:  # a one-column row is its prompt (the common prompt file): no extras to look for
+        columns = prompt_columns(row, fmt, args)
+        if columns:  # rows without extra columns keep their plain records
+            rec["columns"] = columns
+    return rec
+
+
+def _prompt_fields(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:
+    if fmt in CONVERSATION_KEYS:
+        return _conversation(row, fmt, args, source, i, "user")[0]
+    if fmt == "implicit":
+        rec = _implicit(row, args, source, i)
+        del rec["chosen"], rec["rejected"]
+        return rec
+    return _record(*_prompt(row, args, source, i, "prompts"))

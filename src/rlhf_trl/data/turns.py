@@ -1,0 +1,245 @@
+"""The one turn parser of `rlhf_trl.data`: sharegpt ``[{from, value}]``, OpenAI / TRL ``[{role, content}]`` (content
+parts, ``tool_calls``) and Firefly ``[{human, assistant}]`` turns become ``(role, content)`` pairs with the same roles,
+checks and errors, then a dialogue: ``(system, history, question, answer)``; transcripts (``"\\n\\nHuman: ..."``) too.
+
+Roles: ``system``, ``user``, ``assistant``, and for tool-calling rows ``tool_call`` (an assistant's call: sharegpt
+``function_call``, an assistant message's ``tool_calls``; its content is the call as JSON) and ``tool`` (a result:
+sharegpt ``observation``, role ``tool``). Rows with tool turns or a ``tools`` column render through the tokenizer's
+chat template only (`chat_messages`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+
+from .args import DEFAULT_ASSISTANT_MARKER, DEFAULT_HUMAN_MARKER, HISTORY_SEPARATOR, DataError
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+         "function_call": "tool_call", "observation": "tool", "tool": "tool", "function": "tool"}
+TOOL_ROLES = ("tool_call", "tool")
+_ALTERNATING = [(["user", "assistant"] * 33)[:n] for n in range(65)]  # well-formed role sequences, by length
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
+
+
+def _content(value):
+    """A message's content: a string, or OpenAI content parts ``[{type: text, text}]`` joined."""
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        texts = [p.get("text") for p in value if p.get("type", "text") == "text"]
+        if texts and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    return value
+
+
+def _turns(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
+    """``[(role, content)]`` (roles: see the module doc) from ``[{role, content}]``, ``[{from, value}]`` or Firefly's
+    ``[{human, assistant}]`` exchanges.
+
+    Raises:
+        DataError: not a non-empty list of such objects, an unknown role, or an empty / non-string content (an
+            assistant's may be empty: a silent reply).
+    """
+    if value.__class__ is list and value:  # fast path: plain {role, content} messages with text content
+        out = []
+        append = out.append
+        try:
+            for turn in value:
+                content = turn["content"]
+                if content.__class__ is not str or not content or content.isspace() or "tool_calls" in turn:
+                    break
+                append((ROLES[turn["role"]], content))
+            else:
+                return out
+        except (KeyError, TypeError):
+            pass
+    return _turns_checked(value, source, i, key)
+
+
+def _turns_checked(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
+    """`_turns` for every shape it accepts, raising on the first bad message."""
+    if value is None:
+        raise DataError(source, "is null or missing in this row", i, key)
+    if not isinstance(value, list) or not value:
+        raise DataError(source, "must be a non-empty list of {role, content} messages, got "
+                                f"{type(value).__name__}", i, key)
+    out = []
+    for j, turn in enumerate(value):
+        if not isinstance(turn, dict):
+            raise DataError(source, f"message {j} must be a {{role, content}} object, got {type(turn).__name__}",
+                            i, key)
+        if "human" in turn or "assistant" in turn and "role" not in turn:  # Firefly: one exchange per object
+            out += [_checked_turn("user", turn.get("human"), source, i, key, j),
+                    _checked_turn("assistant", turn.get("assistant"), source, i, key, j)]
+            continue
+        role = turn.get("role") if turn.get("role") is not None else turn.get("from")
+        content = _content(turn.get("content") if turn.get("content") is not None else turn.get("value"))
+        if ROLES.get(role) is None:
+            raise DataError(source, f"message {j} has role {role!r}; use system, user, assistant or tool (sharegpt: "
+                                    "human, gpt, function_call, observation)", i, key)
+        if turn.get("tool_calls"):  # an OpenAI assistant message calling tools: its text, if any, is dropped
+            calls = [c.get("function", c) if isinstance(c, dict) else c for c in turn["tool_calls"]]
+            role, content = "tool_call", json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+        out.append(_checked_turn(ROLES[role], content, source, i, key, j))
+    return out
+
+
+def _checked_turn(role: str, content, source: str, i: int, key: str, j: int) -> tuple[str, str]:
+    if not isinstance(content, str) or not content.strip() and role != "assistant":  # a reply may be empty
+        raise DataError(source, f"message {j} ({role}) has an empty or non-string content", i, key)
+    if role == "tool_call":
+        try:
+            call = json.loads(content)
+        except json.JSONDecodeError:
+            call = None
+        if not isinstance(call, (dict, list)):
+            raise DataError(source, f"message {j} (function_call) must be a JSON object {{name, arguments}}", i, key)
+    return role, content
+
+
+def parse_tools(value, source: str, i: int, key: str = "tools") -> list[dict] | None:
+    """A row's ``tools`` column: a list of function schemas, or its JSON text; None when absent or empty.
+
+    Raises:
+        DataError: not a list of objects (nor JSON text of one).
+    """
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise DataError(source, f"is not valid JSON ({exc.msg})", i, key) from None
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(source, "must be a list of function schemas (objects) or its JSON text", i, key)
+    return value
+
+
+def chat_messages(turns: list[tuple[str, str]]) -> list[dict]:
+    """``[{role, content}]`` for ``apply_chat_template``: a ``tool_call`` turn becomes an assistant message with
+    ``tool_calls`` (``{type: function, function: {name, arguments}}``, arguments as an object), ``tool`` a tool
+    message."""
+    out = []
+    for role, content in turns:
+        if role != "tool_call":
+            out.append({"role": role, "content": content})
+            continue
+        calls = json.loads(content)
+        calls = [_call_arguments(c) for c in ([calls] if isinstance(calls, dict) else calls)]
+        out.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": c}
+                                                                       for c in calls]})
+    return out
+
+
+def _call_arguments(call: dict) -> dict:
+    """A function call with its ``arguments`` as an object where they are JSON text (OpenAI's convention)."""
+    try:
+        return {**call, "arguments": json.loads(call["arguments"])} if isinstance(call.get("arguments"), str) else call
+    except json.JSONDecodeError:
+        return call
+
+
+def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
+    """Split turns without tool roles into ``(system, history, question, answer)``.
+
+    ``end='assistant'``: cut after the last assistant turn (SFT target: answer); ``end='user'``: cut after the last
+    user turn (answer None). Turns before the cut must alternate user / assistant after an optional system turn.
+
+    Raises:
+        DataError: no turn of the kind ``end`` (or no user turn before the last assistant), a system turn that is not
+            first, or turns that do not alternate.
+    """
+    system, offset = None, 0
+    if turns and turns[0][0] == "system":
+        system, turns, offset = turns[0][1], turns[1:], 1
+    last = len(turns) - 1
+    while last >= 0 and turns[last][0] != end:
+        last -= 1
+    if last < 0 or (end == "assistant" and last == 0):
+        need = "a user turn followed by an assistant turn" if end == "assistant" else "a user turn"
+        raise DataError(source, f"needs {need}", i, key)
+    body = turns[: last + 1]
+    roles = [role for role, _ in body]
+    if len(roles) >= len(_ALTERNATING) or roles != _ALTERNATING[len(roles)]:
+        for k, role in enumerate(roles):
+            want = "user" if k % 2 == 0 else "assistant"
+            if role != want:
+                where = "is only allowed as the first message" if role == "system" else f"must be {want}"
+                raise DataError(source, f"message {k + offset} ({role}) {where} (turns alternate user / assistant)",
+                                i, key)
+    answer = body.pop()[1] if end == "assistant" else None  # `body` is a copy
+    texts = [text for _, text in body]
+    return system, list(zip(texts[0:-1:2], texts[1::2])), texts[-1], answer
+
+
+def tool_dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
+    """`_dialogue` for turns with tool roles: ``(system, prompt_turns, question, answer_turn)``; the prompt turns
+    (system excluded) run to the cut, the question is the last user turn's text, the answer the turn after the cut
+    (``end='assistant'``: the last assistant or tool-call turn; ``'user'``: None, the cut follows the last user or
+    tool turn). A tool result must follow a call or another result.
+
+    Raises:
+        DataError: no turn of the kind ``end``, a first turn that is not the user's, or a misplaced tool result.
+    """
+    system = turns[0][1] if turns and turns[0][0] == "system" else None
+    offset = int(system is not None)
+    body = turns[offset:]
+    ends = ("assistant", "tool_call") if end == "assistant" else ("user", "tool")
+    last = max((k for k, (role, _) in enumerate(body) if role in ends), default=-1)
+    if last < (1 if end == "assistant" else 0):
+        need = "a user turn followed by an assistant turn" if end == "assistant" else "a user turn"
+        raise DataError(source, f"needs {need}", i, key)
+    for k, (role, _) in enumerate(body[: last + 1]):
+        prev = body[k - 1][0] if k else None
+        bad = "must be user" if k == 0 and role != "user" else (
+            "must follow a function call or another tool result" if role == "tool" and prev not in TOOL_ROLES else None)
+        if bad or role == "system":
+            raise DataError(source, f"message {k + offset} ({role}) {bad or 'is only allowed as the first message'}",
+                            i, key)
+    prompt = body[: last + 1] if end == "user" else body[:last]
+    question = next(text for role, text in reversed(prompt) if role == "user")
+    return system, prompt, question, body[last] if end == "assistant" else None
+
+
+@lru_cache(maxsize=16)
+def _markers(human: str, assistant: str) -> tuple[str, str]:
+    """One shared tuple per marker pair (records hold a reference, not a copy)."""
+    return human, assistant
+
+
+@lru_cache(maxsize=16)
+def _marker_pattern(human: str, assistant: str):
+    return re.compile(f"({re.escape(human)}|{re.escape(assistant)})")
+
+
+def split_transcript(text: str, human_marker: str = DEFAULT_HUMAN_MARKER,
+                     assistant_marker: str = DEFAULT_ASSISTANT_MARKER):
+    """Parse a prompt transcript ending with the assistant marker into ``(system, history, question)``.
+
+    Text before the first marker is the system turn (None if blank); turn texts are stripped; consecutive turns of
+    one speaker are joined by a blank line. Lenient: a transcript without a user turn gives the whole text (minus
+    the final marker) as the question. Used to render implicit-prompt pairs with a chat template.
+    """
+    pieces = _marker_pattern(human_marker, assistant_marker).split(text)
+    system = pieces[0].strip() or None
+    turns: list[list[str]] = []
+    for marker, body in zip(pieces[1::2], pieces[2::2]):
+        role = "user" if marker == human_marker else "assistant"
+        if turns and turns[-1][0] == role:
+            turns[-1][1] += HISTORY_SEPARATOR + body.strip()
+        else:
+            turns.append([role, body.strip()])
+    if turns and turns[-1] == ["assistant", ""]:
+        turns.pop()
+    if not turns or turns[-1][0] != "user":
+        body = text[: len(text) - len(assistant_marker)] if text.endswith(assistant_marker) else text
+        return None, [], body.strip() or text
+    if turns[0][0] == "assistant":
+        turns = turns[1:]
+    history = [(turns[k][1], turns[k + 1][1]) for k in range(0, len(turns) - 1, 2)]
+    return system, history, turns[-1][1]
