@@ -79,12 +79,12 @@ def require_model_dir(path: str, what: str, produced_by: str | None = None, allo
         raise StageInputError(f"{what} at '{path}' has no config.json (incomplete or not a model directory){hint}")
     files = os.listdir(path)
     if not any(f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in files):
-        if any(f.endswith((".bin", ".pt", ".pth", ".ckpt")) for f in files) and not allow_pickle:
+        if not any(f.endswith((".bin", ".pt", ".pth", ".ckpt")) for f in files):
+            raise StageInputError(f"{what} at '{path}' holds no weights (*.safetensors){hint}")
+        if not allow_pickle:
             raise StageInputError(f"{what} at '{path}' has only pickle weights (*.bin), which can run code when "
                                   "loaded; convert them to safetensors, or set `allow_pickle_weights: true` in the "
                                   "recipe if you trust the files")
-        if not any(f.endswith((".bin", ".pt", ".pth", ".ckpt")) for f in files):
-            raise StageInputError(f"{what} at '{path}' holds no weights (*.safetensors){hint}")
     return path
 
 
@@ -217,19 +217,10 @@ def _bnb_cpu_4bit_problem() -> str | None:
     return None
 
 
-def _quantization_key(quantization_config) -> str:
-    """The recipe key that asked for ``quantization_config``: ``load_in_4bit`` or ``load_in_8bit``."""
-    return "load_in_8bit" if getattr(quantization_config, "load_in_8bit", False) else "load_in_4bit"
-
-
-def kbit_runs_on_cpu(use_cpu: bool = False) -> bool:
-    """True when a quantized model of this process loads on the CPU: ``use_cpu`` is set or there is no CUDA GPU."""
-    return use_cpu or not torch.cuda.is_available()
-
-
 def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> None:
     """Check that a ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) run can quantize here: bitsandbytes installed;
-    on the CPU (`kbit_runs_on_cpu`) only ``load_in_4bit``, through a working CPU backend (`_bnb_cpu_4bit_problem`).
+    on the CPU (``use_cpu`` or no CUDA GPU) only ``load_in_4bit``, through a working CPU backend
+    (`_bnb_cpu_4bit_problem`).
 
     Raises:
         ValueError: one line naming ``key``, what is missing (the bitsandbytes package, a usable CPU backend, or for
@@ -238,7 +229,7 @@ def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> No
     if not _has_bitsandbytes():
         raise ValueError(f"{key}: true needs the bitsandbytes package, which is not installed here; install it "
                          f"(pip install -e '.[qlora]'), or set {key}: false")
-    if not kbit_runs_on_cpu(use_cpu):
+    if not use_cpu and torch.cuda.is_available():
         return  # CUDA: unchanged, bitsandbytes' CUDA kernels
     where = "the recipe sets use_cpu: true" if use_cpu else "torch.cuda.is_available() is False"
     if key == "load_in_8bit":
@@ -291,18 +282,6 @@ def kbit_device_map() -> dict:
     return {"": "cpu"} if state.device.type == "cpu" else {"": state.local_process_index}
 
 
-def _keep_cpu_4bit_weights_unpacked(model) -> None:
-    """Switch off bitsandbytes' CPU repacking of 4-bit weights in ``model`` (in place).
-
-    On AVX512-BF16 CPUs bitsandbytes repacks a ``Linear4bit`` weight for a fused kernel the first time it runs in
-    eval mode without gradients (a rollout), and a later training forward then fails. Clearing
-    ``support_avx512bf16_for_cpu`` keeps the standard layout (dequantize-then-matmul).
-    """
-    for module in model.modules():
-        if getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
-
-
 def fp32_adapters_for_fp32_compute(model, quantization_config) -> int:
     """Cast the trainable parameters of a QLoRA model back to fp32 when its 4-bit compute dtype is fp32 (in place).
 
@@ -337,7 +316,8 @@ def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pick
     quant = {}
     if quantization_config is not None:
         device_map = kbit_device_map()
-        require_kbit_support(_quantization_key(quantization_config), use_cpu=device_map[""] == "cpu")
+        key = "load_in_8bit" if getattr(quantization_config, "load_in_8bit", False) else "load_in_4bit"
+        require_kbit_support(key, use_cpu=device_map[""] == "cpu")
         quant = {"quantization_config": quantization_config, "device_map": device_map}
     if trust_remote_code and is_baichuan(path):
         from . import baichuan
@@ -349,7 +329,11 @@ def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pick
         model = auto.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
                                      use_safetensors=None if allow_pickle else True, **extra, **quant)
     if quant and quant["device_map"][""] == "cpu":
-        _keep_cpu_4bit_weights_unpacked(model)
+        # On AVX512-BF16 CPUs bitsandbytes repacks a Linear4bit weight for a fused kernel the first time it runs in
+        # eval mode without gradients (a rollout), and a later training forward then fails: keep the standard layout
+        for module in model.modules():
+            if getattr(module, "support_avx512bf16_for_cpu", False):
+                module.support_avx512bf16_for_cpu = False
     return model
 
 
@@ -440,26 +424,18 @@ def merge_and_save(model, tokenizer, path: str):
     """Merge LoRA adapters into the base weights (if ``model`` is a `peft.PeftModel`) and save the plain model.
 
     A ``task_type=SEQ_CLS`` adapter's trained ``score`` head is part of the merged model. The adapter is merged in
-    place: use the returned model afterwards. On a quantized base (QLoRA) the adapter is merged into the base loaded
-    again unquantized on the CPU (`_merge_quantized`) and ``model`` is returned unchanged.
+    place: use the returned model afterwards. On a quantized base (QLoRA) the saved adapter is merged into the base
+    loaded again unquantized on the CPU, and ``model`` is returned unchanged.
 
     Returns:
         The merged plain `transformers` model, or ``model`` itself for a quantized base.
     """
     from peft import PeftModel
 
-    if isinstance(model, PeftModel) and is_quantized(model):
-        _merge_quantized(model, tokenizer, path)
-        return model
-    merged = model.merge_and_unload() if isinstance(model, PeftModel) else model
-    save_pretrained_atomic(merged, tokenizer, path)
-    return merged
-
-
-def _merge_quantized(model, tokenizer, path: str) -> None:
-    """Save ``model``'s adapter, merge it into the unquantized base (CPU) and save that plain model to ``path``."""
-    from peft import PeftModel
-
+    if not (isinstance(model, PeftModel) and is_quantized(model)):
+        merged = model.merge_and_unload() if isinstance(model, PeftModel) else model
+        save_pretrained_atomic(merged, tokenizer, path)
+        return merged
     config = model.peft_config[model.active_adapter]
     kind = "sequence_classifier" if config.task_type == "SEQ_CLS" else "causal_lm"
     base_path = config.base_model_name_or_path
@@ -472,6 +448,7 @@ def _merge_quantized(model, tokenizer, path: str) -> None:
         resize_for_tokenizer(base, tokenizer)
         merged = PeftModel.from_pretrained(base, tmp).merge_and_unload()
     save_pretrained_atomic(merged, tokenizer, path)
+    return model
 
 
 def write_text(path: str, text: str) -> None:
