@@ -72,11 +72,6 @@ def _new_instance(factory, args):
     return cls.__new__(cls)
 
 
-def _state(obj) -> dict:
-    getstate = getattr(obj, "__getstate__", None)
-    return getstate() if getstate is not None else obj.__dict__
-
-
 def _code_files(directory: str) -> list[str]:
     """The top-level remote-code ``*.py`` files of a model directory or a dynamic-module cache directory."""
     if not directory or not os.path.isdir(directory):
@@ -159,23 +154,12 @@ def _tolerant_backbone_class(backbone_cls: type) -> type:
         return backbone_cls.forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     def __reduce__(self):
-        return _new_instance, (_tolerant_backbone_class, (backbone_cls,)), _state(self)
+        return _new_instance, (_tolerant_backbone_class, (backbone_cls,)), self.__getstate__()
 
     return type(backbone_cls.__name__, (backbone_cls,), {
         "forward": forward, "__reduce__": __reduce__, "_rlhf_trl_tolerant": True, "_rlhf_trl_remote": backbone_cls,
         "__module__": backbone_cls.__module__,
     })
-
-
-def _make_backbone_tolerant(model: PreTrainedModel) -> None:
-    model.model.__class__ = _tolerant_backbone_class(type(model.model))
-
-
-def _record_code_dir(loaded, path) -> None:
-    """Remember the directory a model was loaded from: its ``*.py`` files are saved with the model."""
-    model = loaded[0] if isinstance(loaded, tuple) else loaded
-    if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
-        model._baichuan_code_dir = os.path.abspath(path)
 
 
 def _save_code_and_config(model: PreTrainedModel, save_directory: str, remote_classes: tuple) -> None:
@@ -189,12 +173,8 @@ def _save_code_and_config(model: PreTrainedModel, save_directory: str, remote_cl
     auto_map = dict(getattr(model.config, "auto_map", None) or {})
     auto_map.setdefault("AutoConfig", CONFIG_REF)
     auto_map.setdefault("AutoModelForCausalLM", CAUSAL_LM_REF)
-
-    def update(data):
-        data["auto_map"] = auto_map
-        data["model_type"] = model.config.model_type
-
-    _update_json(os.path.join(save_directory, "config.json"), update)
+    _update_json(os.path.join(save_directory, "config.json"),
+                 lambda data: data.update(auto_map=auto_map, model_type=model.config.model_type))
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,7 +208,7 @@ def _fixed_tokenizer_class(remote_cls: type) -> type:
         return files
 
     def __reduce__(self):
-        return _new_instance, (_fixed_tokenizer_class, (remote_cls,)), _state(self)
+        return _new_instance, (_fixed_tokenizer_class, (remote_cls,)), self.__getstate__()
 
     return type(remote_cls.__name__, (remote_cls,), {
         "__init__": __init__, "save_pretrained": save_pretrained, "__reduce__": __reduce__,
@@ -265,7 +245,9 @@ class _KeepsRemoteCode:
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        _record_code_dir(loaded, pretrained_model_name_or_path)
+        path = pretrained_model_name_or_path
+        if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):  # its *.py files are saved with the model
+            (loaded[0] if isinstance(loaded, tuple) else loaded)._baichuan_code_dir = os.path.abspath(path)
         return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -282,11 +264,11 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
     _rlhf_trl_remote_named: frozenset = frozenset()  # the keywords its forward names
 
     def __reduce__(self):
-        return _new_instance, (_causal_lm_class, (self._rlhf_trl_remote,)), _state(self)
+        return _new_instance, (_causal_lm_class, (self._rlhf_trl_remote,)), self.__getstate__()
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        _make_backbone_tolerant(self)
+        self.model.__class__ = _tolerant_backbone_class(type(self.model))
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -393,7 +375,7 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
         cls = type(self)
         if cls._backbone_class is None:  # the importable base class itself
             return super().__reduce_ex__(protocol)
-        return _new_instance, (_classifier_class, (cls.config_class, cls._backbone_class)), _state(self)
+        return _new_instance, (_classifier_class, (cls.config_class, cls._backbone_class)), self.__getstate__()
 
     def _init_weights(self, module):
         self.model._init_weights(module)  # the remote code's own initialization (normal(0, initializer_range))
