@@ -20,9 +20,10 @@ import os
 
 from datasets import Dataset
 
-from .checkpoints import begin_writing, save_final_model, start_run, with_atomic_checkpoints
+from .checkpoints import (begin_writing, keeps_earlier_run, save_final_model, start_run,
+                          with_atomic_checkpoints)
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
-from .data import DataArguments, Template, describe_sources, pair_features, read_records, split_records
+from .data import DataArguments, DataReport, Template, describe_sources, pair_features, read_records, split_records
 from .loop_state import with_loop_state
 from .models import (fp32_adapters_for_fp32_compute, load_sequence_classifier, load_tokenizer,
                      recipe_quantization_config, require_model_dir, resize_for_tokenizer, torch_dtype, write_json,
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
                callbacks=callbacks)
 
 
+@keeps_earlier_run
 def run(data_args: DataArguments, training_args, model_args, produced_by: str | None = None,
         run_args: RunArguments | None = None, callbacks: list | None = None) -> dict:
     """Train a reward model on ``data_args.dataset_name`` starting from ``model_args.model_name_or_path``.
@@ -68,15 +70,16 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
 
     # data
     template = Template.from_args(data_args)
-    records = read_records(data_args, "pairs")
-    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
+    report = DataReport("rm")
+    records = read_records(data_args, "pairs", report)
+    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
 
     # tokenizer and model
     tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right",
                                trust_remote_code=training_args.trust_remote_code)
     training_args.pad_token = tokenizer.pad_token
     train_ds, eval_feats, eval_ds = _datasets(data_args, training_args, tokenizer, template, train_records,
-                                              eval_records)
+                                              eval_records, report)
     # quantized: TRL's RewardTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
     model = load_sequence_classifier(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code,
                                      pickle_ok, quantization_config=quantization)
@@ -114,17 +117,18 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
         metrics.update(_evaluate(reward_model, eval_feats, tokenizer.pad_token_id, out))
     write_json(os.path.join(out, "metrics.json"), metrics)
     write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
+    report.write(out)
     trainer.accelerator.wait_for_everyone()
     return {"output_dir": out, "merged": merged_path, "metrics": metrics}
 
 
 def _datasets(data_args: DataArguments, training_args, tokenizer, template: Template, train_records: list[dict],
-              eval_records: list[dict]) -> tuple:
+              eval_records: list[dict], report: DataReport | None = None) -> tuple:
     """The train dataset, the eval features and dataset (`pair_features`; both None without eval rows, which turns
     evaluation off)."""
     def features(rows, split):
         return pair_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
-                             source=f"{describe_sources(data_args)} ({split} split)")
+                             source=f"{describe_sources(data_args)} ({split} split)", report=report, split=split)
 
     train_ds = Dataset.from_dict(features(train_records, "train"))
     eval_feats = features(eval_records, "eval") if eval_records else None

@@ -15,9 +15,10 @@ import torch
 
 from datasets import Dataset
 
-from .checkpoints import begin_writing, save_final_model, start_run, with_atomic_checkpoints
+from .checkpoints import (begin_writing, keeps_earlier_run, save_final_model, start_run,
+                          with_atomic_checkpoints)
 from .config import RunArguments, parse_recipe, save_recipe
-from .data import DataArguments, Template, describe_sources, read_records, sft_features, split_records
+from .data import DataArguments, DataReport, Template, describe_sources, read_records, sft_features, split_records
 from .loop_state import with_loop_state
 from .models import (fp32_adapters_for_fp32_compute, load_causal_lm, load_tokenizer, recipe_quantization_config,
                      require_model_dir, resize_for_tokenizer, torch_dtype, write_json)
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     return run(data_args, training_args, model_args, run_args, callbacks=callbacks)
 
 
+@keeps_earlier_run
 def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None,
         callbacks: list | None = None) -> dict:
     """Fine-tune ``model_args.model_name_or_path`` on ``data_args.dataset_name`` (prompt tokens masked from the loss).
@@ -60,14 +62,15 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
 
     # data
     template = Template.from_args(data_args)
-    records = read_records(data_args, "sft")
-    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
+    report = DataReport("sft")
+    records = read_records(data_args, "sft", report)
+    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
 
     # tokenizer and model
     tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right",
                                trust_remote_code=training_args.trust_remote_code)
     training_args.pad_token = tokenizer.pad_token
-    train_ds, eval_ds = _datasets(data_args, training_args, tokenizer, template, train_records, eval_records)
+    train_ds, eval_ds = _datasets(data_args, training_args, tokenizer, template, train_records, eval_records, report)
     # quantized: TRL's SFTTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
     model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
                            quantization_config=quantization)
@@ -90,17 +93,17 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     metrics.update(num_train_rows=len(train_ds), num_eval_rows=len(eval_ds) if eval_ds is not None else 0)
 
     # save (under `accelerate launch`: every process calls save_model, only the main process writes)
-    return _save(trainer, tokenizer, model_path, metrics, data_args, training_args, model_args, run_args)
+    return _save(trainer, tokenizer, model_path, metrics, report, (data_args, training_args, model_args, run_args))
 
 
 def _datasets(data_args: DataArguments, training_args, tokenizer, template: Template, train_records: list[dict],
-              eval_records: list[dict]) -> tuple:
+              eval_records: list[dict], report: DataReport | None = None) -> tuple:
     """The tokenized train and eval datasets (`sft_features`; eval None without eval rows, which turns evaluation
     off); the loss is on completion tokens only unless the recipe sets ``completion_only_loss``."""
     def features(rows, split):
         source = f"{describe_sources(data_args)} ({split} split)"
         return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, source,
-                                              data_args.length_policy, data_args.max_prompt_length))
+                                              data_args.length_policy, data_args.max_prompt_length, report, split))
 
     train_ds = features(train_records, "train")
     eval_ds = features(eval_records, "eval") if eval_records else None
@@ -126,10 +129,10 @@ def _trainer_class(model, model_path: str, training_args):
     return own_head_loss(SFTTrainer)
 
 
-def _save(trainer, tokenizer, model_path: str, metrics: dict, data_args: DataArguments, training_args, model_args,
-          run_args: RunArguments) -> dict:
-    """Save the adapter (LoRA), the merged model and, from the main process, the recipe, metrics and log history.
-    Returns `run`'s result."""
+def _save(trainer, tokenizer, model_path: str, metrics: dict, report: DataReport, configs: tuple) -> dict:
+    """Save the adapter (LoRA), the merged model and, from the main process, the recipe (``configs``: data, training,
+    model and run arguments), metrics, log history and data report. Returns `run`'s result."""
+    data_args, training_args, model_args, run_args = configs
     out = training_args.output_dir
     adapter = os.path.join(out, "adapter") if model_args.use_peft else None
     if adapter:
@@ -140,6 +143,7 @@ def _save(trainer, tokenizer, model_path: str, metrics: dict, data_args: DataArg
         save_recipe(out, data_args, training_args, model_args, run_args)
         write_json(os.path.join(out, "metrics.json"), metrics)
         write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
+        report.write(out)
         logger.info("SFT done: merged model at %s", merged)
     trainer.accelerator.wait_for_everyone()
     return {"output_dir": out, "merged": merged, "metrics": metrics}

@@ -82,7 +82,7 @@ def _turns_checked(value, source: str, i: int, key: str) -> list[tuple[str, str]
                                     "human, gpt, function_call, observation)", i, key)
         if turn.get("tool_calls"):  # an OpenAI assistant message calling tools: its text, if any, is dropped
             calls = [c.get("function", c) if isinstance(c, dict) else c for c in turn["tool_calls"]]
-            role, content = "tool_call", json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+            role, content = "function_call", json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
         out.append(_checked_turn(ROLES[role], content, source, i, key, j))
     return out
 
