@@ -1,9 +1,6 @@
 """`RLHFPPOTrainer`: the PPO engine (`rlhf_trl.ppo_engine.PPOEngine`) plus what a run needs around it: atomic
-checkpoints (`rlhf_trl.checkpoints.AtomicCheckpointMixin`) holding the policy, value model, optimizer / scheduler /
-RNG / trainer state, data position (`ResumableLoader`), reward baseline, KL coefficient and recipe; exact resume
-(`RLHFPPOTrainer.restore`); ``logging_steps``; adaptive KL (`AdaptiveKLController`); a stop on the first non-finite
-statistic; sample tables every ``log_samples_every`` updates (never perturbing the training RNG); the saved policies
-keep the checkpoint's own generation config (`deployable_generation_config`).
+checkpoints with the value model, data position (`ResumableLoader`), reward baseline, KL coefficient and recipe;
+exact resume; ``logging_steps``; adaptive KL; a stop on the first non-finite statistic; sample tables.
 """
 
 from __future__ import annotations
@@ -122,8 +119,7 @@ class ResumableLoader:
 
 
 class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
-    """The PPO engine (`rlhf_trl.ppo_engine.PPOEngine`) plus resumable, atomic checkpoints with the value model, KL
-    control, divergence checks and sample tables. See the module docstring."""
+    """The PPO engine plus resumable, atomic checkpoints, KL control, divergence checks and sample tables."""
 
     def __init__(self, *args, script_args, recipe_configs: tuple = (), stock_generation_config=None, **kwargs):
         """``script_args``: the recipe's `rlhf_trl.ppo_config.PPOScriptArguments`; ``recipe_configs``: the dataclasses
@@ -135,17 +131,14 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         self.reward_baseline = 0.0
         self.recipe_configs = recipe_configs
         self.dataloader = ResumableLoader(self.dataloader)
-        every = self.script_args.log_samples_every
+        every = script_args.log_samples_every
         if every and every > 0:
             self.args.num_sample_generations = max(1, self.args.num_sample_generations or 1)
             self.sample_generations_freq = every
         else:
             self.args.num_sample_generations = 0
-        self.kl_controller = None
-        if self.script_args.kl_target is not None:
-            self.kl_controller = AdaptiveKLController(
-                self.args.kl_coef, self.script_args.kl_target, self.script_args.kl_horizon
-            )
+        self.kl_controller = None if script_args.kl_target is None else AdaptiveKLController(
+            self.args.kl_coef, script_args.kl_target, script_args.kl_horizon)
 
     # -- logging: KL control, divergence check -------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -154,17 +147,18 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             bad = sorted(k for k, v in logs.items()
                          if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_var"))
             if bad:
-                last = self._last_checkpoint()
+                from transformers.trainer_utils import get_last_checkpoint
+
+                out = self.args.output_dir
+                last = get_last_checkpoint(out) if os.path.isdir(out) else None
                 raise TrainingDivergedError(
                     f"non-finite {', '.join(bad)} at update {self.state.global_step} (episode {self.state.episode}); "
-                    f"nothing was saved for this update; last good checkpoint: {last or 'none yet'}"
-                )
+                    f"nothing was saved for this update; last good checkpoint: {last or 'none yet'}")
             if logs["objective/kl"] < -1e-3:  # below rounding noise
                 logger.warning(
                     "update %d: mean KL to the reference is negative (%.4f): the rollouts are not samples of the "
                     "policy (check temperature / generation settings) or the estimate is noisy (use kl_estimator k3)",
-                    self.state.global_step, logs["objective/kl"],
-                )
+                    self.state.global_step, logs["objective/kl"])
             logs["objective/kl_coef"] = self.args.kl_coef
             if self.kl_controller is not None:
                 self.args.kl_coef = self.kl_controller.update(logs["objective/kl"], self.args.batch_size)
@@ -174,20 +168,14 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                 return
         super().log(logs, start_time)
 
-    def _last_checkpoint(self) -> str | None:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        return get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-
     # -- sample tables -------------------------------------------------------------------------------------------
     def generate_completions(self, sampling: bool = False):
         """Sample one eval batch (near-greedy, temperature 0.01), score it and log query / response / score / reward.
 
-        Runs under `preserved_rng`, and hands accelerate's gradient state back to the prompt loader (``end()`` of
-        the eval loader when the loop is left early: a loader left mid-iteration stays accelerate's active loader,
-        and the optimizer's accumulation syncs early at the end of the active loader's pass, so a sample table used to
-        change how the next update that ends a pass over the prompts steps the optimizer, and a resumed run, which
-        had not sampled yet, stepped differently). Sample tables never change the training run.
+        Sample tables never change the training run: the RNG is preserved, and the eval loader's ``end()`` runs even
+        when the loop is left early (a loader left mid-iteration stays accelerate's active loader, whose pass end
+        syncs the optimizer's accumulation early: the next update that ends a pass over the prompts would step
+        differently, and differently again in a resumed run, which had not sampled yet).
         """
         if self.eval_dataloader is None:
             return
@@ -196,29 +184,30 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         gen_config = sampling_config(self.args, self.eos_token_ids, pad, temperature=0.01)
         rows = []
         loader = self.eval_dataloader
-        with preserved_rng(), _ended(loader):
-            for batch in loader:
-                query = batch["input_ids"]
-                context = query.shape[1]
-                with self.generation_policy() as policy:
-                    query_response, _ = generate_rollouts(policy, query, pad, gen_config, query.shape[0])
-                response = query_response[:, context:]
-                if self.eos_token_ids is not None:
-                    response = truncate_at_eos(response, self.eos_token_ids, pad)
-                with torch.no_grad(), self.reward_weights() as reward_model:
-                    if reward_model is not None:
-                        reward = sequence_scores(reward_model, torch.cat((query, response), 1), pad, context)
-                    else:
-                        reward = torch.zeros(len(query))
-                for q, r, s in zip(
-                    tok.batch_decode(query, skip_special_tokens=True),
-                    tok.batch_decode(response, skip_special_tokens=True),
-                    reward.float().cpu().tolist(),
-                ):
-                    rows.append({"step": self.state.global_step, "query": q, "response": r,
-                                 "score": s + self.reward_baseline, "reward": s})
-                if sampling:
-                    break
+        with preserved_rng():
+            try:
+                for batch in loader:
+                    query = batch["input_ids"]
+                    context = query.shape[1]
+                    with self.generation_policy() as policy:
+                        query_response, _ = generate_rollouts(policy, query, pad, gen_config, query.shape[0])
+                    response = query_response[:, context:]
+                    if self.eos_token_ids is not None:
+                        response = truncate_at_eos(response, self.eos_token_ids, pad)
+                    with torch.no_grad(), self.reward_weights() as reward_model:
+                        if reward_model is not None:
+                            reward = sequence_scores(reward_model, torch.cat((query, response), 1), pad, context)
+                        else:
+                            reward = torch.zeros(len(query))
+                    texts = zip(tok.batch_decode(query, skip_special_tokens=True),
+                                tok.batch_decode(response, skip_special_tokens=True), reward.float().cpu().tolist())
+                    rows += [{"step": self.state.global_step, "query": q, "response": r,
+                              "score": s + self.reward_baseline, "reward": s} for q, r, s in texts]
+                    if sampling:
+                        break
+            finally:  # off accelerate's gradient state, also after a `break`
+                if hasattr(loader, "end"):
+                    loader.end()
         if self.accelerator.num_processes > 1:  # each process sampled its shard of the eval prompts
             from accelerate.utils import gather_object
 
@@ -226,13 +215,12 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         if not self.accelerator.is_main_process or not rows:
             return
         lines = [f"samples at update {self.state.global_step} (score = RM score, reward = score - baseline):"]
-        for row in rows[:4]:
-            lines.append(f"  {row['query']!r} -> {row['response']!r}  score={row['score']:.3f} reward={row['reward']:.3f}")
+        lines += [f"  {r['query']!r} -> {r['response']!r}  score={r['score']:.3f} reward={r['reward']:.3f}"
+                  for r in rows[:4]]
         logger.info("\n".join(lines))
         os.makedirs(self.args.output_dir, exist_ok=True)
         with open(os.path.join(self.args.output_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def checkpoint_extras(self, ckpt: str) -> None:
@@ -307,17 +295,6 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             drop_later_samples(self.args.output_dir, done)
         logger.info("resuming from %s at update %d of %d (episode %d)", ckpt, done, total, self.state.episode)
         return done
-
-
-@contextmanager
-def _ended(loader):
-    """Run a loop over the accelerate-prepared ``loader``, then take it off accelerate's gradient state (its
-    ``end()``, which a loop left with ``break`` never reaches; harmless after a complete pass)."""
-    try:
-        yield
-    finally:
-        if hasattr(loader, "end"):
-            loader.end()
 
 
 def drop_later_samples(output_dir: str, step: int) -> None:
