@@ -58,16 +58,10 @@ class RewardFunctionError(RuntimeError):
 
 
 class RewardFunctions:
-    """Reward functions with weights; calling it scores a batch of completions.
-
-    Args:
-        functions: the callables, ``f(prompts=..., completions=..., **columns) -> list[float]``.
-        weights: one finite weight per function (None: 1.0 each).
-        specs: the recipe entries the functions were loaded from (for messages; default ``module:qualname``).
-
-    Attributes:
-        names: unique short names (function names, ``_2``, ``_3`` ... on repeats) for ``objective/reward_fn/<name>``.
-        last_values: name -> the last call's unweighted ``[batch]`` float32 values (empty before the first call).
+    """Reward functions with one finite weight each (None: 1.0 each); calling it scores a batch of completions.
+    ``specs``: the recipe entries they were loaded from (for messages; default ``module:qualname``). ``names``: unique
+    short names (``_2``, ``_3`` ... on repeats) for ``objective/reward_fn/<name>``; ``last_values``: name -> the last
+    call's unweighted ``[batch]`` float32 values.
 
     Raises:
         ValueError: no function, a weight count other than the function count, a non-finite weight, or a function
@@ -108,16 +102,10 @@ class RewardFunctions:
 
     def compute(self, prompts: list[str], completions: list[str], update: int,
                 **columns) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Score a batch.
-
-        Args:
-            prompts, completions: ``[batch]`` prompt texts and decoded responses.
-            update: the PPO update number (for messages only).
-            columns: one ``[batch]`` list per column (`reward_columns`).
-
-        Returns:
-            ``(total, values)`` on CPU: ``total`` ``[batch]`` float32, ``sum_i weights[i] * f_i`` (summed in
-            float64); ``values`` name -> ``[batch]`` float32, each function's unweighted rewards.
+        """Score ``[batch]`` prompt texts and completions with ``columns`` (one ``[batch]`` list each,
+        `reward_columns`); ``update`` is for messages. Returns ``(total, values)`` on CPU: ``total`` ``[batch]``
+        float32, ``sum_i weights[i] * f_i`` (summed in float64); ``values`` name -> ``[batch]`` float32, each
+        function's unweighted rewards.
 
         Raises:
             RewardFunctionError: a function raised (chained), or returned something that is not ``batch`` finite
@@ -145,14 +133,9 @@ class RewardFunctions:
 
 
 def load_reward_functions(specs: list[str] | None, weights: list[float] | None = None) -> RewardFunctions | None:
-    """Load the recipe's ``reward_funcs`` with their ``reward_weights``.
-
-    Args:
-        specs: entries in either form of the module docstring (a string counts as a list of one); None / ``[]``: none.
-        weights: one finite number per entry (negative ones penalise); None or ``[]``: 1.0 each.
-
-    Returns:
-        `RewardFunctions`, or None when ``specs`` is None / empty (and no weights are given).
+    """Load the recipe's ``reward_funcs`` (entries in either form of the module docstring; a string counts as a list
+    of one) with their ``reward_weights`` (one finite number per entry; None or ``[]``: 1.0 each). Returns
+    `RewardFunctions`, or None when ``specs`` is None / empty (and no weights are given).
 
     Raises:
         ValueError (one line, naming ``reward_funcs[i]`` / ``reward_weights`` and the entry): an entry in neither
@@ -188,10 +171,7 @@ def reward_columns(records: list[dict]) -> dict[str, list]:
         "question": [r["question"] for r in records],
         "system": [r["system"] if r.get("system") is not None else e.get("system") for r, e in zip(records, extras)],
     }
-    names = dict.fromkeys(k for e in extras for k in e)
-    for name in names:
-        if name == "system":
-            continue
+    for name in dict.fromkeys(k for e in extras for k in e if k != "system"):
         if name == "question" or name in RESERVED:
             if name not in _warned:
                 _warned.add(name)
@@ -204,11 +184,7 @@ def reward_columns(records: list[dict]) -> dict[str, list]:
 
 
 def _parse(i: int, spec) -> tuple[str, str]:
-    """``(module or file, attribute path)`` of an entry.
-
-    Raises:
-        ValueError: an entry in neither accepted form.
-    """
+    """``(module or file, attribute path)`` of an entry; ValueError for an entry in neither accepted form."""
     module, sep, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
     if not sep or not module or not _MODULE.match(attr) or not (module.endswith(".py") or _MODULE.match(module)):
         raise ValueError(f"reward_funcs[{i}]: {spec!r} is not {FORMS}")
@@ -241,10 +217,9 @@ def _resolve(i: int, spec: str, module_name: str, attr: str) -> Callable:
         try:
             module = importlib.import_module(module_name)
         except Exception as exc:
-            hint = ""
             local = module_name.replace(".", os.sep) + ".py"
-            if isinstance(exc, ModuleNotFoundError) and os.path.isfile(local):
-                hint = f" (a local file: write '{local}:{attr}')"
+            hint = (f" (a local file: write '{local}:{attr}')"
+                    if isinstance(exc, ModuleNotFoundError) and os.path.isfile(local) else "")
             cause = _one_line(exc, root=True)
             raise ValueError(f"{where}: cannot import module {module_name!r}: {cause}{hint}") from None
         owner = f"module {module_name!r}"
@@ -301,8 +276,7 @@ def _unique_names(specs: Sequence[str]) -> list[str]:
 
 
 def _one_line(exc: BaseException, root: bool = False) -> str:
-    """``Type: message`` of ``exc`` (``root``: of its innermost cause), whitespace collapsed (``Type`` alone for no
-    message)."""
+    """``Type: message`` of ``exc`` (``root``: of its innermost cause), whitespace collapsed."""
     while root and (exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__)):
         exc = exc.__cause__ or exc.__context__
     text = " ".join(str(exc).split())
@@ -315,11 +289,7 @@ def _short(value) -> str:
 
 
 def _check_output(out, n: int, spec: str, update: int) -> list[float]:
-    """``out`` as ``n`` floats.
-
-    Raises:
-        RewardFunctionError: not a 1-D sequence of numbers, the wrong length, or a non-finite / None value.
-    """
+    """``out`` as ``n`` floats; RewardFunctionError for anything but a 1-D sequence of ``n`` finite numbers."""
     head = f"reward function {spec} at update {update}: returned"
     kind = "None" if out is None else type(out).__name__
     if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):  # torch / numpy arrays and scalars
