@@ -257,5 +257,12 @@ def test_data_report_written_by_every_stage(sft_run, rm_run, ppo_run):
     for run, stage in ((sft_run, "sft"), (rm_run, "rm"), (ppo_run, "ppo")):
         report = json.loads(Path(run["output_dir"], "data_report.json").read_text(encoding="utf-8"))
         assert report["stage"] == stage and report["sources"] and report["train_size"] > 0, stage
-        assert report["sources"][0]["rows_read"] >= report["train_size"] + report["eval_size"], stage
+        assert sum(s["records"] for s in report["sources"]) == report["train_size"] + report["eval_size"], stage
         assert report["token_lengths"]["train"]["prompt"]["max"] >= 1, stage
+
+
+def test_system_turn_fills_a_system_slot_of_the_text_template():
+    template = Template(prompt="{system}问：{question}\n\n答：")
+    assert template.has_system_slot and not Template().has_system_slot
+    assert template.format_prompt("q", [("q0", "a0")], system="S\n") == "S\n问：q0\n\n答：a0\n\n问：q\n\n答："
+    assert template.format_prompt("q") == "问：q\n\n答："

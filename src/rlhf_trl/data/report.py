@@ -57,12 +57,13 @@ class DataReport:
             self.token_lengths.setdefault(split, {})[part] = {**pick, "max": ordered[-1]}
 
     def summary(self) -> str:
-        """One line: rows read / used, skipped by reason, truncated, dropped, the split sizes."""
-        read = sum(s["rows_read"] for s in self.sources)
+        """One line: rows read, records, split sizes, skipped by reason, truncated, dropped."""
+        read, records = (sum(s[k] for s in self.sources) for k in ("rows_read", "records"))
+        split = f" -> {self.train_size} train / {self.eval_size} eval" if self.train_size else ""
         skipped = "; ".join(f"{reason}: {e['count']}" for reason, e in self.skipped.items()) or "none"
         extra = "".join(f", {kind} {d}" for kind, d in (("truncated", self.truncated), ("dropped", self.dropped)) if d)
-        return (f"{self.stage} data: {read} rows read -> {self.train_size} train / {self.eval_size} eval; "
-                f"skipped: {skipped}{extra}")
+        system = f", system turns dropped {self.system_turns_dropped}" if self.system_turns_dropped else ""
+        return f"{self.stage} data: {read} rows read, {records} records{split}; skipped: {skipped}{extra}{system}"
 
     def write(self, output_dir: str) -> str:
         """Write ``output_dir/data_report.json`` and log `summary`; returns the path."""
