@@ -63,6 +63,21 @@ def tokenizer(assets):
     return load_tokenizer(assets["tokenizer"])
 
 
+def reward_stand_in(assets) -> str:
+    """The tiny base model saved as a sequence classifier (its score head in the weights, untrained): a reward model
+    that passes PPO's reward-model check (`rlhf_trl.reward_models.require_reward_model`) where none needs training.
+    Built once per session beside the demo assets."""
+    path = os.path.join(os.path.dirname(assets["base_model"]), "reward_stand_in")
+    if not os.path.isdir(path):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        model = AutoModelForSequenceClassification.from_pretrained(assets["base_model"], num_labels=1)
+        model.save_pretrained(path + ".tmp")
+        AutoTokenizer.from_pretrained(assets["base_model"]).save_pretrained(path + ".tmp")
+        os.rename(path + ".tmp", path)
+    return path
+
+
 def write_jsonl(path, rows):
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import RECIPES, import_ppo
+from conftest import RECIPES, import_ppo, reward_stand_in
 from safetensors.torch import save_file
 from test_errors import run_cli
 from test_safe_overwrite import tree_hashes
@@ -259,7 +259,8 @@ class StepRecorder(TrainerCallback):
 
 
 def stage_argv(stage, assets, out):
-    """4 steps / updates, checkpoints 2 and 4; the base model stands in for the SFT and reward models."""
+    """4 steps / updates, checkpoints 2 and 4; the base model stands in for the SFT model (`reward_stand_in`: its
+    sequence-classifier copy for the reward model)."""
     common = ["--output_dir", str(out), "--report_to", "none", "--save_strategy", "steps", "--save_steps", "2",
               "--logging_steps", "1"]
     if stage == "sft":
@@ -271,7 +272,7 @@ def stage_argv(stage, assets, out):
                 assets["base_model"], "--max_samples", "20", "--eval_split_size", "4", "--max_steps", "4",
                 "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", *common]
     return ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path",
-            assets["base_model"], "--reward_model_path", assets["base_model"], "--max_samples", "48",
+            assets["base_model"], "--reward_model_path", reward_stand_in(assets), "--max_samples", "48",
             "--eval_split_size", "8", "--per_device_eval_batch_size", "8", "--per_device_train_batch_size", "4",
             "--gradient_accumulation_steps", "1", "--total_episodes", "16", "--num_ppo_epochs", "1",
             "--response_length", "8", "--local_rollout_forward_batch_size", "4", "--log_samples_every", "0",

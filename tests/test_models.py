@@ -4,7 +4,7 @@ import os
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, reward_stand_in
 
 from rlhf_trl import models
 from rlhf_trl.models import StageInputError, atomic_dir, load_tokenizer, require_model_dir
@@ -204,7 +204,7 @@ def test_qlora_recipe_reaches_from_pretrained(stage, assets, tmp_path, monkeypat
             "--dataset_format", "auto", "--report_to", "none"]
     if stage == "ppo":
         argv += ["--dataset_name", assets["prompts"], "--sft_model_path", assets["base_model"],
-                 "--reward_model_path", assets["base_model"], "--eval_split_size", "8", "--per_device_eval_batch_size", "4"]
+                 "--reward_model_path", reward_stand_in(assets), "--eval_split_size", "8", "--per_device_eval_batch_size", "4"]
     else:
         argv += ["--dataset_name", assets[stage], "--model_name_or_path", assets["base_model"]]
     with pytest.raises(_Loaded):
@@ -237,7 +237,7 @@ def test_qlora_recipe_errors_are_one_line(stage, extra, start, assets, tmp_path,
             "--dataset_format", "auto", "--report_to", "none", *extra]
     if stage == "ppo":
         argv += ["--dataset_name", assets["prompts"], "--sft_model_path", assets["base_model"],
-                 "--reward_model_path", assets["base_model"], "--eval_split_size", "8", "--per_device_eval_batch_size", "4"]
+                 "--reward_model_path", reward_stand_in(assets), "--eval_split_size", "8", "--per_device_eval_batch_size", "4"]
     else:
         argv += ["--dataset_name", assets[stage], "--model_name_or_path", assets["base_model"]]
     with pytest.raises(SystemExit) as exc:

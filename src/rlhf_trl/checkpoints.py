@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -67,6 +68,8 @@ class AtomicCheckpointMixin:
                     shutil.rmtree(staging, ignore_errors=True)
                 earlier = complete_checkpoints(root)
                 raise CheckpointWriteError(name, root, exc, os.path.basename(earlier[-1]) if earlier else None) from exc
+        if self.args.should_save:
+            drop_earlier_run(root)  # this run has a checkpoint of its own now
         self.accelerator.wait_for_everyone()  # checkpoint-N is in place for every process
 
 
@@ -89,9 +92,10 @@ def remove_staging(output_dir: str) -> None:
 def start_run(training_args, run_args=None):
     """Checks every stage makes before it reads its inputs; nothing of an earlier run is changed here.
 
-    Resolves ``resume_from_checkpoint`` (`resolve_resume`), refuses (unless ``overwrite_output_dir``) to overwrite a
-    finished run or to start afresh next to an unfinished run's checkpoints, and removes ``.tmp-checkpoint-*``
-    leftovers of a killed run. The earlier run's files are removed later, by `begin_writing`.
+    Puts back an earlier run that a killed run had set aside (`restore_earlier_run`), resolves
+    ``resume_from_checkpoint`` (`resolve_resume`), refuses (unless ``overwrite_output_dir``) to overwrite a finished
+    run or to start afresh next to an unfinished run's checkpoints, and removes ``.tmp-checkpoint-*`` leftovers of a
+    killed run. The earlier run's files are set aside later, by `begin_writing`.
 
     Returns:
         ``(run_args, resume)``: the run arguments (defaults if None) and the checkpoint to resume from, or None.
@@ -103,6 +107,9 @@ def start_run(training_args, run_args=None):
     run_args = run_args or RunArguments()
     state = distributed_state(training_args)
     out = training_args.output_dir
+    if state.is_main_process:
+        restore_earlier_run(out)
+    state.wait_for_everyone()
     resume = resolve_resume(training_args.resume_from_checkpoint, out)
     check_output_dir(out, run_args.overwrite_output_dir, bool(resume))
     earlier = [] if resume else complete_checkpoints(out)
@@ -118,20 +125,25 @@ def start_run(training_args, run_args=None):
 
 def begin_writing(training_args, run_args, resume) -> None:
     """Call once the run has proven its inputs (data read, models loaded), right before it writes: with
-    ``overwrite_output_dir`` and no resume the earlier run's files go now (`remove_earlier_run`), so a run that fails
-    on its inputs changes nothing on disk; a resume sets newer damaged checkpoints aside (`set_aside_damaged`)."""
+    ``overwrite_output_dir`` and no resume the earlier run's files are set aside (`set_earlier_run_aside`), so a run
+    that fails on its inputs changes nothing on disk, and one that fails later puts them back (`keeps_earlier_run`);
+    a resume sets newer damaged checkpoints aside (`set_aside_damaged`)."""
     state = distributed_state(training_args)
     if state.is_main_process and run_args.overwrite_output_dir and not resume:
-        remove_earlier_run(training_args.output_dir)
+        set_earlier_run_aside(training_args.output_dir)
     elif state.is_main_process and resume:
         set_aside_damaged(training_args.output_dir, resume)
     state.wait_for_everyone()
 
 
-# what a run leaves besides its models (those are replaced atomically when the new run saves); a fresh run over an
-# old one removes them so none of them is mistaken for its own
-RUN_ARTIFACTS = ("runs", "eval.json", "eval_samples.jsonl", "report.md", "report", "samples.jsonl", "metrics.json",
-                 "eval_metrics.json", "eval_pairs.jsonl", "log_history.json")
+# what a run leaves in output_dir besides checkpoints: a fresh run over an old one sets them aside (none of them may be
+# mistaken for its own), with the old checkpoints, until it has a checkpoint of its own or has finished
+RUN_FILES = ("merged", "adapter", "value_model", "run_config.yaml", "data_report.json", "README.md", "runs",
+             "eval.json", "eval_samples.jsonl", "report.md", "report", "samples.jsonl", "metrics.json",
+             "eval_metrics.json", "eval_pairs.jsonl", "log_history.json")
+EARLIER_RUN = ".earlier-run"  # output_dir/.earlier-run/: the earlier run's files, set aside (`set_earlier_run_aside`)
+LISTING = ".listing.json"  # in it: output_dir's entries before they were set aside
+_set_aside: set[str] = set()  # output_dirs whose earlier run this process set aside and has not dropped yet
 
 
 def complete_checkpoints(output_dir: str) -> list[str]:
@@ -141,21 +153,78 @@ def complete_checkpoints(output_dir: str) -> list[str]:
     return sorted(found, key=lambda p: (checkpoint_step(p), p))
 
 
-def remove_earlier_run(output_dir: str) -> None:
-    """``overwrite_output_dir`` without resume: delete the earlier run's checkpoints (damaged ones set aside
-    included), logs and reports (`RUN_ARTIFACTS`)."""
-    damaged = sorted(glob.glob(os.path.join(output_dir, f"{DAMAGED_PREFIX}checkpoint-*")))
-    stale = complete_checkpoints(output_dir) + damaged + [
-        p for p in (os.path.join(output_dir, name) for name in RUN_ARTIFACTS) if os.path.exists(p)
-    ]
-    if stale:
-        logger.info("overwrite_output_dir: removing %d checkpoints / logs of the earlier run in %s", len(stale),
-                    output_dir)
-    for path in stale:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.remove(path)
+def set_earlier_run_aside(output_dir: str) -> None:
+    """``overwrite_output_dir`` without resume: move the earlier run's checkpoints (damaged ones included) and
+    `RUN_FILES` into ``output_dir/.earlier-run/``, beside the names listed before the move. Main process."""
+    damaged = glob.glob(os.path.join(output_dir, f"{DAMAGED_PREFIX}checkpoint-*"))
+    names = [os.path.basename(p) for p in complete_checkpoints(output_dir) + sorted(damaged)] + [
+        n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
+    if not names:
+        return
+    aside = os.path.join(output_dir, EARLIER_RUN)
+    os.makedirs(aside)
+    with open(os.path.join(aside, LISTING), "w", encoding="utf-8") as f:  # before any move: `restore_earlier_run`
+        json.dump(sorted(set(os.listdir(output_dir)) - {EARLIER_RUN}), f)
+    for name in names:
+        os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+    _set_aside.add(os.path.abspath(output_dir))
+    logger.info("overwrite_output_dir: %d checkpoints / models / logs of the earlier run in %s set aside in %s until "
+                "this run has a checkpoint or finishes (put back if it fails)", len(names), output_dir, EARLIER_RUN)
+
+
+def restore_earlier_run(output_dir: str) -> None:
+    """Put back an earlier run set aside by `set_earlier_run_aside` (a run that failed, or was killed, before its first
+    checkpoint): what the new run wrote is removed, the earlier run's files return byte-identical. Safe to repeat
+    after a kill in the middle; a no-op without ``output_dir/.earlier-run``. Main process."""
+    aside = os.path.join(output_dir, EARLIER_RUN)
+    _set_aside.discard(os.path.abspath(output_dir))
+    if not os.path.isdir(aside):
+        return
+    try:
+        with open(os.path.join(aside, LISTING), encoding="utf-8") as f:
+            before = set(json.load(f))
+    except (OSError, ValueError):  # killed while the listing was written: nothing was moved yet
+        before = set(os.listdir(output_dir))
+    for name in sorted(set(os.listdir(output_dir)) - {EARLIER_RUN}):
+        if name not in before or os.path.lexists(os.path.join(aside, name)):  # the failed run's
+            _remove(os.path.join(output_dir, name))
+    for name in sorted(set(os.listdir(aside)) - {LISTING}):
+        os.rename(os.path.join(aside, name), os.path.join(output_dir, name))
+    shutil.rmtree(aside)
+    logger.warning("put back the earlier run in %s (the run over it stopped before its first checkpoint)", output_dir)
+
+
+def drop_earlier_run(output_dir: str) -> None:
+    """Delete the earlier run set aside in ``output_dir`` (this run has a checkpoint, or has finished). Main process."""
+    _set_aside.discard(os.path.abspath(output_dir))
+    if os.path.isdir(os.path.join(output_dir, EARLIER_RUN)):
+        shutil.rmtree(os.path.join(output_dir, EARLIER_RUN))
+        logger.info("removed the earlier run set aside in %s", os.path.join(output_dir, EARLIER_RUN))
+
+
+def keeps_earlier_run(run):
+    """Decorator for a stage's ``run``: if it raises (any exception, Ctrl-C), the earlier run it set aside is put back
+    (`restore_earlier_run`) before the exception goes on; when it returns, the set-aside run is deleted."""
+    @functools.wraps(run)
+    def wrapper(*args, **kwargs):
+        try:
+            result = run(*args, **kwargs)
+        except BaseException:
+            for out in sorted(_set_aside):
+                restore_earlier_run(out)
+            raise
+        for out in sorted(_set_aside):
+            drop_earlier_run(out)
+        return result
+
+    return wrapper
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def distributed_state(training_args):

@@ -26,6 +26,26 @@ def setup_logging() -> None:
     transformers.utils.logging.set_verbosity_warning()
 
 
+def quiet_libraries() -> None:
+    """Silence the two WARNING lines bitsandbytes prints at import on CPUs with AVX512-BF16 when it cannot fetch its
+    CPU kernel from the hub (`kernels` package; offline: "Skipping publisher trust check ..." and "Failed to load CPU
+    gemm_4bit_forward from kernels-community ..."): it falls back to its own kernel, nothing for users to do."""
+    logging.getLogger("kernels").setLevel(logging.ERROR)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_hub_kernel_warning)
+
+
+def _no_hub_kernel_warning(record: logging.LogRecord) -> bool:
+    return "kernels-community" not in record.getMessage()
+
+
+def close_progress_bars() -> None:
+    """Close every open tqdm progress bar (a trainer's stays open when training raises), ending its line."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def is_main_rank() -> bool:
     """False in the non-main processes of an ``accelerate launch`` / torchrun launch (``RANK`` > 0)."""
     return int(os.environ.get("RANK", "0") or 0) == 0
@@ -39,8 +59,10 @@ def one_line(exc: BaseException) -> str:
 def run_stage(stage: str, argv: list[str] | None = None) -> int:
     """Run one stage's ``main(argv)``. Bad input (recipe, data, missing or unsafe model files) prints one line on
     stderr and exits with status 2; a diverged PPO run exits with status 3; a checkpoint the file system refused
-    (`faults.CheckpointWriteError`) exits with status 4. ``RLHF_TRL_DEBUG=1`` re-raises with the traceback.
+    (`faults.CheckpointWriteError`) exits with status 4. ``RLHF_TRL_DEBUG=1`` re-raises with the traceback. Open
+    progress bars are closed first: the error is the last line on stderr.
     """
+    quiet_libraries()  # before any import of bitsandbytes (through transformers / peft)
     from .config import RecipeError
     from .data import DataError
     from .faults import CheckpointWriteError
@@ -57,17 +79,19 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notices are not for users
     setup_logging()
     module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
+    user_errors = (RecipeError, DataError, StageInputError, ValueError, FileNotFoundError, RewardFunctionError,
+                   CheckpointWriteError)
     try:
         result = module.main(sys.argv[1:] if argv is None else argv)
-    except (RecipeError, DataError, StageInputError, ValueError, FileNotFoundError, RewardFunctionError,
-            CheckpointWriteError) as exc:
-        if os.environ.get("RLHF_TRL_DEBUG"):
-            raise
-        print(f"rlhf-trl {stage}: error: {one_line(exc)}", file=sys.stderr)
-        sys.exit(4 if isinstance(exc, CheckpointWriteError) else 2)
-    except diverged as exc:
-        print(f"rlhf-trl {stage}: training stopped: {exc}", file=sys.stderr)
-        sys.exit(3)
+    except BaseException as exc:
+        close_progress_bars()
+        if isinstance(exc, user_errors) and not os.environ.get("RLHF_TRL_DEBUG"):
+            print(f"rlhf-trl {stage}: error: {one_line(exc)}", file=sys.stderr)
+            sys.exit(4 if isinstance(exc, CheckpointWriteError) else 2)
+        if isinstance(exc, diverged):
+            print(f"rlhf-trl {stage}: training stopped: {exc}", file=sys.stderr)
+            sys.exit(3)
+        raise
     end_process_group()
     if stage == "demo" and "summary" in result:
         print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -73,7 +75,8 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
         A tuple of dataclass instances, in the order of ``dataclass_types``, followed by the recipe path (or None).
 
     Raises:
-        RecipeError: the recipe is missing or not a mapping, holds an unknown key, or a value has the wrong type.
+        RecipeError: the recipe is missing or not a mapping, holds an unknown key (the closest known key suggested),
+            a value has the wrong type or is out of range, or output_dir is a file (`check_values`).
     """
     from trl import TrlParser
 
@@ -95,7 +98,7 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
         known = {f.name for t in dataclass_types for f in dataclasses.fields(t)} | {"env"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise RecipeError(f"{path}: unknown key(s) {unknown}; check the spelling against `--help`")
+            raise RecipeError(f"{path}: unknown key(s) {unknown}; {did_you_mean(unknown, known, '`--help`')}")
     has_report_to = any("report_to" in {f.name for f in dataclasses.fields(t)} for t in dataclass_types)
     if has_report_to and "report_to" not in data and not any(a.split("=")[0] == "--report_to" for a in argv):
         argv += ["--report_to", DEFAULT_REPORT_TO]
@@ -110,6 +113,7 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
         raise RecipeError(f"{'command line' if on_command_line or not path else path}: {message}")
 
     parser.error = error
+    parser._negative_number_matcher = NEGATIVE_NUMBER  # `--learning_rate -1e-3`: a value, not a flag
     try:
         parsed = parser.parse_args_and_config(argv)
     except RecipeError:
@@ -122,10 +126,67 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
         message = str(exc)
         if "not used by the HfArgumentParser" in message:  # a flag typed on the command line that no field has
             unused = message.split(":", 1)[-1].strip()
-            raise RecipeError(f"command line: unknown argument(s) {unused}; check the spelling against --help"
-                              ) from None
-        raise RecipeError(f"{path or 'command line'}: {message}") from None
+            known = {f.name for t in dataclass_types for f in dataclasses.fields(t)}
+            hint = did_you_mean(re.findall(r"'--([^'=]+)", unused), known, "--help", "--")
+            raise RecipeError(f"command line: unknown argument(s) {unused}; {hint}") from None
+        key = re.match(r"\w*", message).group()  # a dataclass's own check: "<key> must be ..."
+        raise RecipeError(f"{value_source(key, argv, path) if key else path or 'command line'}: {message}") from None
+    check_values(parsed, argv, path)
     return (*parsed, path)
+
+
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$")
+# the condition each recipe value must meet, checked when the recipe is parsed (`check_values`); None is always allowed
+RANGES = {
+    "> 0": ("learning_rate", "num_train_epochs", "temperature", "cliprange", "cliprange_value", "adam_epsilon"),
+    ">= 1": ("max_length", "response_length", "per_device_train_batch_size", "per_device_eval_batch_size",
+             "gradient_accumulation_steps", "num_ppo_epochs", "num_mini_batches", "local_rollout_forward_batch_size",
+             "total_episodes", "reward_baseline_batches", "lora_r", "value_lora_r"),
+    ">= 0": ("kl_coef", "vf_coef", "weight_decay", "max_grad_norm", "logits_chunk_size", "log_samples_every",
+             "num_sample_generations"),
+    "in [0, 1]": ("gamma", "lam"),
+    "in [0, 1)": ("lora_dropout", "value_lora_dropout"),
+}
+_MEETS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0,
+          "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
+
+
+def did_you_mean(unknown: list[str], known: set[str], manual: str, dashes: str = "") -> str:
+    """``did you mean 'learning_rate'?`` for the known keys closest to ``unknown`` (`difflib`), else ``check the
+    spelling against <manual>``."""
+    close = sorted({m for key in unknown for m in difflib.get_close_matches(key, known, 1, 0.75)})
+    return f"did you mean {', '.join(repr(dashes + m) for m in close)}?" if close else \
+        f"check the spelling against {manual}"
+
+
+def value_source(key: str, argv: list[str], path: str | None) -> str:
+    """Where ``key``'s value came from: ``command line`` (``--key`` in ``argv``, or no recipe) or the recipe path."""
+    flags = (f"--{key}", f"--{key.replace('_', '-')}")
+    return "command line" if not path or any(a.split("=")[0] in flags for a in argv) else path
+
+
+def check_values(configs, argv: list[str], path: str | None) -> None:
+    """Check every value of the parsed recipe ``configs`` that needs no model or data: the ranges of `RANGES`, and an
+    ``output_dir`` that is (or lies under) an existing file. Runs before anything is read or written.
+
+    Raises:
+        RecipeError: ``<recipe path or 'command line'>: <key> must be <condition>, got <value>`` (the command line
+            when the key was given there), or ``...: output_dir '<dir>' is a file, not a directory; ...``.
+    """
+    for cfg in configs:
+        for rule, keys in RANGES.items():
+            for key in keys:
+                value = getattr(cfg, key, None)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and not _MEETS[rule](value):
+                    raise RecipeError(f"{value_source(key, argv, path)}: {key} must be {rule}, got {value}")
+        out = getattr(cfg, "output_dir", None)
+        blocker = os.path.abspath(out) if out else None
+        while blocker and not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
+            blocker = os.path.dirname(blocker)
+        if blocker and os.path.exists(blocker) and not os.path.isdir(blocker):
+            inside = "" if blocker == os.path.abspath(out) else f": '{blocker}'"
+            raise RecipeError(f"{value_source('output_dir', argv, path)}: output_dir '{out}'{inside} is a file, not a "
+                              "directory; choose another output_dir")
 
 
 def sibling_recipe(path: str | None, stage: str) -> str:

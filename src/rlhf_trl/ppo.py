@@ -22,9 +22,9 @@ import os
 import torch
 from datasets import Dataset
 
-from .checkpoints import begin_writing, distributed_state, start_run
+from .checkpoints import begin_writing, distributed_state, keeps_earlier_run, start_run
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
-from .data import DataArguments, Template, describe_sources, prompt_features, read_records, split_records
+from .data import DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, split_records
 from .models import (
     BIASING_GENERATION_KEYS,
     eos_token_ids,
@@ -42,7 +42,8 @@ from .models import (
 from .ppo_config import PPOConfig, PPOScriptArguments
 from .ppo_engine import TrainingDivergedError  # noqa: F401 (importable from the stage)
 from .ppo_trainer import AdaptiveKLController, RLHFPPOTrainer, deployable_generation_config  # noqa: F401
-from .reward_models import SharedBaseRewardModel, apply_reward_baseline, calibrate_reward_baseline
+from .reward_models import (SharedBaseRewardModel, apply_reward_baseline, calibrate_reward_baseline,
+                            require_reward_model)
 from .scoring import preserved_rng  # noqa: F401 (importable from the stage)
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     )
 
 
+@keeps_earlier_run
 def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model_args, sft_hint=None, rm_hint=None,
         callbacks: list | None = None, run_args: RunArguments | None = None) -> dict:
     """Train the policy with PPO on the prompts of the recipe's data; returns ``{"output_dir", "merged",
@@ -73,7 +75,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
     its weights were merged into the value model at the end).
 
     Raises:
-        StageInputError: the SFT or reward model is missing (the hint names the stage to run first).
+        StageInputError: the SFT or reward model is missing (the hint names the stage to run first), or the reward model
+            is not a sequence classifier with a trained score head (`require_reward_model`).
         DataError: bad rows.
         ValueError: fewer eval prompts than ``per_device_eval_batch_size`` x processes; ``max_prompt_length``,
             reward functions, chat templates, quantization or model layout settings that cannot run (`check_inputs`,
@@ -92,8 +95,9 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
     paths, reward_functions = check_inputs(ppo_args, training_args, run_args, sft_hint, rm_hint)
 
     # data
-    records = read_records(data_args, "prompts")
-    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
+    report = DataReport("ppo")
+    records = read_records(data_args, "prompts", report)
+    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
     if len(eval_records) < training_args.per_device_eval_batch_size * dist.num_processes:  # one batch per process
         raise ValueError(
             f"{describe_sources(data_args)}: {len(eval_records)} eval prompts, fewer than per_device_eval_batch_size="
@@ -104,7 +108,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
     tokenizer = load_tokenizer(paths["sft"], padding_side="left", trust_remote_code=ppo_args.trust_remote_code)
     template, source = Template.from_args(data_args), describe_sources(data_args)
     train_ds, eval_ds = (Dataset.from_dict(prompt_features(rows, tokenizer, template, data_args.max_prompt_length,
-                                                           f"{source} ({split} split)"))
+                                                           f"{source} ({split} split)", report, split))
                          for rows, split in ((train_records, "train"), (eval_records, "eval")))
     policy, reward_model, value_model, eos_ids, stock_config = load_models(
         paths, tokenizer, ppo_args, training_args, model_args, run_args.allow_pickle_weights)
@@ -132,7 +136,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
     trainer.train(resume_from_checkpoint=resume)
 
     # save
-    return save_outputs(trainer, tokenizer, stock_config, (data_args, ppo_args, training_args, model_args, run_args))
+    return save_outputs(trainer, tokenizer, stock_config, (data_args, ppo_args, training_args, model_args, run_args),
+                        report)
 
 
 def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_args: RunArguments, sft_hint, rm_hint):
@@ -157,6 +162,7 @@ def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_arg
     rm_path = None
     if training_args.reward_model_path:
         rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint, pickle_ok)
+        require_reward_model(rm_path, rm_hint)  # a causal LM or an untrained score head: one line, nothing read yet
     if not (ppo_args.value_model_path or rm_path):
         raise ValueError("value_model_path: without a reward model the value model needs its own initialization "
                          "(a sequence classifier, or a causal LM directory: its score head starts at random)")
@@ -297,9 +303,9 @@ def reward_columns_of(records: list[dict]):
     return lambda rows: reward_columns([records[i] for i in rows])
 
 
-def save_outputs(trainer, tokenizer, stock_config, configs: tuple) -> dict:
-    """Write adapter, merged policy, value model (merged if it has an adapter), run config, metrics and log history
-    (the main process writes; the others wait). Returns `run`'s result."""
+def save_outputs(trainer, tokenizer, stock_config, configs: tuple, report: DataReport | None = None) -> dict:
+    """Write adapter, merged policy, value model (merged if it has an adapter), run config, metrics, log history and
+    the data report (the main process writes; the others wait). Returns `run`'s result."""
     from peft import PeftModel
 
     out, ppo_args = trainer.args.output_dir, configs[1]
@@ -328,6 +334,8 @@ def save_outputs(trainer, tokenizer, stock_config, configs: tuple) -> dict:
         save_pretrained_atomic(unwrapped.value_model, tokenizer, result["value_model"])
     write_json(os.path.join(out, "metrics.json"), metrics)
     write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
+    if report is not None:
+        report.write(out)
     logger.info("PPO done: merged policy at %s, value model at %s", result["merged"], result["value_model"])
     trainer.accelerator.wait_for_everyone()
     return result

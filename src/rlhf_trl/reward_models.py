@@ -7,6 +7,8 @@ Each wrapper keeps what `rlhf_trl.scoring.sequence_scores` reads: ``base_model_p
 
 from __future__ import annotations
 
+import glob
+import json
 import logging
 import os
 from contextlib import contextmanager
@@ -15,12 +17,47 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .models import StageInputError
 from .ppo_config import sampling_config
 from .scoring import generate_rollouts, preserved_rng, sequence_scores, truncate_at_eos
 
 logger = logging.getLogger(__name__)
 
 OFFLOAD_PREFIX = ".tmp-offload-"
+
+
+def require_reward_model(path: str, train_hint: str | None = None) -> None:
+    """Check that the local model directory ``path`` is a sequence classifier with a trained ``score`` head, from its
+    ``config.json`` (``architectures``) and weight names (safetensors headers or index; pickle weights are not read).
+    A hub id is left to the loader.
+
+    Raises:
+        StageInputError: a causal LM (``...ForCausalLM``), or weights without ``score.weight`` (transformers would
+            initialise the head at random); one line naming ``path`` and ``train_hint`` (the command training one).
+    """
+    if not os.path.isdir(path):
+        return
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        kinds = json.load(f).get("architectures") or []
+    index, names = os.path.join(path, "model.safetensors.index.json"), None
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            names = set(json.load(f).get("weight_map", {}))
+    elif glob.glob(os.path.join(path, "*.safetensors")):
+        from safetensors import safe_open
+
+        names = set()
+        for file in glob.glob(os.path.join(path, "*.safetensors")):
+            with safe_open(file, "pt") as weights:
+                names |= set(weights.keys())
+    if kinds and not any(k.endswith("ForSequenceClassification") for k in kinds):
+        problem = f"is a {kinds[0]}, not a sequence-classification model"
+    elif names is not None and not any(n == "score.weight" or n.endswith(".score.weight") for n in names):
+        problem = "has no score.weight in its weights (its score head would be newly initialised at random)"
+    else:
+        return
+    raise StageInputError(f"reward_model_path '{path}' {problem}: a reward model needs a trained score head; train "
+                          f"one with `{train_hint or 'make rm'}` and use its merged/ directory")
 
 
 class BaselineShiftedScore(nn.Module):
