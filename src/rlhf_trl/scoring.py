@@ -1,8 +1,5 @@
 """The tensor operations every stage shares, one implementation each, for PPO, ``rlhf-trl eval``, the demo and RM
-evaluation: `generate_rollouts` / `sample` (sampling with the sampled tokens' log-probs), `response_logprobs` (a causal
-LM's log-probs of given response tokens, chunked and checkpointed: no ``[batch, seq_len, vocab]`` tensor is held),
-`response_values` (a value model's estimates), `sequence_scores` / `score_sequences` (a reward model's score at the
-last real token, as TRL's ``get_reward``).
+evaluation: sampling, log-probs, values and reward-model scores.
 
 Layout: ``query_responses [batch, T]`` holds a left-padded prompt of ``context_length`` tokens, then the response
 (right-padded with ``pad_token_id``, distinct from every EOS id); models see pads masked and positions counted from
@@ -76,7 +73,7 @@ def _parts(model, head: str):
 
 
 def eos_mask(tokens: torch.Tensor, eos_token_ids) -> torch.Tensor:
-    """``True`` where a token is any of ``eos_token_ids`` (an int or a list): ``[batch, seq_len] -> [batch, seq_len]``."""
+    """``True`` where a token is any of ``eos_token_ids`` (an int or a list): ``[batch, seq_len]`` -> the same."""
     ids = torch.as_tensor(eos_token_ids if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids],
                           device=tokens.device, dtype=tokens.dtype)
     return torch.isin(tokens, ids)
@@ -97,13 +94,11 @@ def truncate_at_eos(responses: torch.Tensor, eos_token_ids, pad_token_id: int) -
 @torch.no_grad()
 def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generation_config,
                       batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one response per left-padded prompt, ``batch`` prompts per ``generate`` call.
-
-    ``queries [b, Q]`` -> ``(query_responses [b, Q + R], logprobs [b, R])``: prompt then response ids (right-padded
-    with ``pad_token_id`` where a call ended early), and each sampled token's log-prob under the sampling
-    distribution (the processed logits ``generate`` returns: ``logits / temperature``; 0.0 on padding). Same rollout
-    as TRL 1.12's ``batch_generation``, without stacking the ``[b, R, vocab]`` logits: one ``[rows, vocab]``
-    log-softmax per decoding step.
+    """Sample one response per left-padded prompt, ``batch`` prompts per ``generate`` call: ``queries [b, Q]`` ->
+    ``(query_responses [b, Q + R], logprobs [b, R])``, prompt then response ids (right-padded with ``pad_token_id``
+    where a call ended early) and each sampled token's log-prob under ``logits / temperature`` (0.0 on padding).
+    TRL 1.12's ``batch_generation``, with one ``[rows, vocab]`` log-softmax per decoding step instead of stacked
+    ``[b, R, vocab]`` logits.
     """
     context = queries.shape[1]
     config = copy.deepcopy(generation_config)
@@ -127,13 +122,10 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
 
 def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, max_new_tokens: int,
            temperature: float, seed: int, batch_size: int = 64) -> list[tuple[list[int], bool]]:
-    """Sample one response per prompt (``[num_prompts]`` lists of ids) with `generate_rollouts`.
-
-    Sampling is softmax(logits / ``temperature``) and nothing else (`rlhf_trl.models.sampling_generation_config`:
-    the model's own top-k / top-p / repetition penalty are not applied, as in PPO rollouts), stopping at any of
-    ``eos_token_ids`` (an int or a list), at most ``max_new_tokens`` tokens. The RNG is seeded with ``seed`` once,
-    before the first batch. Returns ``(response ids, ended with EOS)`` per prompt: the ids up to and including the
-    first EOS (`truncate_at_eos`), else all ``max_new_tokens`` of them.
+    """Sample one response per prompt (``[num_prompts]`` lists of ids) with `generate_rollouts`, as PPO rollouts:
+    softmax(logits / ``temperature``) only (`rlhf_trl.models.sampling_generation_config`), stopping at any of
+    ``eos_token_ids`` (an int or a list), at most ``max_new_tokens`` tokens, the RNG seeded with ``seed`` once.
+    Returns ``(response ids, ended with EOS)`` per prompt: the ids up to and including the first EOS, else all.
     """
     from .models import sampling_generation_config
 
@@ -158,13 +150,11 @@ def response_hidden(backbone, query_responses: torch.Tensor, context_length: int
 
 def response_logprobs(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                       temperature: float, chunk_size: int = 0, with_entropy: bool = False):
-    """Log-probs of the response tokens under ``softmax(logits / temperature)``, optionally their entropy.
-
-    ``query_responses [b, T]`` (prompt of ``context_length`` tokens, then the response) -> ``logprobs [b, R]`` with
-    ``R = T - context_length`` (and ``entropy [b, R]`` in nats, without gradient). Vocabulary logits are formed
-    only for the response positions, ``chunk_size`` positions at a time (0: all at once); under autograd each chunk
-    is checkpointed, so its ``[b, chunk, vocab]`` logits are recomputed in the backward pass instead of kept. The
-    engine passes TRL 1.12's ``temperature + 1e-7``.
+    """Log-probs of the response tokens under ``softmax(logits / temperature)``, optionally their entropy:
+    ``query_responses [b, T]`` (a prompt of ``context_length`` tokens, then the response) -> ``logprobs [b, R]``,
+    ``R = T - context_length`` (and ``entropy [b, R]`` in nats, without gradient). Logits are formed for the
+    response positions only, ``chunk_size`` at a time (0: all at once), each chunk checkpointed under autograd (its
+    ``[b, chunk, vocab]`` logits recomputed in the backward pass). The engine passes TRL 1.12's ``temperature + 1e-7``.
     """
     backbone, lm_head = _parts(policy, "lm")
     hidden = response_hidden(backbone, query_responses, context_length, pad_token_id)
@@ -215,9 +205,7 @@ def last_token_index(query_responses: torch.Tensor, pad_token_id: int, context_l
 
 def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
     """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]``
-    (reward units).
-
-    Agrees with TRL 1.12's ``get_reward`` (``[1]`` of its result); feeds the tokens up to the latest such token only.
+    (reward units). TRL 1.12's ``get_reward`` (``[1]`` of its result), fed the tokens up to the latest such token.
 
     Raises:
         ValueError: a row has no real token to score (`last_token_index`).
