@@ -266,3 +266,32 @@ def test_system_turn_fills_a_system_slot_of_the_text_template():
     assert template.has_system_slot and not Template().has_system_slot
     assert template.format_prompt("q", [("q0", "a0")], system="S\n") == "S\n问：q0\n\n答：a0\n\n问：q\n\n答："
     assert template.format_prompt("q") == "问：q\n\n答："
+
+
+def test_rm_trains_on_hh_rlhf_rows_with_empty_replies(sft_run, tmp_path):
+    from conftest import RECIPES
+
+    from rlhf_trl import rm
+
+    path = write_jsonl(tmp_path / "harmless-base-test.jsonl", hh_rows(48, {5, 30}))
+    out = tmp_path / "rm"
+    result = rm.main(["--config", f"{RECIPES}/rm.yaml", "--dataset_name", path, "--dataset_format", "auto",
+                      "--prompt_template", "raw", "--max_length", "128",
+                      "--model_name_or_path", sft_run["merged"], "--output_dir", str(out), "--num_train_epochs", "1",
+                      "--eval_split_size", "8"])
+    assert result["metrics"]["num_train_pairs"] == 40 and result["metrics"]["global_step"] > 0
+    report = json.loads((out / "data_report.json").read_text(encoding="utf-8"))
+    assert report["skipped"] == {} and (report["train_size"], report["eval_size"]) == (40, 8)
+    assert report["template"] == "raw" and report["sources"][0]["format"] == "implicit"
+
+
+def test_empty_json_array_and_misspelt_source_key(tmp_path):
+    path = tmp_path / "empty.json"
+    path.write_text("[]\n", encoding="utf-8")
+    with pytest.raises(DataError) as err:
+        read_records(DataArguments(dataset_name=str(path)), "sft")
+    assert str(err.value) == f"{path}: holds no rows (an empty JSON array)"
+    with pytest.raises(ValueError) as err:
+        read_records(DataArguments(datasets=[{"dataset_name": str(path), "question_kye": "q"}]), "sft")
+    assert str(err.value) == f"datasets[0] ({path}): unknown key(s) ['question_kye']; did you mean 'question_key' for " \
+                             "'question_kye'?"

@@ -118,6 +118,7 @@ def sources(args: DataArguments) -> list[DataArguments]:
         ValueError: no source at all, or an entry with an unknown key or without ``dataset_name``.
     """
     import dataclasses
+    import difflib
 
     out = [args] if args.dataset_name else []
     for j, entry in enumerate(args.datasets or []):
@@ -125,7 +126,10 @@ def sources(args: DataArguments) -> list[DataArguments]:
             raise ValueError(f"datasets[{j}] must be a mapping with a dataset_name, got {entry!r}")
         unknown = sorted(set(entry) - set(SOURCE_KEYS))
         if unknown:
-            raise ValueError(f"datasets[{j}] ({entry['dataset_name']}): unknown key(s) {unknown}; use {SOURCE_KEYS}")
+            close = {k: difflib.get_close_matches(k, SOURCE_KEYS, 1) for k in unknown}
+            hint = "; ".join(f"did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)
+            raise ValueError(f"datasets[{j}] ({entry['dataset_name']}): unknown key(s) {unknown}; "
+                             f"{hint or f'use {SOURCE_KEYS}'}")
         # mapping keys start from their defaults; max_samples and dataset_split are inherited
         defaults = {k: f.default for k, f in DataArguments.__dataclass_fields__.items()
                     if k in SOURCE_KEYS and k not in ("max_samples", "dataset_split")}

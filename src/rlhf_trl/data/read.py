@@ -256,9 +256,11 @@ def _check_json_file(path: str, kind: str) -> None:
             f.seek(0)
             if head == "[":
                 try:
-                    json.load(f)
+                    doc = json.load(f)
                 except json.JSONDecodeError as exc:
                     raise DataError(path, f"cannot be read as {kind}: not valid JSON: {exc}") from None
+                if doc == []:
+                    raise DataError(path, "holds no rows (an empty JSON array)")
                 return
             row = 0
             for line_number, line in enumerate(f, 1):
