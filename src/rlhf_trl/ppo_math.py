@@ -1,7 +1,6 @@
 """The arithmetic of PPO for language models, as small pure functions on tensors.
 
-Shapes: ``batch`` rollouts, ``R`` response positions (tokens), ``V`` vocabulary entries. Every function is
-deterministic and holds no state; `rlhf_trl.ppo_engine` strings them together. The formulas are those of
+Shapes: ``batch`` rollouts, ``R`` response positions (tokens), ``V`` vocabulary entries. The formulas are those of
 Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences"), Schulman et al. 2016 (GAE), Schulman
 et al. 2017 (PPO's clipped objectives) and Huang et al. 2024 ("The N+ Implementation Details of RLHF with PPO"),
 in the form TRL 1.12's PPOTrainer (``ppo_trainer.py`` of its experimental PPO package) computes them; the oracle test
@@ -48,27 +47,21 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
-    """Mean of ``values`` where ``mask`` is true (same shapes); over ``axis`` or everything."""
-    if axis is not None:
-        return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is true (same shapes)."""
     return (values * mask).sum() / mask.sum()
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``values`` where ``mask`` is true, Bessel-corrected by default.
+def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Variance of ``values`` where ``mask`` is true, Bessel-corrected.
 
     Raises:
         ValueError: the mask selects nothing (a mini-batch of one empty response).
     """
-    mean = masked_mean(values, mask)
-    variance = masked_mean((values - mean) ** 2, mask)
-    if unbiased:
-        count = mask.sum()
-        if count == 0:
-            raise ValueError("whitening over an empty mask: raise the mini-batch size")
-        variance = variance * count / (count - 1)
-    return variance
+    count = mask.sum()
+    if count == 0:
+        raise ValueError("whitening over an empty mask: raise the mini-batch size")
+    return masked_mean((values - masked_mean(values, mask)) ** 2, mask) * count / (count - 1)
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
@@ -90,10 +83,8 @@ def value_padding_mask(sequence_lengths: torch.Tensor, width: int) -> torch.Tens
 
 
 def score_positions(sequence_lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Where each score is added: one past the last real token, or the last token if that is the final position.
-
-    ``[batch] -> [batch]`` (long).
-    """
+    """Where each score is added: one past the last real token, or the last token if that is the final position:
+    ``[batch] -> [batch]`` (long)."""
     after = sequence_lengths + 1
     return torch.where(after < width, after, sequence_lengths)
 
