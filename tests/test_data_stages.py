@@ -101,7 +101,8 @@ def test_implicit_pairs_without_a_shared_marker_fail_in_one_line(assets, tmp_pat
     code, lines = run_cli_error("rm", argv, capsys)
     assert code == 2
     assert lines == [f"rlhf-trl rm: error: {data}, row 1, field 'chosen/rejected': chosen and rejected share no prefix "
-                     "ending in the assistant marker '\\n\\nAssistant:' (set human_marker / assistant_marker)"]
+                     "ending in the assistant marker '\\n\\nAssistant:' (set human_marker / assistant_marker); fix the "
+                     "row, or set on_bad_row: skip to skip such rows"]
     assert not os.path.exists(tmp_path / "out" / "merged")
 
 

@@ -18,7 +18,8 @@ _ROLE_NAMES = {code: role for role, code in _ROLE_CODES.items()}
 
 
 def _is_message_column(schema, key: str) -> bool:
-    """Whether column ``key`` is a list of structs with string ``role`` and ``content`` fields (others may follow)."""
+    """Whether column ``key`` is a list of structs with string ``role`` and ``content`` fields (others may follow, but
+    not ``tool_calls``)."""
     import pyarrow as pa
 
     k = schema.get_field_index(key)
@@ -28,7 +29,7 @@ def _is_message_column(schema, key: str) -> bool:
     if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
         return False
     struct = kind.value_type
-    return all(struct.get_field_index(name) >= 0 and (pa.types.is_string(struct.field(name).type)
+    return struct.get_field_index("tool_calls") < 0 and all(struct.get_field_index(name) >= 0 and (pa.types.is_string(struct.field(name).type)
                                                        or pa.types.is_large_string(struct.field(name).type))
                for name in ("role", "content"))
 
