@@ -54,25 +54,6 @@ def read_adapter_config(adapter_dir: str) -> dict:
     return config
 
 
-def resolve_base(adapter_dir: str, config: dict, base: str | None = None) -> str:
-    """The base model directory (or hub id): ``base``, else the adapter config's ``base_model_name_or_path`` (as
-    given, else relative to ``adapter_dir``).
-
-    Raises:
-        ValueError: no base given and the adapter config names none.
-    """
-    if base:
-        return base
-    name = config.get("base_model_name_or_path")
-    if not name:
-        raise ValueError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path; pass --base DIR")
-    if not os.path.isabs(name) and not os.path.exists(name):
-        candidate = os.path.join(adapter_dir, name)
-        if os.path.exists(candidate):
-            return candidate
-    return name
-
-
 def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
     """Refuse an ``--output`` whose replacement would delete an input or unrelated files: the adapter or base
     directory or one holding either, a file, or a non-empty directory without ``config.json``.
@@ -97,24 +78,14 @@ def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
                           "so choose a new or empty directory")
 
 
-def has_tokenizer(path: str) -> bool:
-    """True when the directory ``path`` holds tokenizer files."""
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
-
-
 def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dtype=None,
                   trust_remote_code: bool = False, allow_pickle: bool = False):
     """Merge the LoRA adapter in ``adapter_dir`` into its base and save a plain model to ``output_dir``.
 
-    Args:
-        adapter_dir: a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
-        output_dir: where the merged model, tokenizer and ``README.md`` go: a new or empty directory, or an earlier
-            merged model (replaced atomically).
-        base: the base model; default: the adapter config's ``base_model_name_or_path``.
-        dtype: ``from_pretrained`` dtype of the base (None: the checkpoint's default).
-
-    Returns:
-        The merged plain `transformers` model (eval mode).
+    ``output_dir`` (for the merged model, tokenizer and ``README.md``) is a new or empty directory, or an earlier
+    merged model (replaced atomically). ``base``: default the adapter config's ``base_model_name_or_path`` (as given,
+    else relative to ``adapter_dir``). ``dtype``: the base's ``from_pretrained`` dtype. Returns the merged plain
+    `transformers` model (eval mode).
 
     Raises:
         StageInputError: the adapter (its config or weights) or the base model is missing.
@@ -132,9 +103,16 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{adapter_dir}: peft_type {config.get('peft_type')!r} is not a LoRA adapter")
     source = "--base" if base else f"base_model_name_or_path of {adapter_dir}/adapter_config.json"
-    base_path = require_model_dir(resolve_base(adapter_dir, config, base), f"base model ({source})", None, allow_pickle)
+    if not base:
+        base = config.get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path; pass --base DIR")
+        if not os.path.isabs(base) and not os.path.exists(base) and os.path.exists(os.path.join(adapter_dir, base)):
+            base = os.path.join(adapter_dir, base)
+    base_path = require_model_dir(base, f"base model ({source})", None, allow_pickle)
     check_output(output_dir, adapter_dir, base_path)
-    tokenizer_src = adapter_dir if has_tokenizer(adapter_dir) else base_path
+    has_tokenizer = any(os.path.isfile(os.path.join(adapter_dir, f)) for f in TOKENIZER_FILES)
+    tokenizer_src = adapter_dir if has_tokenizer else base_path
     tokenizer = load_tokenizer(tokenizer_src, trust_remote_code=trust_remote_code)
     loader = load_causal_lm if task_type == "CAUSAL_LM" else load_sequence_classifier
     model = loader(base_path, dtype, trust_remote_code, allow_pickle)
