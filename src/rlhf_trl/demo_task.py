@@ -92,16 +92,10 @@ def question_of_prompt(prompt: str) -> str:
 
 
 def ground_truth_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """The demo's ground truth as a PPO reward function (``reward_funcs: ["rlhf_trl.demo_task:ground_truth_reward"]``).
-
-    Args:
-        prompts: ``[batch]`` prompt texts.
-        completions: ``[batch]`` decoded responses (no EOS).
-        columns: per-row columns (lists of length ``batch``); ``question`` (`rlhf_trl.rewards.reward_columns`) is
-            used when present, else the question is recovered from the prompt (`question_of_prompt`).
-
-    Returns:
-        ``[batch]`` floats in ``[-1, 1]`` (the units of `score_response`): ``score_response(question, completion)``.
+    """The demo's ground truth as a PPO reward function (``reward_funcs: ["rlhf_trl.demo_task:ground_truth_reward"]``):
+    ``[batch]`` prompt texts and decoded completions -> ``[batch]`` floats in ``[-1, 1]``,
+    ``score_response(question, completion)``. The ``question`` column (`rlhf_trl.rewards.reward_columns`) is used
+    when present, else the question is recovered from the prompt (`question_of_prompt`).
 
     Raises:
         ValueError: a question that names no topic or several (`topic_of`); lengths that differ.
@@ -142,18 +136,22 @@ def sft_rows(n: int, seed: int, topics=TRAIN_TOPICS) -> list[dict]:
     ]
 
 
+def _worse_answers(n: int, seed: int, topics, others):
+    """``(topic, question, worse answer, rng)`` for ``n`` rows: the worse answer alternates between an on-topic
+    negative one and praise of another topic of ``others``; the rows' other answers are drawn from ``rng`` in turn."""
+    rng = random.Random(seed)
+    for i in range(n):
+        t = rng.choice(topics)
+        q = question(t, rng)
+        yield t, q, answer(t, -1, rng) if i % 2 == 0 else answer(other_topic(t, rng, others), 1, rng), rng
+
+
 def ranked_rows(n: int, seed: int, topics=TRAIN_TOPICS) -> list[dict]:
     """Ranked answer lists, best first (3 ordered pairs each), alternating between
     [on-topic positive, neutral, on-topic negative] and [on-topic positive, neutral, praise of another topic of
     ``topics``]."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        t = rng.choice(topics)
-        q = question(t, rng)
-        last = answer(t, -1, rng) if i % 2 == 0 else answer(other_topic(t, rng, topics), 1, rng)
-        rows.append({"instruction": q, "input": "", "output": [answer(t, 1, rng), answer(t, 0, rng), last]})
-    return rows
+    return [{"instruction": q, "input": "", "output": [answer(t, 1, rng), answer(t, 0, rng), worse]}
+            for t, q, worse, rng in _worse_answers(n, seed, topics, topics)]
 
 
 def prompt_rows(topics, seed: int, per_topic: int | None = None) -> list[dict]:
@@ -169,14 +167,8 @@ def prompt_rows(topics, seed: int, per_topic: int | None = None) -> list[dict]:
 def pair_rows(n: int, seed: int, topics=HELDOUT_TOPICS) -> list[dict]:
     """Prompt / chosen / rejected rows; chosen is an on-topic positive answer, rejected alternates between an
     on-topic negative answer and praise of another topic (any of `TOPICS`)."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        t = rng.choice(topics)
-        q = question(t, rng)
-        rejected = answer(t, -1, rng) if i % 2 == 0 else answer(other_topic(t, rng), 1, rng)
-        rows.append({"prompt": q, "chosen": answer(t, 1, rng), "rejected": rejected})
-    return rows
+    return [{"prompt": q, "chosen": answer(t, 1, rng), "rejected": worse}
+            for t, q, worse, rng in _worse_answers(n, seed, topics, TOPICS)]
 
 
 def corpus() -> list[str]:
