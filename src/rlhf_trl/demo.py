@@ -115,7 +115,8 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
                   "off_topic": rm_pairs_eval(pair_rows[1::2])["accuracy"]}
 
     # ground-truth scores of samples from each policy on held-out prompts
-    ppo_cfg = _read_yaml(os.path.join(recipes_dir, "ppo.yaml"))
+    with open(os.path.join(recipes_dir, "ppo.yaml"), encoding="utf-8") as f:
+        ppo_cfg = yaml.safe_load(f) or {}
     questions = [json.loads(line)["instruction"] for line in open(paths["heldout_prompts"], encoding="utf-8")]
     scores, on_topic, examples = {}, {}, {}
     for name, model_dir in (("sft", results["sft"]["merged"]), ("ppo", results["ppo"]["merged"])):
@@ -148,11 +149,6 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
                                   and summary["ppo_on_topic_rate"] >= TARGETS["ppo_on_topic_rate"])
     write_json(os.path.join(output_dir, "summary.json"), summary)
     return summary
-
-
-def _read_yaml(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return yaml.safe_load(f) or {}
 
 
 def main(argv: list[str] | None = None) -> dict:
