@@ -26,8 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 from torch import nn
-from transformers import Trainer, TrainerControl, TrainerState
+from torch.utils.data import DataLoader
+from transformers import DataCollatorWithPadding, Trainer, TrainerControl, TrainerState
+from transformers.integrations import get_reporting_integration_callbacks
+from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
+from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 
 from . import ppo_math as pm
 from .ppo_config import PPOConfig, sampling_config
@@ -96,7 +101,6 @@ class PPOEngine(Trainer):
     def __init__(self, args: PPOConfig, processing_class, model, ref_model, reward_model, train_dataset,
                  value_model, data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None,
                  eos_token_ids: list[int] | None = None, reward_functions=None, reward_columns=None):
-        from transformers import DataCollatorWithPadding
         from trl.trainer.utils import disable_dropout_in_model
 
         if ref_model is not None and ref_model is model:
@@ -131,8 +135,6 @@ class PPOEngine(Trainer):
     # -- construction ------------------------------------------------------------------------------------------------
     def _set_batch_sizes(self) -> None:
         """The derived sizes (episodes) for this number of processes, and the accelerator."""
-        from accelerate import Accelerator
-
         args = self.args
         if args.total_episodes is None:
             args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
@@ -149,10 +151,6 @@ class PPOEngine(Trainer):
 
     def _set_trainer_machinery(self, callbacks) -> None:
         """What ``Trainer.__init__`` would set: callbacks, control, state, flags."""
-        from transformers.integrations import get_reporting_integration_callbacks
-        from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
-        from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
-
         args = self.args
         callbacks_all = DEFAULT_CALLBACKS + get_reporting_integration_callbacks(args.report_to) + list(callbacks or [])
         self.callback_handler = CallbackHandler(callbacks_all, self.model, self.processing_class, self.optimizer,
@@ -162,8 +160,7 @@ class PPOEngine(Trainer):
         self.state = OnlineTrainerState(
             is_local_process_zero=self.is_local_process_zero(), is_world_process_zero=self.is_world_process_zero(),
             stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
-                                if isinstance(cb, ExportableState)],
-        )
+                                if isinstance(cb, ExportableState)])
         self.current_flos, self.hp_search_backend, self.hub_model_id = 0, None, None
         self.is_deepspeed_enabled = getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
         self.is_fsdp_enabled = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
@@ -174,19 +171,14 @@ class PPOEngine(Trainer):
     def _prepare(self) -> None:
         """Data loaders and ``accelerator.prepare``: the shuffle is drawn from ``seed`` on every process, then each
         process reseeds for its own sampling; reward model and reference prepared for inference."""
-        from torch.utils.data import DataLoader
-
         args, acc = self.args, self.accelerator
         self.dataloader = DataLoader(self.train_dataset, batch_size=args.local_batch_size, shuffle=True,
                                      collate_fn=self.data_collator, drop_last=True)
         torch.manual_seed(args.seed)
         self.model, self.optimizer, self.dataloader = acc.prepare(self.model, self.optimizer, self.dataloader)
         torch.manual_seed(self.local_seed)
-        self.eval_dataloader = None
-        if self.eval_dataset is not None:
-            self.eval_dataloader = acc.prepare(DataLoader(
-                self.eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=self.data_collator,
-                drop_last=True))
+        self.eval_dataloader = None if self.eval_dataset is None else acc.prepare(DataLoader(
+            self.eval_dataset, args.per_device_eval_batch_size, collate_fn=self.data_collator, drop_last=True))
         from trl.models.utils import prepare_deepspeed
 
         for name in ("reward_model", "ref_model"):
@@ -435,7 +427,8 @@ class PPOEngine(Trainer):
         }
         for name, key in (("policy/approxkl_avg", "approxkl"), ("policy/clipfrac_avg", "pg_clipfrac"),
                           ("loss/policy_avg", "pg_loss"), ("loss/value_avg", "vf_loss"),
-                          ("val/clipfrac_avg", "vf_clipfrac"), ("policy/entropy_avg", "entropy"), ("val/ratio", "ratio")):
+                          ("val/clipfrac_avg", "vf_clipfrac"), ("policy/entropy_avg", "entropy"),
+                          ("val/ratio", "ratio")):
             metrics[name] = g(stats[key]).mean().item()
         metrics["val/ratio_var"] = g(stats["ratio"]).var().item()
         metrics["val/num_eos_tokens"] = (int(g(eos_mask(ro["responses"], self.eos_token_ids).sum()).sum().item())
