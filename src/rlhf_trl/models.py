@@ -41,7 +41,7 @@ def sampling_generation_config(temperature: float, max_new_tokens: int | None, e
 
     Every setting of `BIASING_GENERATION_KEYS` is set to its neutral value explicitly, or ``generate`` would fill it
     from ``model.generation_config`` (a stock checkpoint's top_k / top_p ...). Stops at any of ``eos_token_ids``;
-    ``max_new_tokens`` in tokens. Shared by PPO rollouts, `rlhf_trl.evaluate` and the demo.
+    ``max_new_tokens`` in tokens.
     """
     from transformers import GenerationConfig
 
@@ -58,12 +58,8 @@ class StageInputError(FileNotFoundError):
 
 
 def require_model_dir(path: str, what: str, produced_by: str | None = None, allow_pickle: bool = False) -> str:
-    """Check that ``path`` is a local model directory with a config and weights, or looks like a hub id.
-
-    Args:
-        path: local directory or hub id (``org/name``).
-        what: human name of the input, e.g. "SFT model".
-        produced_by: the command that produces it (e.g. ``make sft RECIPE=recipes/demo/sft.yaml``).
+    """Check that ``path`` is a local model directory with a config and weights, or looks like a hub id
+    (``org/name``); returns it. ``what`` names the input (e.g. "SFT model"), ``produced_by`` the command that makes it.
 
     Raises:
         StageInputError: the path is local (or clearly meant as a local path) but missing or incomplete, or it
@@ -287,11 +283,8 @@ def fp32_adapters_for_fp32_compute(model, quantization_config) -> int:
 
     TRL's SFTTrainer and RewardTrainer cast them to bf16 (the QLoRA paper's choice); with fp32 compute (the CPU
     recipes) the reward model's ``score`` head then fails on a dtype mismatch and LoRA layers run slow bf16 matmuls.
-    Call after building the trainer, before ``train()``. Does nothing for other compute dtypes.
-
-    Returns:
-        The number of parameters cast.
-    """
+    Call after building the trainer, before ``train()``. Returns the number of parameters cast (0 for other compute
+    dtypes)."""
     if quantization_config is None or getattr(quantization_config, "bnb_4bit_compute_dtype", None) != torch.float32:
         return 0
     cast = 0
@@ -353,10 +346,8 @@ def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow
 
 def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False,
                              quantization_config=None):
-    """A ``num_labels=1`` sequence classifier (reward / value model) with a last-token ``score`` head.
-
-    Baichuan remote-code models get `rlhf_trl.baichuan.BaichuanForSequenceClassification`. Loading as in
-    `load_causal_lm` (the ``score`` head stays unquantized).
+    """A ``num_labels=1`` sequence classifier (reward / value model) with a last-token ``score`` head, loaded as in
+    `load_causal_lm` (the head stays unquantized; Baichuan: `rlhf_trl.baichuan.BaichuanForSequenceClassification`).
 
     Raises:
         ValueError: as `load_causal_lm`.
@@ -423,12 +414,9 @@ def save_pretrained_atomic(model, tokenizer, path: str, files: dict[str, str] | 
 def merge_and_save(model, tokenizer, path: str):
     """Merge LoRA adapters into the base weights (if ``model`` is a `peft.PeftModel`) and save the plain model.
 
-    A ``task_type=SEQ_CLS`` adapter's trained ``score`` head is part of the merged model. The adapter is merged in
-    place: use the returned model afterwards. On a quantized base (QLoRA) the saved adapter is merged into the base
-    loaded again unquantized on the CPU, and ``model`` is returned unchanged.
-
-    Returns:
-        The merged plain `transformers` model, or ``model`` itself for a quantized base.
+    A ``task_type=SEQ_CLS`` adapter's trained ``score`` head is part of the merged model. Returns the merged plain
+    `transformers` model (merged in place: use it afterwards), or ``model`` itself, unchanged, for a quantized base
+    (QLoRA), whose saved adapter is merged into the base loaded again unquantized on the CPU.
     """
     from peft import PeftModel
 
