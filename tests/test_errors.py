@@ -57,7 +57,6 @@ DATA_CASES = [
     ("missing_mapped_column", "sft", [GOOD, GOOD], "jsonl", ["--answer_key", "reply"],
      ["row 0", "field 'reply'", "missing column"]),
     ("null_field", "sft", [GOOD, {**GOOD, "output": None}], "jsonl", [], ["row 1", "field 'output'", "null"]),
-    ("empty_field", "sft", [GOOD, {**GOOD, "output": ""}], "jsonl", [], ["row 1", "field 'output'", "empty"]),
     ("whitespace_field", "sft", [GOOD, {**GOOD, "instruction": "  \n "}], "jsonl", [],
      ["row 1", "field 'instruction'", "empty"]),
     ("non_string_field", "sft", [GOOD, {**GOOD, "output": 42}], "jsonl", [], ["row 1", "field 'output'", "string"]),
@@ -66,8 +65,7 @@ DATA_CASES = [
     ("mixed_formats", "sft", [GOOD, {"instruction": "q", "output": ["a", "b"]}], "jsonl", ["--dataset_format", "auto"],
      ["row 1", "mixed formats"]),
     ("empty_file", "sft", "", "jsonl", [], "{data}: holds no rows (the file is empty)"),
-    ("empty_json_list", "sft", "[]", "json", [],
-     '{data}: cannot be read as json: ValueError: Instruction "train" corresponds to no data!'),
+    ("empty_json_list", "sft", "[]", "json", [], "{data}: holds no rows (an empty JSON array)"),
     ("unsupported_extension", "sft", "hello", "txt", [],
      "{data}: unsupported file type '.txt'; use .json/.jsonl/.csv/.parquet, optionally .gz/.bz2/.xz/.zst/.lz4"),
     ("sharegpt_ends_with_user", "sft", [{"conversations": [{"from": "human", "value": "q"}]}], "jsonl",
@@ -75,7 +73,7 @@ DATA_CASES = [
      ["row 0", "field 'conversations'", "assistant"]),
     ("sharegpt_turn_without_value", "sft",
      [{"conversations": [{"from": "human"}, {"from": "gpt", "value": "a"}]}], "jsonl", ["--dataset_format", "sharegpt"],
-     ["row 0", "field 'conversations'", "turn 0"]),
+     ["row 0", "field 'conversations'", "message 0"]),
     ("bad_history", "sft", [{**GOOD, "history": "not a list"}], "jsonl", [], ["row 0", "field 'history'"]),
     ("every_prompt_too_long", "sft", [{**GOOD, "instruction": "很长" * 200}] * 3, "jsonl", ["--max_length", "32"],
      ["no row is left", "max_length=32"]),
@@ -251,7 +249,9 @@ def test_the_real_command_prints_no_traceback(assets, tmp_path):
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if "rlhf-trl sft" in line]
-    assert lines == [f"rlhf-trl sft: error: {data}, row 1, field 'output': is null or missing in this row"]
+    assert lines == [f"rlhf-trl sft: error: {data}, row 1, field 'output': is null or missing in this row; fix the "
+                     "row, or set on_bad_row: skip to skip such rows"]
+    assert proc.stderr.splitlines()[-1] == lines[0]  # the last line
     assert "Traceback" not in proc.stderr
 
 
@@ -341,7 +341,7 @@ PPO_DATA_CASES = [
     ("line_not_an_object", '{"instruction": "q"}\n["q"]\n', [],
      [", row 1: cannot be read as json: line 2 is a JSON list, not an object"]),
     ("missing_prompt_column", [{"text": "q"}] * 2, [],
-     [", row 0, field 'instruction': missing column (columns: ['text']); map it in the recipe"]),
+     [", row 0, field 'instruction': missing column; set question_key to one of ['text']"]),
     ("null_prompt", [Q, {"topic": "咖啡"}], [], [", row 1, field 'instruction': is null or missing in this row"]),
     ("empty_prompt", [Q, {"instruction": ""}], [], [", row 1, field 'instruction': is empty"]),
     ("prompt_not_a_string", [Q, {"instruction": 42}], [], [", row 1, field 'instruction': must be a string, got int"]),
@@ -355,7 +355,7 @@ PPO_DATA_CASES = [
     ("empty_turn", [{"instruction": ["q1", " "]}], ["--prompt_turn", "1"],
      [", row 0, field 'instruction': holds an empty turn"]),
     ("messages_unknown_role", [{"messages": [{"role": "bot", "content": "hi"}, {"role": "user", "content": "q"}]}],
-     AUTO, [", row 0, field 'messages': message 0 has role 'bot'; use system, user or assistant"]),
+     AUTO, [", row 0, field 'messages': message 0 has role 'bot'; use system, user, assistant or tool"]),
     ("messages_without_user_turn",
      [{"messages": [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}]}], AUTO,
      [", row 0, field 'messages': needs a user turn"]),
@@ -363,7 +363,7 @@ PPO_DATA_CASES = [
                                                  {"role": "user", "content": "q2"}]}], AUTO,
      [", row 0, field 'messages': message 1 (system) is only allowed as the first message"]),
     ("sharegpt_without_user_turn", [{"conversations": [{"from": "gpt", "value": "a"}]}], AUTO,
-     [", row 0, field 'conversations': must end with a user turn"]),
+     [", row 0, field 'conversations': needs a user turn"]),
     ("bad_history", [{**Q, "history": "not a list"}], [],
      [", row 0, field 'history': must be a list of [question, answer] string pairs"]),
 ]

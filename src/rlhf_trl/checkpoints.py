@@ -136,8 +136,7 @@ def begin_writing(training_args, run_args, resume) -> None:
     state.wait_for_everyone()
 
 
-# what a run leaves in output_dir besides checkpoints: a fresh run over an old one sets them aside (none of them may be
-# mistaken for its own), with the old checkpoints, until it has a checkpoint of its own or has finished
+# what a run leaves in output_dir besides checkpoints: a fresh run sets the earlier run's aside
 RUN_FILES = ("merged", "adapter", "value_model", "run_config.yaml", "data_report.json", "README.md", "runs",
              "eval.json", "eval_samples.jsonl", "report.md", "report", "samples.jsonl", "metrics.json",
              "eval_metrics.json", "eval_pairs.jsonl", "log_history.json")
@@ -168,14 +167,13 @@ def set_earlier_run_aside(output_dir: str) -> None:
     for name in names:
         os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
     _set_aside.add(os.path.abspath(output_dir))
-    logger.info("overwrite_output_dir: %d checkpoints / models / logs of the earlier run in %s set aside in %s until "
-                "this run has a checkpoint or finishes (put back if it fails)", len(names), output_dir, EARLIER_RUN)
+    logger.info("overwrite_output_dir: the earlier run in %s set aside in %s until this run has a checkpoint or "
+                "finishes (put back if it fails)", output_dir, EARLIER_RUN)
 
 
 def restore_earlier_run(output_dir: str) -> None:
-    """Put back an earlier run set aside by `set_earlier_run_aside` (a run that failed, or was killed, before its first
-    checkpoint): what the new run wrote is removed, the earlier run's files return byte-identical. Safe to repeat
-    after a kill in the middle; a no-op without ``output_dir/.earlier-run``. Main process."""
+    """Put back an earlier run set aside by `set_earlier_run_aside` (the run over it failed or was killed before its
+    first checkpoint) byte-identical, removing what the new run wrote. Repeatable after a kill; main process."""
     aside = os.path.join(output_dir, EARLIER_RUN)
     _set_aside.discard(os.path.abspath(output_dir))
     if not os.path.isdir(aside):
@@ -186,8 +184,9 @@ def restore_earlier_run(output_dir: str) -> None:
     except (OSError, ValueError):  # killed while the listing was written: nothing was moved yet
         before = set(os.listdir(output_dir))
     for name in sorted(set(os.listdir(output_dir)) - {EARLIER_RUN}):
+        path = os.path.join(output_dir, name)
         if name not in before or os.path.lexists(os.path.join(aside, name)):  # the failed run's
-            _remove(os.path.join(output_dir, name))
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
     for name in sorted(set(os.listdir(aside)) - {LISTING}):
         os.rename(os.path.join(aside, name), os.path.join(output_dir, name))
     shutil.rmtree(aside)
@@ -197,9 +196,7 @@ def restore_earlier_run(output_dir: str) -> None:
 def drop_earlier_run(output_dir: str) -> None:
     """Delete the earlier run set aside in ``output_dir`` (this run has a checkpoint, or has finished). Main process."""
     _set_aside.discard(os.path.abspath(output_dir))
-    if os.path.isdir(os.path.join(output_dir, EARLIER_RUN)):
-        shutil.rmtree(os.path.join(output_dir, EARLIER_RUN))
-        logger.info("removed the earlier run set aside in %s", os.path.join(output_dir, EARLIER_RUN))
+    shutil.rmtree(os.path.join(output_dir, EARLIER_RUN), ignore_errors=True)
 
 
 def keeps_earlier_run(run):
@@ -218,13 +215,6 @@ def keeps_earlier_run(run):
         return result
 
     return wrapper
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.remove(path)
 
 
 def distributed_state(training_args):

@@ -27,9 +27,8 @@ def setup_logging() -> None:
 
 
 def quiet_libraries() -> None:
-    """Silence the two WARNING lines bitsandbytes prints at import on CPUs with AVX512-BF16 when it cannot fetch its
-    CPU kernel from the hub (`kernels` package; offline: "Skipping publisher trust check ..." and "Failed to load CPU
-    gemm_4bit_forward from kernels-community ..."): it falls back to its own kernel, nothing for users to do."""
+    """Silence bitsandbytes' two import-time WARNINGs on AVX512-BF16 CPUs when the `kernels` package cannot fetch its
+    CPU kernel from the hub (offline): it falls back to its own kernel; nothing for users to do."""
     logging.getLogger("kernels").setLevel(logging.ERROR)
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_hub_kernel_warning)
 

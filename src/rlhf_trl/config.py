@@ -144,9 +144,7 @@ RANGES = {
              "total_episodes", "reward_baseline_batches", "lora_r", "value_lora_r"),
     ">= 0": ("kl_coef", "vf_coef", "weight_decay", "max_grad_norm", "logits_chunk_size", "log_samples_every",
              "num_sample_generations"),
-    "in [0, 1]": ("gamma", "lam"),
-    "in [0, 1)": ("lora_dropout", "value_lora_dropout"),
-}
+    "in [0, 1]": ("gamma", "lam"), "in [0, 1)": ("lora_dropout", "value_lora_dropout")}
 _MEETS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0,
           "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
 
@@ -154,9 +152,8 @@ _MEETS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v 
 def did_you_mean(unknown: list[str], known: set[str], manual: str, dashes: str = "") -> str:
     """``did you mean 'learning_rate'?`` for the known keys closest to ``unknown`` (`difflib`), else ``check the
     spelling against <manual>``."""
-    close = sorted({m for key in unknown for m in difflib.get_close_matches(key, known, 1, 0.75)})
-    return f"did you mean {', '.join(repr(dashes + m) for m in close)}?" if close else \
-        f"check the spelling against {manual}"
+    close = [repr(dashes + m) for m in sorted({c for k in unknown for c in difflib.get_close_matches(k, known, 1, .8)})]
+    return f"did you mean {', '.join(close)}?" if close else f"check the spelling against {manual}"
 
 
 def value_source(key: str, argv: list[str], path: str | None) -> str:
@@ -166,13 +163,9 @@ def value_source(key: str, argv: list[str], path: str | None) -> str:
 
 
 def check_values(configs, argv: list[str], path: str | None) -> None:
-    """Check every value of the parsed recipe ``configs`` that needs no model or data: the ranges of `RANGES`, and an
-    ``output_dir`` that is (or lies under) an existing file. Runs before anything is read or written.
-
-    Raises:
-        RecipeError: ``<recipe path or 'command line'>: <key> must be <condition>, got <value>`` (the command line
-            when the key was given there), or ``...: output_dir '<dir>' is a file, not a directory; ...``.
-    """
+    """Check the parsed recipe ``configs`` before anything is read or written: `RANGES`, and no file at (or above)
+    ``output_dir``. Raises `RecipeError`: ``<recipe or 'command line'>: <key> must be <condition>, got <value>`` (the
+    command line when ``--key`` was given there), or ``...: output_dir '<dir>' is a file, not a directory; ...``."""
     for cfg in configs:
         for rule, keys in RANGES.items():
             for key in keys:
@@ -183,7 +176,7 @@ def check_values(configs, argv: list[str], path: str | None) -> None:
         blocker = os.path.abspath(out) if out else None
         while blocker and not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
             blocker = os.path.dirname(blocker)
-        if blocker and os.path.exists(blocker) and not os.path.isdir(blocker):
+        if blocker and os.path.isfile(blocker):
             inside = "" if blocker == os.path.abspath(out) else f": '{blocker}'"
             raise RecipeError(f"{value_source('output_dir', argv, path)}: output_dir '{out}'{inside} is a file, not a "
                               "directory; choose another output_dir")

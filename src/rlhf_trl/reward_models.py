@@ -14,6 +14,7 @@ import os
 from contextlib import contextmanager
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -27,29 +28,17 @@ OFFLOAD_PREFIX = ".tmp-offload-"
 
 
 def require_reward_model(path: str, train_hint: str | None = None) -> None:
-    """Check that the local model directory ``path`` is a sequence classifier with a trained ``score`` head, from its
-    ``config.json`` (``architectures``) and weight names (safetensors headers or index; pickle weights are not read).
-    A hub id is left to the loader.
-
-    Raises:
-        StageInputError: a causal LM (``...ForCausalLM``), or weights without ``score.weight`` (transformers would
-            initialise the head at random); one line naming ``path`` and ``train_hint`` (the command training one).
-    """
+    """Check, from ``config.json`` and the safetensors headers (hub ids and pickle weights: not read), that the model
+    directory ``path`` is a sequence classifier with a trained ``score`` head. Raises `StageInputError` (one line naming
+    ``path`` and ``train_hint``): a causal LM, or no ``score.weight`` (transformers would initialise it at random)."""
     if not os.path.isdir(path):
         return
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         kinds = json.load(f).get("architectures") or []
-    index, names = os.path.join(path, "model.safetensors.index.json"), None
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            names = set(json.load(f).get("weight_map", {}))
-    elif glob.glob(os.path.join(path, "*.safetensors")):
-        from safetensors import safe_open
-
-        names = set()
-        for file in glob.glob(os.path.join(path, "*.safetensors")):
-            with safe_open(file, "pt") as weights:
-                names |= set(weights.keys())
+    names = None  # the weight names of every safetensors file (shards included): their headers only
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        with safe_open(file, "pt") as weights:
+            names = (names or set()) | set(weights.keys())
     if kinds and not any(k.endswith("ForSequenceClassification") for k in kinds):
         problem = f"is a {kinds[0]}, not a sequence-classification model"
     elif names is not None and not any(n == "score.weight" or n.endswith(".score.weight") for n in names):
