@@ -97,8 +97,7 @@ def figures(rows: list[dict], demo: bool = False) -> dict:
 
 def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
     """Re-score the RM stage's held-out pairs (``eval_pairs.jsonl``: ``chosen_ids``, ``rejected_ids``,
-    ``prompt_length`` per line) with ``reward_model``: ``rm_accuracy``, ``rm_margin``, ``rm_length_baseline_accuracy``,
-    ``rm_num_pairs`` (`rlhf_trl.scoring.pairwise_metrics`).
+    ``prompt_length`` per line) with ``reward_model``: the ``rm_*`` figures (`rlhf_trl.scoring.pairwise_metrics`).
 
     Raises:
         DataError: a malformed row (naming the file and line).
@@ -219,10 +218,7 @@ def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
 def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[str, tuple[list[dict], str | None]],
                  num_examples: int = 5) -> str:
     """Write ``report.md`` (and ``report/<stage>_curves.png``) into ``out_dir``; returns the report path.
-
-    ``stage_logs`` maps a stage name (``sft`` / ``rm`` / ``ppo``) to ``(log records, source)`` as returned by
-    `read_stage_logs`; a stage without records is reported as having no logs.
-    """
+    ``stage_logs``: stage name (``sft`` / ``rm`` / ``ppo``) -> `read_stage_logs`'s ``(log records, source)``."""
     lines = ["# RLHF evaluation report", "",
              f"PPO run `{result['ppo_output_dir']}` against its SFT policy `{result['sft_model_path']}`, "
              f"reward model `{result['reward_model_path']}`.", "",
@@ -275,21 +271,12 @@ def _stage_dir(model_path: str) -> str | None:
 def evaluate(data_args, training_args, num_prompts: int | None = None, samples_per_prompt: int = 4,
              demo: bool = False, ppo_logs: list[dict] | None = None, trust_remote_code: bool = False,
              hints: dict[str, str] | None = None) -> dict:
-    """Sample, score and compare the SFT and PPO policies of a PPO recipe; write eval.json, eval_samples.jsonl,
-    report.md into ``training_args.output_dir``.
-
-    Args:
-        data_args: the recipe's `DataArguments` (data, template, ``eval_split_size``, ``max_prompt_length``).
-        training_args: the recipe's `PPOConfig` (``sft_model_path``, ``reward_model_path``, ``output_dir``,
-            ``response_length``, ``temperature``, ``seed``).
-        num_prompts: use the first N held-out prompts (default: all of them).
-        samples_per_prompt: responses per prompt and policy.
-        demo: also report the demo task's ground-truth ``sft_score`` / ``ppo_score`` and on-topic rates.
-        ppo_logs: the PPO trainer's ``log_history`` (default: read from the newest checkpoint).
-        hints: the command that produces each input (``sft`` / ``rm`` / ``ppo``), named when it is missing.
-
-    Returns:
-        The content of ``eval.json`` plus ``report`` (path) and ``plots`` (stage -> PNG path).
+    """Sample, score and compare the SFT and PPO policies of a PPO recipe (its `DataArguments` and `PPOConfig`);
+    write eval.json, eval_samples.jsonl, report.md into ``training_args.output_dir``. ``num_prompts``: the first N
+    held-out prompts (default: all); ``demo``: also the demo task's figures; ``ppo_logs``: the PPO trainer's
+    ``log_history`` (default: read from the newest checkpoint); ``hints``: the command that produces each input
+    (``sft`` / ``rm`` / ``ppo``), named when it is missing. Returns the content of ``eval.json`` plus ``report``
+    (path) and ``plots`` (stage -> PNG path).
 
     Raises:
         StageInputError: a model is missing. DataError: bad prompt rows. ValueError: no held-out prompt, bad template
@@ -357,8 +344,7 @@ def _sample_rows(prompts: list[list[int]], questions: list[str], samples_per_pro
             if demo:
                 row[name]["score"] = score_response(row["question"], text)
                 row[name]["on_topic"] = on_topic(row["question"], text)
-        row["ppo"]["logprobs_ppo"] = logprobs["ppo"][i]
-        row["ppo"]["logprobs_sft"] = logprobs["sft"][i]
+        row["ppo"].update(logprobs_ppo=logprobs["ppo"][i], logprobs_sft=logprobs["sft"][i])
         rows.append(row)
     return rows
 
@@ -394,9 +380,8 @@ def _score_responses(rm_path: str, prompts: list[list[int]], responses: dict, pa
 
 
 def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> dict:
-    """``rlhf-trl eval --config ppo.yaml [--num_prompts N] [--samples_per_prompt K] [--demo] [--key value ...]``.
-    ``ppo_logs``: the PPO trainer's ``log_history`` (default: read from the newest checkpoint). Returns
-    ``{"output_dir", "metrics", "report", ...}`` (``metrics``: the figures).
+    """``rlhf-trl eval --config ppo.yaml [--num_prompts N] [--samples_per_prompt K] [--demo] [--key value ...]``;
+    ``ppo_logs`` as in `evaluate`. Returns ``{"output_dir", "metrics", "report", ...}`` (``metrics``: the figures).
 
     Raises:
         RecipeError: a bad recipe or command-line argument; otherwise as `evaluate`.
