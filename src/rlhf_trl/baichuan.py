@@ -121,13 +121,10 @@ def _legacy_past(past, cache):
 
 def _filter_kwargs(owner: str, named: frozenset, kwargs: dict) -> dict:
     """Keep the keywords the remote forward names; drop the others (logged once unless they are expected ones)."""
-    kept = {}
     for key, value in kwargs.items():
-        if key in named:
-            kept[key] = value
-        elif key not in _SILENTLY_DROPPED and not key.startswith("_") and value is not None:
+        if key not in named and key not in _SILENTLY_DROPPED and not key.startswith("_") and value is not None:
             _warn_dropped(owner, key)
-    return kept
+    return {key: value for key, value in kwargs.items() if key in named}
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,10 +229,9 @@ def load_tokenizer(path: str):
         raise OSError(f"'{path}' has no tokenizer.model (Baichuan sentencepiece model)")
     tok = _fixed_tokenizer_class(remote).from_pretrained(path)
     if tok.eos_token_id is None or tok.eos_token_id == tok.unk_token_id:
-        if "</s>" in tok.get_vocab():
-            tok.eos_token = "</s>"
-        else:
+        if "</s>" not in tok.get_vocab():
             raise ValueError(f"Baichuan tokenizer at '{path}' has no EOS token")
+        tok.eos_token = "</s>"
     return tok
 
 
@@ -346,12 +342,8 @@ def load_causal_lm(path: str, dtype=None, **kwargs):
 
 
 class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
-    """Baichuan backbone (``model``, the remote ``BaichuanModel``) + ``score`` = Linear(hidden, 1, bias=False).
-
-    ``forward`` returns ``logits`` ``[batch, 1]``: the score at each row's last non-pad token
-    (``config.pad_token_id``; the last position when it is None or when ``inputs_embeds`` are given). TRL's PPO
-    uses ``model.model(...)`` (which accepts ``position_ids``) and ``model.score(hidden_states)`` directly.
-
+    """Baichuan backbone (``model``, the remote ``BaichuanModel``) + ``score`` = Linear(hidden, 1, bias=False), read
+    at each row's last non-pad token (`forward`); PPO calls ``model.model(...)`` and ``model.score(...)`` directly.
     Build it with `classifier_class` / `load_sequence_classifier`, or from the ``config`` of a loaded Baichuan model
     (the backbone is then imported from the module next to the config's).
     """
@@ -388,8 +380,9 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None, **kwargs):
-        """``logits`` ``[batch, 1]`` (the score at each row's last non-pad token); with ``labels`` ``[batch]`` also
-        an MSE ``loss``. ``position_ids`` and the cache are ignored (see the module docstring)."""
+        """``logits`` ``[batch, 1]``: the score at each row's last non-pad token (``config.pad_token_id``; the last
+        position when it is None or with ``inputs_embeds``); with ``labels`` ``[batch]`` also an MSE ``loss``.
+        ``position_ids`` and the cache are ignored (see the module docstring)."""
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                              use_cache=False, output_attentions=bool(output_attentions),
                              output_hidden_states=bool(output_hidden_states), return_dict=True)
@@ -405,18 +398,15 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
         if return_dict is False:
             out = (pooled,) + ((outputs.hidden_states,) if output_hidden_states else ())
             return ((loss,) + out) if loss is not None else out
-        return SequenceClassifierOutputWithPast(
-            loss=loss, logits=pooled, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        return SequenceClassifierOutputWithPast(loss=loss, logits=pooled, hidden_states=outputs.hidden_states,
+                                                attentions=outputs.attentions)
 
     def last_token_index(self, input_ids, seq_len: int, device, batch: int) -> torch.Tensor:
         """Index of each row's last non-pad token (``[batch]``); right or left padding."""
         pad = self.config.pad_token_id
         if input_ids is None or pad is None:
             return torch.full((batch,), seq_len - 1, dtype=torch.long, device=device)
-        real = (input_ids != pad).to(device)
-        positions = torch.arange(seq_len, device=device)
-        return (positions * real).argmax(dim=-1)
+        return (torch.arange(seq_len, device=device) * (input_ids != pad).to(device)).argmax(dim=-1)
 
     def _remote_classes(self) -> tuple:
         return (self._backbone_class or type(self.model),)
@@ -463,9 +453,7 @@ def _classifier_class(config_cls: type, backbone_cls: type) -> type:
 def classifier_class(path: str) -> type:
     """`BaichuanForSequenceClassification` bound to the remote config and backbone classes of ``path``."""
     config_cls = _remote_class(_auto_ref(path, "AutoConfig", CONFIG_REF), path)
-    causal_cls = causal_lm_class(path)
-    backbone_cls = _backbone_class_of(causal_cls, config_cls.from_pretrained(path))
-    return _classifier_class(config_cls, backbone_cls)
+    return _classifier_class(config_cls, _backbone_class_of(causal_lm_class(path), config_cls.from_pretrained(path)))
 
 
 def load_sequence_classifier(path: str, dtype=None, **kwargs):
