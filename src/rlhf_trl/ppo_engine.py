@@ -1,17 +1,10 @@
 """The PPO engine: rollouts, rewards, advantages and clipped updates of a policy and a value model.
 
-TRL removed its PPOTrainer in 1.13; this is the project's own loop, written to TRL 1.12's algorithm: one update
-(`PPOEngine.train`) is `PPOEngine.rollout` -> `PPOEngine.advantages` -> `PPOEngine.optimise` ->
-`PPOEngine.update_metrics` (TRL 1.12's names). The math is in `rlhf_trl.ppo_math`, the tensor operations in
-`rlhf_trl.scoring`, the settings in `rlhf_trl.ppo_config`. `tests/test_ppo_oracle.py` holds ten updates to TRL 1.12's
-``PPOTrainer`` (docs/ppo-engine.md).
-
-With one PPO epoch of one mini-batch in one process (``single_value_forward``, the default) the value model's
-training forward also gives the rollout's values (`PPOEngine.value_step`): one value forward less per update.
-Deliberate differences from TRL 1.12 (none changes a number with one EOS id, the oracle's case): every id of an EOS
-list ends a response, reward functions, ``offload_reward_model``, and hooks for resume and sample tables
-(`rlhf_trl.ppo_trainer`). Runs in one process or under ``accelerate``: DDP, DeepSpeed ZeRO-2/3 (reward model and
-reference prepared for inference; ZeRO-3 gathers the policy for generation) or FSDP.
+TRL removed its PPOTrainer in 1.13; this is the project's own loop, written to TRL 1.12's algorithm and held to its
+numbers by `tests/test_ppo_oracle.py`. One update (`PPOEngine.train`): `PPOEngine.rollout` -> `PPOEngine.advantages`
+-> `PPOEngine.optimise` -> `PPOEngine.update_metrics`. docs/ppo-engine.md walks through it, with the memory
+measures (``single_value_forward``, split backward) and the deliberate differences from TRL 1.12. Runs in one
+process or under ``accelerate``: DDP, DeepSpeed ZeRO-2/3 or FSDP.
 """
 
 from __future__ import annotations
@@ -310,14 +303,10 @@ class PPOEngine(Trainer):
                 yield mb, k, mini[micro_start:micro_start + args.per_device_train_batch_size]
 
     def value_step(self, ro: dict, order: np.ndarray) -> list[dict]:
-        """The value model's part of an update with ``single_value_forward`` (1 epoch, 1 mini-batch, one process).
-
-        For each micro-batch of ``order`` (`optimise`'s), one forward with gradient gives the values ``[micro, R]``
-        (into ``ro["values"] [b, R]``), their GAE returns and the value loss, back-propagated at once (x ``vf_coef``);
-        then AdamW steps the value model alone and its gradients are freed before the policy's forward. Each
-        parameter's AdamW update is its own, so this equals TRL 1.12's one step after a second value forward (the
-        weights have not moved since the rollout: the clipped term equals the unclipped one). Returns each
-        micro-batch's value-loss statistics (`ppo_math.value_loss`).
+        """The value model's part of an update with ``single_value_forward`` (docs/ppo-engine.md): per micro-batch
+        of ``order``, one forward with gradient gives ``values [micro, R]`` (into ``ro["values"] [b, R]``), their GAE
+        returns and the value loss, back-propagated at once (x ``vf_coef``); then AdamW steps the value model alone.
+        Returns each micro-batch's value-loss statistics (`ppo_math.value_loss`).
         """
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
         context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
@@ -375,9 +364,7 @@ class PPOEngine(Trainer):
         """Forward and backward of one micro-batch ``idx``: the clipped policy loss plus ``vf_coef`` x the clipped
         value loss (`ppo_math.policy_loss`, `ppo_math.value_loss`); returns their statistics and the entropy
         ``[b, R]``. ``value`` false (`value_step` did the value model's part): the policy's alone, value stats None.
-        In one process (no DDP / DeepSpeed / FSDP wrapper) the two losses, which share no parameters, are
-        back-propagated one after the other (one model's activations alive at a time; the same gradient sums as
-        TRL's single backward); a wrapped model takes TRL's single forward and backward through the wrapper."""
+        Without a wrapper the two losses are back-propagated one after the other (docs/ppo-engine.md)."""
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
         ids, mask, mask_p1 = ro["query_responses"][idx], adv["padding_mask"][idx], adv["padding_mask_p1"][idx]
 
