@@ -6,11 +6,8 @@ et al. 2017 (PPO's clipped objectives) and Huang et al. 2024 ("The N+ Implementa
 in the form TRL 1.12's PPOTrainer (``ppo_trainer.py`` of its experimental PPO package) computes them; the oracle test
 (tests/test_ppo_oracle.py) holds the engine to that trainer's numbers.
 
-Position convention (TRL 1.12's): ``sequence_lengths[i]`` is the index of the last real token of response ``i``
-(its EOS when it has one). Log-probs are real through that index (``response_padding_mask``); values are kept one
-position further (``value_padding_mask``), and the reward model's score is added at that extra position
-(``score_positions``): the value model's estimate there is the score's own prediction, so the score reaches the
-EOS token's advantage through one GAE step.
+Position convention (TRL 1.12's; docs/ppo-engine.md): ``sequence_lengths[i]`` is the index of the last real token
+of response ``i``; log-probs are real through it, values one position further, where the score is added.
 """
 
 from __future__ import annotations
