@@ -44,13 +44,10 @@ class AdaptiveKLController:
 
 
 class ResumableLoader:
-    """Wraps PPOTrainer's prompt dataloader so the data position can be saved and restored exactly.
-
-    It records the RNG state at which each pass over the data started (the shuffle is drawn from it: the global torch
-    RNG in one process; under several processes accelerate gives the sampler its own generator, synchronized from
-    process 0 at the start of each pass, whose state is recorded too) and how many batches of that pass were consumed.
-    Resuming replays the shuffle from those states, skips the consumed batches, then restores the RNG state of the
-    checkpoint.
+    """Wraps the prompt dataloader so the data position can be saved and restored exactly: the RNG states at which
+    each pass started (the global one, and under several processes the sampler's own synchronized generators) and
+    the batches of that pass consumed. Resuming replays the shuffle, skips those batches, then restores the
+    checkpoint's RNG state.
 
     Raises (on the first pass after `resume_from`):
         ValueError: the saved data position holds another number of sampler generators than this data loader has.
@@ -172,10 +169,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
     def generate_completions(self, sampling: bool = False):
         """Sample one eval batch (near-greedy, temperature 0.01), score it and log query / response / score / reward.
 
-        Sample tables never change the training run: the RNG is preserved, and the eval loader's ``end()`` runs even
-        when the loop is left early (a loader left mid-iteration stays accelerate's active loader, whose pass end
-        syncs the optimizer's accumulation early: the next update that ends a pass over the prompts would step
-        differently, and differently again in a resumed run, which had not sampled yet).
+        Never changes the training run: the RNG is preserved, and the eval loader's ``end()`` runs even when the loop
+        is left early (a loader left mid-iteration stays accelerate's active loader, whose pass end would step the
+        optimizer's accumulation early).
         """
         if self.eval_dataloader is None:
             return
@@ -251,9 +247,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
 
     # -- resume --------------------------------------------------------------------------------------------------
     def restore(self, ckpt: str) -> int:
-        """Continue the run of ``ckpt`` (a ``checkpoint-N`` directory) exactly: policy (adapter or full weights),
-        value model, optimizer, scheduler, step / episode counters and log history, KL coefficient, data position
-        and RNG state. Returns the number of updates done.
+        """Continue the run of ``ckpt`` (a ``checkpoint-N`` directory) exactly: weights, optimizer, scheduler,
+        counters, log history, KL coefficient, data position and RNG state. Returns the number of updates done.
 
         Raises:
             FileNotFoundError: the checkpoint lacks a file needed to resume.
@@ -321,11 +316,7 @@ def _data_state_name(rank: int) -> str:
 
 
 def _load_weights(model, folder: str) -> None:
-    """Load a policy / value model's trainable weights saved by ``save_pretrained`` in ``folder``.
-
-    Raises:
-        ValueError: the saved weights do not match the model's parameters.
-    """
+    """Load a policy / value model's weights saved by ``save_pretrained`` in ``folder`` (ValueError: a mismatch)."""
     from peft import PeftModel, set_peft_model_state_dict
     from safetensors.torch import load_file
 
