@@ -163,9 +163,11 @@ def test_divergence_leaves_the_earlier_run_byte_identical(assets, earlier_ppo, t
 
 
 def test_a_killed_run_over_an_earlier_one_is_undone_by_the_next_start(assets, earlier_ppo, tmp_path):
-    """A run killed after it set the earlier run aside (here: the set-aside state, a new event file and staging left
-    as a SIGKILL leaves them): the next start puts the earlier run back before it checks anything."""
-    from rlhf_trl.checkpoints import restore_earlier_run, set_earlier_run_aside
+    """A run killed after it set the earlier run aside (the set-aside directory, a new event file and a staging
+    directory left as a SIGKILL leaves them): the next start puts the earlier run back before it checks anything,
+    here before it fails on a missing data file."""
+    from rlhf_trl.checkpoints import set_earlier_run_aside
+    from rlhf_trl.data import DataError
 
     out = tmp_path / "run"
     shutil.copytree(earlier_ppo, out)
@@ -175,9 +177,8 @@ def test_a_killed_run_over_an_earlier_one_is_undone_by_the_next_start(assets, ea
     (out / "runs").mkdir()
     (out / "runs" / "events.new").write_text("new")
     (out / ".tmp-checkpoint-1").mkdir()
-    restore_earlier_run(str(out))
-    assert tree_hashes(out) == before
-    restore_earlier_run(str(out))  # nothing set aside: a no-op
+    with pytest.raises(DataError, match="file not found"):
+        import_ppo().main(ppo_argv(assets, out, "--dataset_name", str(tmp_path / "missing.jsonl")))
     assert tree_hashes(out) == before
 
 
