@@ -14,6 +14,10 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
+from peft import PeftModel, set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers.trainer_utils import get_last_checkpoint, load_sharded_checkpoint
 
 from .checkpoints import AtomicCheckpointMixin
 from .config import save_recipe
@@ -144,8 +148,6 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             bad = sorted(k for k, v in logs.items()
                          if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_var"))
             if bad:
-                from transformers.trainer_utils import get_last_checkpoint
-
                 out = self.args.output_dir
                 last = get_last_checkpoint(out) if os.path.isdir(out) else None
                 raise TrainingDivergedError(
@@ -191,10 +193,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                     if self.eos_token_ids is not None:
                         response = truncate_at_eos(response, self.eos_token_ids, pad)
                     with torch.no_grad(), self.reward_weights() as reward_model:
-                        if reward_model is not None:
-                            reward = sequence_scores(reward_model, torch.cat((query, response), 1), pad, context)
-                        else:
-                            reward = torch.zeros(len(query))
+                        reward = (torch.zeros(len(query)) if reward_model is None else
+                                  sequence_scores(reward_model, torch.cat((query, response), 1), pad, context))
                     texts = zip(tok.batch_decode(query, skip_special_tokens=True),
                                 tok.batch_decode(response, skip_special_tokens=True), reward.float().cpu().tolist())
                     rows += [{"step": self.state.global_step, "query": q, "response": r,
@@ -205,8 +205,6 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                 if hasattr(loader, "end"):
                     loader.end()
         if self.accelerator.num_processes > 1:  # each process sampled its shard of the eval prompts
-            from accelerate.utils import gather_object
-
             rows = gather_object(rows)
         if not self.accelerator.is_main_process or not rows:
             return
@@ -231,8 +229,6 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         unwrapped = self.unwrapped
         unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
         if self.script_args.save_merged_checkpoints:
-            from peft import PeftModel
-
             policy = unwrapped.policy
             if isinstance(policy, PeftModel):
                 policy = copy.deepcopy(policy).merge_and_unload()
@@ -317,9 +313,6 @@ def _data_state_name(rank: int) -> str:
 
 def _load_weights(model, folder: str) -> None:
     """Load a policy / value model's weights saved by ``save_pretrained`` in ``folder`` (ValueError: a mismatch)."""
-    from peft import PeftModel, set_peft_model_state_dict
-    from safetensors.torch import load_file
-
     if isinstance(model, PeftModel):
         set_peft_model_state_dict(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
         return
@@ -331,8 +324,6 @@ def _load_weights(model, folder: str) -> None:
         if set(missing) - tied or unexpected:
             raise ValueError(f"{folder}: weights do not match the model (missing {missing}, unexpected {unexpected})")
     else:
-        from transformers.trainer_utils import load_sharded_checkpoint
-
         load_sharded_checkpoint(model, folder, strict=False)
 
 
