@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import ppo_math as pm
+from .models import sampling_generation_config
 
 
 def rng_state() -> dict:
@@ -127,8 +128,6 @@ def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, ma
     ``eos_token_ids`` (an int or a list), at most ``max_new_tokens`` tokens, the RNG seeded with ``seed`` once.
     Returns ``(response ids, ended with EOS)`` per prompt: the ids up to and including the first EOS, else all.
     """
-    from .models import sampling_generation_config
-
     eos = list(eos_token_ids) if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids]
     config = sampling_generation_config(temperature, max_new_tokens, eos, pad_token_id)
     model.eval()
@@ -173,10 +172,8 @@ def response_logprobs(policy, query_responses: torch.Tensor, context_length: int
     logprobs, entropies = [], []
     for start in range(0, response.shape[1], step):
         h, ids = hidden[:, start:start + step], response[:, start:start + step]
-        if checkpointed:
-            logprob, entropy = torch.utils.checkpoint.checkpoint(chunk, h, ids, use_reentrant=False)
-        else:
-            logprob, entropy = chunk(h, ids)
+        logprob, entropy = (torch.utils.checkpoint.checkpoint(chunk, h, ids, use_reentrant=False) if checkpointed
+                            else chunk(h, ids))
         logprobs.append(logprob)
         entropies.append(entropy)
     out = torch.cat(logprobs, 1)
