@@ -7,6 +7,9 @@ import logging
 import os
 from collections import defaultdict
 
+import torch
+from accelerate.utils import gather_object
+
 logger = logging.getLogger(__name__)
 
 LOOP_STATE_NAME = "loop_state.json"
@@ -32,8 +35,6 @@ class LoopStateMixin:
     _loop_state_restored = False
 
     def _loop_state(self) -> dict:
-        import torch
-
         metrics = getattr(self, "_metrics", None)
         return {
             "tr_loss": self._tr_loss.item() if isinstance(getattr(self, "_tr_loss", None), torch.Tensor) else None,
@@ -48,8 +49,6 @@ class LoopStateMixin:
         super().checkpoint_extras(checkpoint_dir)
         states = [self._loop_state()]
         if self.accelerator.num_processes > 1:
-            from accelerate.utils import gather_object
-
             states = gather_object(states)
         if self.args.should_save:  # straight into the staged checkpoint (published whole by its rename)
             with open(os.path.join(checkpoint_dir, LOOP_STATE_NAME), "w", encoding="utf-8") as f:
