@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import inspect
 import json
 import logging
@@ -30,6 +31,7 @@ import shutil
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
@@ -106,8 +108,6 @@ def _named_parameters(forward) -> frozenset:
 
 def _legacy_past(past, cache):
     """The legacy tuple cache out of ``past_key_values`` / ``cache`` (transformers 5's name); None when empty."""
-    from transformers.cache_utils import Cache
-
     past = past if past is not None else cache
     if isinstance(past, Cache):
         if past.get_seq_length() == 0:
@@ -429,8 +429,6 @@ def _backbone_class_next_to(config) -> type:
     Raises:
         TypeError: no remote model code next to the config's module.
     """
-    import importlib
-
     ref = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM", CAUSAL_LM_REF).split("--")[-1]
     module_name, cls_name = ref.rsplit(".", 1)
     package = type(config).__module__.rsplit(".", 1)[0]
