@@ -25,6 +25,7 @@ import time
 
 import torch
 import yaml
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from . import demo_task, evaluate
 from .data import DEFAULT_PROMPT_TEMPLATE, DataArguments, Template, encode_prompt, pair_features, pair_records
@@ -72,8 +73,6 @@ def sample_responses(model_dir: str, questions: list[str], samples_per_prompt: i
     """Sample ``samples_per_prompt`` responses per question from the causal LM in ``model_dir``: default-template
     prompts, `rlhf_trl.scoring.sample` (as in PPO rollouts), at most ``max_new_tokens`` tokens. Returns the
     ``len(questions) * samples_per_prompt`` decoded responses."""
-    from transformers import AutoModelForCausalLM
-
     tok = load_tokenizer(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     template = Template(DEFAULT_PROMPT_TEMPLATE)
@@ -98,8 +97,6 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
         logger.info("demo: %s done in %.0f s", name, stage_seconds[name])
 
     # RM accuracy on held-out pairs (topics never seen in training)
-    from transformers import AutoModelForSequenceClassification
-
     rm_dir = results["rm"]["merged"]
     tok = load_tokenizer(rm_dir)
     reward_model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
