@@ -100,9 +100,7 @@ def ground_truth_reward(prompts: list[str], completions: list[str], **columns) -
     Raises:
         ValueError: a question that names no topic or several (`topic_of`); lengths that differ.
     """
-    questions = columns.get("question")
-    if questions is None:
-        questions = [None] * len(prompts)
+    questions = columns["question"] if columns.get("question") is not None else [None] * len(prompts)
     if not len(prompts) == len(completions) == len(questions):
         raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(questions)} questions")
     return [score_response(q if q is not None else question_of_prompt(p), c)
