@@ -122,13 +122,30 @@ def _wrap(owner, name: str, before, after=None) -> None:
     setattr(owner, name, wrapped)
 
 
-def child_settings(model: str, prompts: str, work: str, size: dict, updates: int) -> dict:
-    """The settings every variant runs with (TRL 1.12 PPOConfig / model keys), typed."""
+def reward_copy(model: str, out: Path) -> str:
+    """The policy's weights as a sequence classifier (a new, untrained score head; speed is what is measured), saved
+    once under ``out``: PPO refuses a causal LM as the reward model."""
+    if not (out / "config.json").is_file():
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        rm = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1, dtype=torch.bfloat16)
+        tok = AutoTokenizer.from_pretrained(model)
+        rm.config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        rm.save_pretrained(str(out))
+        tok.save_pretrained(str(out))
+    return str(out)
+
+
+def child_settings(model: str, prompts: str, work: str, size: dict, updates: int, reward: str | None = None) -> dict:
+    """The settings every variant runs with (TRL 1.12 PPOConfig / model keys), typed; ``reward``: the reward model
+    (default: ``model``)."""
     batch = size["per_device_train_batch_size"] * size["gradient_accumulation_steps"]
     return {**size, "total_episodes": batch * updates, "num_ppo_epochs": 1, "num_mini_batches": 1,
             "learning_rate": 1e-5, "temperature": 0.7, "kl_coef": 0.05, "missing_eos_penalty": 1.0, "seed": 42,
             "report_to": "none", "save_strategy": "no", "logging_steps": 1, "output_dir": work, "use_cpu": True,
-            "num_sample_generations": 0, "sft_model_path": model, "reward_model_path": model, "dataset_name": prompts,
+            "num_sample_generations": 0, "sft_model_path": model, "reward_model_path": reward or model,
+            "dataset_name": prompts,
             "max_prompt_length": 256, "use_peft": True, "lora_r": 16, "lora_alpha": 32,
             "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
             "dtype": "float32", "eval_split_size": 4, "per_device_eval_batch_size": 2, "stop_token": "eos"}
@@ -359,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_real: {variant}: reusing {run_json}", flush=True)
         else:
             python = trl112_python(Path(args.trl112_venv)) if variant == "plain_trl" else sys.executable
-            settings = child_settings(model, prompts, str(work), size, updates)
+            settings = child_settings(model, prompts, str(work), size, updates, reward_copy(model, out_dir / "reward"))
             print(f"bench_real: {variant} ({updates} updates) ...", flush=True)
             run_json.unlink(missing_ok=True)
             with open(out_dir / f"{variant}.log", "w") as log:  # the run's output, to follow it with tail -f

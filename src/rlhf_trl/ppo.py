@@ -212,7 +212,8 @@ def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_a
         if m is None:
             continue
         if m.config.vocab_size < len(tokenizer):
-            raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) is smaller than the tokenizer's ({len(tokenizer)})")
+            raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) is smaller than the tokenizer's "
+                             f"({len(tokenizer)})")
         m.config.pad_token_id = tokenizer.pad_token_id
     eos_ids = eos_token_ids(tokenizer, paths["sft"])  # e.g. Qwen2.5-Instruct: [<|im_end|>, <|endoftext|>]
     stock = rollout_generation_config(policy, paths["sft"], eos_ids, tokenizer.pad_token_id, training_args.temperature)

@@ -26,7 +26,8 @@ from typing import Iterable, Literal
 
 # re-exported: the public API of the data modules
 from .args import (DEFAULT_ASSISTANT_MARKER, DEFAULT_COMPLETION_TEMPLATE, DEFAULT_HUMAN_MARKER,  # noqa: F401
-                   DEFAULT_PROMPT_TEMPLATE, FORMATS, HISTORY_SEPARATOR, RAW_TEMPLATE, DataArguments, DataError, Template)
+                   DEFAULT_PROMPT_TEMPLATE, FORMATS, HISTORY_SEPARATOR, RAW_TEMPLATE, DataArguments, DataError,
+                   Template)
 from .features import (chat_end_of_turn_id, encode_prompt, encode_response, pair_features,  # noqa: F401
                        prompt_features, response_eos_id, sft_features)
 from .normalise import _counted, _normalise

@@ -29,9 +29,9 @@ def _is_message_column(schema, key: str) -> bool:
     if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
         return False
     struct = kind.value_type
-    return struct.get_field_index("tool_calls") < 0 and all(struct.get_field_index(name) >= 0 and (pa.types.is_string(struct.field(name).type)
-                                                       or pa.types.is_large_string(struct.field(name).type))
-               for name in ("role", "content"))
+    text = (pa.types.is_string, pa.types.is_large_string)
+    return struct.get_field_index("tool_calls") < 0 and all(
+        struct.get_field_index(name) >= 0 and any(t(struct.field(name).type) for t in text) for name in ("role", "content"))
 
 
 def _message_plan(signature: bytes, end: str) -> tuple | None:
