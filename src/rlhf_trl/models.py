@@ -112,12 +112,9 @@ def _all_eos_ids(tokenizer, model_dir: str | None) -> list[int]:
 
 
 def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = "right", trust_remote_code=False):
-    """Load a tokenizer and make its pad token distinct from every EOS id (`eos_token_ids`).
-
-    TRL's PPOTrainer masks pad tokens out and reads rewards at the last non-pad token, so a pad equal to an EOS id
-    would hide the EOS that ends a response. When ``pad_token`` is not given and the tokenizer's pad is missing or an
-    EOS id, the first of `PAD_CANDIDATES` in the vocabulary (not an EOS id) is used, else ``<|pad|>`` is added (the
-    embeddings must then be resized: `resize_for_tokenizer`).
+    """Load a tokenizer and make its pad token distinct from every EOS id (`eos_token_ids`: PPO masks pads and
+    reads rewards at the last non-pad token). Without ``pad_token``, a missing or EOS pad becomes the first of
+    `PAD_CANDIDATES` in the vocabulary, else an added ``<|pad|>`` (then `resize_for_tokenizer`).
 
     Raises:
         StageInputError: the tokenizer cannot be found.
@@ -191,11 +188,8 @@ def _has_bitsandbytes() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _bnb_cpu_4bit_problem() -> str | None:
-    """None when bitsandbytes' CPU backend quantizes to 4 bits here; otherwise why not (one line).
-
-    Once per process: NF4 round trip of a 64 x 64 N(0, 1) tensor through ``bitsandbytes.functional.quantize_4bit``;
-    a missing backend raises, a broken one exceeds the error bound 1.0 (NF4 keeps N(0, 1) values within ~0.2).
-    """
+    """None when bitsandbytes' CPU backend quantizes to 4 bits here, else why not (one line): once per process, an
+    NF4 round trip of a 64 x 64 N(0, 1) tensor must stay within 1.0 (NF4 keeps such values within ~0.2)."""
     try:
         import bitsandbytes
         from bitsandbytes.functional import dequantize_4bit, quantize_4bit
@@ -215,8 +209,7 @@ def _bnb_cpu_4bit_problem() -> str | None:
 
 def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> None:
     """Check that a ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) run can quantize here: bitsandbytes installed;
-    on the CPU (``use_cpu`` or no CUDA GPU) only ``load_in_4bit``, through a working CPU backend
-    (`_bnb_cpu_4bit_problem`).
+    on the CPU (``use_cpu`` or no CUDA GPU) only ``load_in_4bit``, with a working backend (`_bnb_cpu_4bit_problem`).
 
     Raises:
         ValueError: one line naming ``key``, what is missing (the bitsandbytes package, a usable CPU backend, or for
@@ -241,10 +234,8 @@ def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> No
 def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, use_cpu: bool = False):
     """The bitsandbytes config a recipe's TRL ``ModelConfig`` asks for (``load_in_4bit`` / ``load_in_8bit``,
     ``bnb_4bit_*``; compute dtype ``dtype``), built by `trl.get_quantization_config`; None when nothing is quantized.
-
-    Only LoRA adapters on quantized weights can train (QLoRA), so every switch in ``lora`` (recipe key -> value;
-    default ``{"use_peft": model_args.use_peft}``) must be on. On the CPU (``use_cpu`` or no CUDA GPU) only
-    ``load_in_4bit`` runs.
+    Only LoRA adapters on quantized weights train (QLoRA): every switch in ``lora`` (recipe key -> value; default
+    ``{"use_peft": model_args.use_peft}``) must be on.
 
     Raises:
         ValueError: a ``lora`` switch is off; ``load_in_4bit`` with ``dtype: auto``; bitsandbytes missing, or on the
@@ -332,10 +323,8 @@ def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pick
 
 def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False,
                    quantization_config=None):
-    """A causal LM (policy / SFT model); Baichuan remote-code models go through `rlhf_trl.baichuan`.
-
-    Weights load from safetensors only unless ``allow_pickle``. ``quantization_config`` (`recipe_quantization_config`)
-    quantizes the model as it loads, onto this process's GPU or the CPU (`kbit_device_map`).
+    """A causal LM (policy / SFT model; Baichuan remote code through `rlhf_trl.baichuan`), from safetensors only
+    unless ``allow_pickle``; ``quantization_config`` quantizes it onto this process's GPU or the CPU as it loads.
 
     Raises:
         ValueError: a remote-code model without ``trust_remote_code``; ``quantization_config`` without bitsandbytes,
