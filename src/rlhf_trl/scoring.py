@@ -81,12 +81,8 @@ def eos_mask(tokens: torch.Tensor, eos_token_ids) -> torch.Tensor:
 
 
 def truncate_at_eos(responses: torch.Tensor, eos_token_ids, pad_token_id: int) -> torch.Tensor:
-    """Replace every token after the first EOS (any of ``eos_token_ids``) of each row by ``pad_token_id``.
-
-    ``[batch, response_len] -> [batch, response_len]``; the EOS itself is kept, so the reward model's score is read
-    at the response's own EOS (the last non-pad token). Rows without EOS are unchanged. The list-valued form of
-    TRL 1.12's ``truncate_response`` (its PPOTrainer module), which stops at one id only.
-    """
+    """Replace every token after the first EOS (any of ``eos_token_ids``, kept) of each row by ``pad_token_id``:
+    ``[batch, response_len]`` -> the same. TRL 1.12's ``truncate_response`` for a list of EOS ids."""
     first = pm.first_true_indices(eos_mask(responses, eos_token_ids))  # [batch]
     after = torch.arange(responses.shape[1], device=responses.device)[None, :] > first[:, None]
     return responses.masked_fill(after, pad_token_id)
@@ -216,8 +212,7 @@ def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, con
 @torch.no_grad()
 def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_size: int = 16) -> torch.Tensor:
     """Reward-model scores of token id sequences (prompt + response + EOS), ``[num_sequences]`` (float32, on CPU):
-    `sequence_scores` on right-padded batches, exactly as PPO reads rewards. ``model`` may be a `peft.PeftModel`
-    (e.g. the QLoRA reward model the RM stage evaluates): its active adapter and trained ``score`` copy are used.
+    `sequence_scores` on right-padded batches, as PPO reads rewards (``model`` may be a `peft.PeftModel`).
 
     Raises:
         ValueError: an empty sequence.
@@ -234,10 +229,8 @@ def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_
 
 
 def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, rejected_len) -> dict:
-    """Pairwise accuracy, mean margin and the length-only baseline for ``[num_pairs]`` score tensors.
-
-    ``length_baseline_accuracy`` is the accuracy of "the longer response wins" (ties count half).
-    """
+    """Pairwise accuracy, mean margin and the length-only baseline ("the longer response wins", ties count half)
+    for ``[num_pairs]`` score tensors."""
     chosen_len = torch.as_tensor(chosen_len, dtype=torch.float)
     rejected_len = torch.as_tensor(rejected_len, dtype=torch.float)
     longer = (chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()
