@@ -2,21 +2,15 @@
 [--samples_per_prompt K] [--demo]`` plus any PPO recipe override.
 
 Both policies (``sft_model_path``, ``<output_dir>/merged``) sample ``samples_per_prompt`` responses to each of the
-first ``num_prompts`` held-out prompts of the PPO recipe (`split_records`, built as PPO builds them) with the same
-seed and settings (`rlhf_trl.scoring.sample`: softmax(logits / ``temperature``) only, at most ``response_length``
-tokens, ending at the first EOS); the reward model scores each ``prompt + response`` (`score_sequences`: the raw
-score, without ``reward_baseline`` or ``missing_eos_penalty``). Figures (``eval.json``) over the pairs (same prompt,
-same sample index): ``sft_reward`` / ``ppo_reward`` (mean RM score, reward units); ``win_rate`` (PPO's score above
-SFT's, ties 1/2); ``kl_per_token`` (nats per token: mean over the PPO responses' tokens of ``log p_ppo - log p_sft``
-at temperature 1, `policy_logprobs`; a Monte Carlo estimate of KL(pi_ppo || pi_sft) when ``temperature`` is 1);
-``*_mean_length`` (tokens, EOS excluded); ``*_eos_rate``; with ``--demo`` the ground truth ``*_score`` in [-1, 1] and
-``*_on_topic_rate`` (`rlhf_trl.demo_task`); ``rm_accuracy`` / ``rm_margin`` / ``rm_length_baseline_accuracy`` /
-``rm_num_pairs`` on the RM stage's held-out ``eval_pairs.jsonl`` when present.
+first ``num_prompts`` held-out prompts of the PPO recipe with the same seed and settings, as PPO samples; the reward
+model scores each ``prompt + response`` (raw: no ``reward_baseline`` or ``missing_eos_penalty``). Figures over the
+pairs (same prompt, same sample index): ``sft_reward`` / ``ppo_reward`` (mean RM score, reward units); ``win_rate``
+(PPO's score above SFT's, ties 1/2); ``kl_per_token`` (nats per token: mean of ``log p_ppo - log p_sft`` over the PPO
+responses' tokens at temperature 1); ``*_mean_length`` (tokens, EOS excluded); ``*_eos_rate``; with ``--demo`` the
+ground truth ``*_score`` in [-1, 1] and ``*_on_topic_rate``; ``rm_*`` on the RM stage's held-out pairs.
 
-Writes into the PPO ``output_dir``: ``eval.json`` (figures and settings), ``eval_samples.jsonl`` (one row per pair,
-with the per-token log-probs behind the KL) and ``report.md`` (figures, 5 side-by-side samples, training-curve PNGs
-under ``report/`` from each stage's logs, `read_stage_logs`; the SFT / RM stage directories are the parents of
-``sft_model_path`` / ``reward_model_path`` when those end in ``merged``).
+Writes into the PPO ``output_dir``: ``eval.json``, ``eval_samples.jsonl`` (one row per pair, with the per-token
+log-probs behind the KL) and ``report.md`` (figures, side-by-side samples, each stage's training curves).
 """
 
 from __future__ import annotations
