@@ -1,10 +1,8 @@
 """Merge a LoRA adapter into its base model: ``rlhf-trl merge --adapter DIR --output DIR [--base DIR]``.
 
 The result is a plain `transformers` model directory (safetensors, written atomically) with a tokenizer (the
-adapter directory's, else the base's) and a short ``README.md`` model card: an ``AutoModelForCausalLM`` for
-``task_type: CAUSAL_LM`` adapters (SFT / PPO policies), an ``AutoModelForSequenceClassification`` (``num_labels=1``,
-the adapter's trained ``score`` head) for ``SEQ_CLS`` ones (reward models). The base defaults to the adapter's
-``base_model_name_or_path`` (as given, else relative to the adapter directory).
+adapter's, else the base's) and a ``README.md`` model card: an ``AutoModelForCausalLM`` for ``CAUSAL_LM`` adapters,
+an ``AutoModelForSequenceClassification`` (``num_labels=1``, the trained ``score`` head) for ``SEQ_CLS`` ones.
 """
 
 from __future__ import annotations
