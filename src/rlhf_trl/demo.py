@@ -5,11 +5,10 @@ Run: ``make demo`` (or ``rlhf-trl demo``). Offline; about 3-5 minutes on 2 CPU c
 1. Assets (built once, cached in ``outputs/demo/assets``): task data (`rlhf_trl.demo_task`), a byte-level BPE
    tokenizer with Qwen-style special tokens and a distinct pad token, and a random-init tiny Qwen2 model.
 2. The three stages with ``recipes/demo/{sft,rm,ppo}.yaml``, in this process.
-3. Evaluation on held-out topics (never in the RM data or the PPO prompts): ``rm_accuracy`` on held-out pairs
-   (``rm_accuracy_vs_negative`` / ``rm_accuracy_vs_off_topic``: the half whose rejected answer is on-topic negative /
-   praise of another topic), ``sft_score`` / ``ppo_score`` (mean ground truth `rlhf_trl.demo_task.score_response` of
-   sampled responses, in [-1, 1]) and ``sft_on_topic_rate`` / ``ppo_on_topic_rate`` (in [0, 1]). Printed and
-   written to ``outputs/demo/summary.json``.
+3. Evaluation on held-out topics (never in the RM data or the PPO prompts), into ``outputs/demo/summary.json``:
+   ``rm_accuracy`` on held-out pairs (``_vs_negative`` / ``_vs_off_topic``: the half whose rejected answer is
+   on-topic negative / praise of another topic), ``sft_score`` / ``ppo_score`` (mean ground truth of sampled
+   responses, in [-1, 1]) and ``sft_on_topic_rate`` / ``ppo_on_topic_rate`` (in [0, 1]).
 
 The SFT data covers every topic, held-out ones included (the tiny model cannot name a topic token it never saw), so
 the held-out topics test the preference stages (RM and PPO), not SFT.
