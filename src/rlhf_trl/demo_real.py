@@ -1,9 +1,8 @@
 """Real weights end to end: ``make demo-real`` (or ``rlhf-trl demo-real --model DIR``).
 
 Runs ``recipes/qwen2.5-0.5b-cpu/{sft,rm,ppo}.yaml`` on a stock Qwen2 / Qwen2.5 Instruct directory (``make
-real-model``), then ``rlhf-trl eval`` on the PPO run, and writes ``<output_dir>/summary.json``: each stage's wall time
-(seconds), the reward model's held-out accuracy against the length-only baseline, and the SFT vs PPO figures of
-``eval.json`` with side-by-side samples. CPU-scale smoke runs: figures, no targets.
+real-model``), then ``rlhf-trl eval``, and writes ``<output_dir>/summary.json``: each stage's wall time (seconds) and
+the figures of ``eval.json`` with side-by-side samples. CPU-scale smoke runs: figures, no targets.
 """
 
 from __future__ import annotations
