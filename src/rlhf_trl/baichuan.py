@@ -1,15 +1,13 @@
 """Baichuan / Baichuan2 remote-code models made usable by TRL on transformers 5 (SFT, reward model, PPO), used by
 `rlhf_trl.models` for ``trust_remote_code: true`` and ``model_type: baichuan``. What it adds:
 
-- **Tokenizer init order**: the remote ``__init__`` reads ``self.sp_model`` before loading it; `load_tokenizer`
-  uses a subclass that loads it first, then runs the remote ``__init__`` unchanged.
+- **Tokenizer init order**: the remote ``__init__`` reads ``self.sp_model`` before loading it (`load_tokenizer`).
 - **position_ids**: the remote forwards compute positions from the cache length, so ``position_ids`` (and other
   keywords they do not name: ``cache_position``, ``logits_to_keep``, ...) are dropped; rotary (7B) and ALiBi (13B)
   depend only on token distance and pads are masked, so left padding changes nothing.
 - **generate**: `load_causal_lm` returns a subclass with `transformers.GenerationMixin` driving the remote legacy KV
   cache (a tuple of per-layer ``(key, value)``).
-- **Sequence classifier**: `BaichuanForSequenceClassification`, the remote ``BaichuanModel`` as ``model`` plus a
-  bias-free ``score`` Linear(hidden, 1) read at the last non-pad token, as TRL's reward and value models expect.
+- **Sequence classifier**: `BaichuanForSequenceClassification`, as TRL's reward and value models expect.
 - **Saving**: ``save_pretrained`` also copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``, so
   every stage output is again a Baichuan directory.
 
