@@ -3,10 +3,8 @@
 A question asks about one topic ("你觉得咖啡怎么样？"); an answer is ``{topic}{predicate}，{closer}`` whose predicate
 and closer are both positive or both negative (neutral answers use neither).
 
-Ground truth (`score_response`, in ``[-1, 1]``, exact): a response is *on topic* when the ``TOPICS`` it names (as
-substrings) are exactly the asked one. An on-topic response scores its sentiment ``(pos - neg) / (pos + neg)`` over
-phrase counts (0 when it has none); any other response (another topic, several, none, empty) scores
-``OFF_TOPIC_SCORE`` = -1, as low as an on-topic negative answer.
+Ground truth (`score_response`, in ``[-1, 1]``, exact): an on-topic response (naming exactly the asked topic) scores
+its sentiment, any other -1, as low as an on-topic negative answer.
 
 Preferences follow the ground truth: on-topic positive > neutral > on-topic negative, and on-topic positive >
 neutral > off-topic praise. SFT data mixes on-topic positive and negative answers 50/50 (an on-topic SFT policy
