@@ -23,13 +23,9 @@ def with_loop_state(trainer_cls):
 
 class LoopStateMixin:
     """What `transformers.Trainer`'s checkpoints lack for a resumed run to log exactly what the uninterrupted run
-    logs: the loss summed since the last log (``_tr_loss``, per process), the step of the last log, the whole run's
-    loss total (``_total_loss_scalar``, for ``train_loss``) and TRL's running statistics (``_metrics``,
-    ``_total_train_tokens``). Saved into each checkpoint as ``loop_state.json`` (one entry per process) and put back
-    when the resumed run starts its first epoch.
-
-    Needs the Trainer's ``_run_epoch(..., epoch=, resume_from_checkpoint=, epochs_trained=)`` (transformers >= 5).
-    Mix in before `rlhf_trl.checkpoints.AtomicCheckpointMixin` (`with_loop_state`).
+    logs (the loss sums since the last log and over the run, the last logged step, TRL's running statistics): saved
+    as ``loop_state.json`` (one entry per process), put back when the resumed run starts its first epoch. Needs the
+    Trainer's ``_run_epoch(..., epoch=, resume_from_checkpoint=, epochs_trained=)`` (transformers >= 5).
     """
 
     _loop_state_restored = False
