@@ -62,11 +62,9 @@ def policy_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
 
 
 def figures(rows: list[dict], demo: bool = False) -> dict:
-    """The eval figures (see the module docstring) from ``eval_samples.jsonl`` rows.
-
-    Each row holds ``sft`` and ``ppo`` dicts with ``response_ids`` (EOS included when ``eos``), ``eos``, ``reward``
-    (and ``score``, ``on_topic`` for the demo); ``ppo`` also holds ``logprobs_ppo`` / ``logprobs_sft`` (one float per
-    response token).
+    """The eval figures (see the module docstring) from ``eval_samples.jsonl`` rows: ``sft`` and ``ppo`` dicts of
+    ``response_ids`` (EOS included when ``eos``), ``eos``, ``reward`` (and ``score``, ``on_topic`` for the demo);
+    ``ppo`` also holds ``logprobs_ppo`` / ``logprobs_sft`` (one float per response token).
 
     Raises:
         ValueError: no rows.
@@ -113,12 +111,9 @@ def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
 
 
 def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
-    """A stage's training log records and where they came from: ``(records, source path or None)``.
-
-    The stage's whole ``log_history`` (``log_history.json``, written when a stage finishes), else that of the newest
-    ``checkpoint-N/trainer_state.json`` under ``stage_dir`` that reads (an unreadable one is skipped with a warning),
-    else ``[metrics.json]``, else ``[]``.
-    """
+    """A stage's training log records and their source, ``(records, path or None)``: ``log_history.json``, else the
+    newest ``checkpoint-N/trainer_state.json`` that reads (an unreadable one is skipped with a warning), else
+    ``[metrics.json]``, else ``[]``."""
     if not stage_dir or not os.path.isdir(stage_dir):
         return [], None
     path = os.path.join(stage_dir, "log_history.json")
