@@ -69,22 +69,15 @@ def _fp32(accelerator):
 
 
 class PPOEngine(Trainer):
-    """PPO of a policy (plus value model) against a reward model and/or reward functions; see the module docstring.
+    """PPO of a policy (a causal LM, or a peft model for LoRA) and a value model (a sequence classifier) against a
+    reward model (None: ``reward_functions`` give all the reward) and/or `rlhf_trl.rewards.RewardFunctions` of the
+    decoded prompts and completions (with ``reward_columns(rows)`` as keyword columns).
 
     A `transformers.Trainer` for its optimizer, scheduler, logging, callbacks and checkpoint writing, whose
     ``__init__`` is not run (it would wrap a single model): `_set_trainer_machinery` sets what it would.
-
-    Args:
-        args: `PPOConfig` (its values are checked when it is made).
-        processing_class: the tokenizer (pad distinct from every EOS id).
-        model: the policy (a causal LM; a peft model for LoRA).
-        ref_model: the reference, or None (a peft policy: the adapter is disabled; else a frozen copy is made).
-        reward_model: a sequence classifier, or None when ``reward_functions`` give all the reward.
-        value_model: a sequence classifier (or peft model on one).
-        train_dataset / eval_dataset: rows of ``input_ids`` (prompts; an optional ``row`` for ``reward_columns``).
-        eos_token_ids: ids that end a response (default: the tokenizer's EOS; None with ``stop_token`` unset).
-        reward_functions: a `rlhf_trl.rewards.RewardFunctions` (or None) of decoded prompts and completions, with
-            ``reward_columns(rows)`` as keyword columns.
+    ``ref_model`` None: the peft policy with its adapter disabled, else a frozen copy. Datasets: rows of
+    ``input_ids`` (prompts; an optional ``row`` for ``reward_columns``). ``eos_token_ids``: ids that end a response
+    (default: the tokenizer's EOS; None with ``stop_token`` unset).
 
     Raises:
         ValueError: the reference is the policy itself; ``offload_reward_model`` under DeepSpeed / FSDP or with a
