@@ -123,9 +123,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
     """The PPO engine plus resumable, atomic checkpoints, KL control, divergence checks and sample tables."""
 
     def __init__(self, *args, script_args, recipe_configs: tuple = (), stock_generation_config=None, **kwargs):
-        """``script_args``: the recipe's `rlhf_trl.ppo_config.PPOScriptArguments`; ``recipe_configs``: the dataclasses
-        saved as each checkpoint's ``run_config.yaml``; ``stock_generation_config``: saved with the merged policies
-        (`deployable_generation_config`). The rest: `PPOEngine`'s arguments."""
+        """``script_args``: the recipe's `PPOScriptArguments`; ``recipe_configs``: saved as each checkpoint's
+        ``run_config.yaml``; ``stock_generation_config``: saved with the merged policies. The rest: `PPOEngine`'s."""
         super().__init__(*args, **kwargs)
         self.stock_generation_config = stock_generation_config
         self.script_args = script_args
