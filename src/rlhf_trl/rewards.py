@@ -23,10 +23,8 @@ A tiny example (in ``my_rewards.py``, used as ``reward_funcs: ["my_rewards.py:me
 
 Units: reward units. The score of a completion is ``sum_i reward_weights[i] * f_i``, plus ``rm_score -
 reward_baseline`` with a reward model (so weights set how many RM units one unit of each function is worth); PPO's
-reward shaping (missing-EOS penalty, KL penalty) then applies.
-
-Errors: `load_reward_functions` raises a one-line `ValueError` naming the recipe key and the entry; a function that
-raises or returns anything but ``[batch]`` finite numbers stops the run with a one-line `RewardFunctionError`.
+reward shaping (missing-EOS penalty, KL penalty) then applies. Errors are one line: `ValueError` while loading
+(naming the recipe key and the entry), `RewardFunctionError` during the run.
 """
 
 from __future__ import annotations
