@@ -248,7 +248,7 @@ def test_sft_answers_cut_at_max_length_are_counted(tokenizer, caplog):
     report = DataReport("sft")
     with caplog.at_level(logging.WARNING, logger="rlhf_trl.data"):
         sft_features(records, tokenizer, Template(), max_length=16, source="f", report=report)
-    assert report.truncated == {"train answers (cut at max_length)": 1}
+    assert report.truncated == {"train: answers are cut at max_length": 1}
     assert "f: 1 of 2 answers are cut at max_length=16 tokens" in caplog.text
     assert set(report.token_lengths["train"]) == {"prompt", "response"}
 

@@ -1,18 +1,14 @@
 """The one data formatter shared by SFT, reward-model and PPO stages, in three steps:
 
-1. **read** (`data_read`) local json / jsonl / csv / parquet files (optionally .gz / .bz2 / .xz / .zst / .lz4), a list
-   or glob of them, a directory of shards, or a hub dataset (config name, split) through `datasets`, in Arrow batches;
-2. **normalise** (`data_rows`) each row, whatever its format (`FORMATS`, auto-detected from the first row: alpaca,
-   sharegpt, OpenAI / TRL messages, TRL conversational / prompt-completion rows, prompt / chosen / rejected,
-   implicit-prompt pairs, ranked answer lists, prompt-only rows), into records: SFT ``{"question", "history",
-   "answer"}``, pairs ``{"question", "history", "chosen", "rejected"}``, prompts ``{"question", "history"}`` (+
-   ``"columns"``: extra scalar columns, `prompt_columns`); plus ``"system"`` and ``"text"`` (a prompt carrying its
-   own turns, e.g. ``"\n\nHuman: ...\n\nAssistant:"``, rendered verbatim) where the row has them. ``history`` is a
-   list of earlier ``(question, answer)`` turns;
-3. **tokenize** (`data_features`) every stage alike: ``prompt_ids + response_ids + [eos]``, prompt and response each
-   tokenized on its own. Text templates (default ``问：{question}\n\n答：`` / ``{answer}``, or ``raw``): ``eos`` is
-   the tokenizer's EOS; ``chat_template: true``: the prompt is ``apply_chat_template(messages,
-   add_generation_prompt=True)`` and ``eos`` the template's end-of-turn token (`chat_end_of_turn_id`). PPO joins
+1. **read** (`.read`) local json / jsonl / csv / parquet files (also compressed), globs, shard directories or a hub
+   dataset through `datasets`, in Arrow batches;
+2. **normalise** (`.normalise`, `.rows`, `.turns`) each row, whatever its format (`FORMATS`, detected from the first
+   row), into records: SFT ``{"question", "history", "answer"}``, pairs ``{..., "chosen", "rejected"}``, prompts
+   ``{"question", "history"}`` (+ ``"columns"``: extra scalar columns); plus ``"system"``, ``"text"`` (a transcript
+   rendered verbatim) or ``"messages"`` / ``"tools"`` (tool-calling rows) where the row has them. Bad rows follow
+   ``on_bad_row``; every skip is counted in a `DataReport`;
+3. **tokenize** (`.features`) every stage alike: ``prompt_ids + response_ids + [eos]``, prompt and response each
+   tokenized on its own (text templates: the tokenizer's EOS; chat templates: the end-of-turn token). PPO joins
    prompt and generated ids the same way, so the reward model scores the very ids it was trained on (joining strings
    first would merge tokens across the ``"答："`` boundary with byte-level BPE).
 
@@ -22,7 +18,7 @@ Errors name the file, the row and the field (`DataError`).
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Literal
+from typing import Literal
 
 # re-exported: the public API of the data modules
 from .args import (DEFAULT_ASSISTANT_MARKER, DEFAULT_COMPLETION_TEMPLATE, DEFAULT_HUMAN_MARKER,  # noqa: F401
@@ -31,8 +27,7 @@ from .args import (DEFAULT_ASSISTANT_MARKER, DEFAULT_COMPLETION_TEMPLATE, DEFAUL
 from .features import (chat_end_of_turn_id, encode_prompt, encode_response, pair_features,  # noqa: F401
                        prompt_features, response_eos_id, sft_features)
 from .normalise import _counted, _normalise
-from .read import (BATCH_ROWS, COMPRESSIONS, LOCAL_LOADERS, _arrow_batches, iter_row_batches,  # noqa: F401
-                   load_rows, source_name)
+from .read import BATCH_ROWS, COMPRESSIONS, LOCAL_LOADERS, _arrow_batches, load_rows, source_name  # noqa: F401
 from .report import DataReport
 from .rows import (ANSWER_KEYS, QUESTION_KEYS, ROLES, SkipRow, _dialogue, _implicit, _pair_rows,  # noqa: F401
                    _prompt_row, _sft_row, detect_format, prompt_columns, split_transcript)
@@ -41,43 +36,30 @@ logger = logging.getLogger(__name__)
 
 
 def sft_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """Normalise rows into SFT records ``{"question", "history", "answer"}`` (+ ``"system"`` / ``"text"``).
-
-    Accepts alpaca (also TRL prompt / completion, text or message lists), sharegpt and ``messages`` rows (the last
-    assistant turn is the target, earlier turns the history), pairwise, conversational preference and
-    implicit-prompt rows (the chosen answer).
+    """Normalise in-memory rows into SFT records (the last assistant turn, or the chosen answer, is the target).
 
     Raises:
-        DataError: a row lacks a mapped column, or a field is null, empty or mistyped; a list of several user turns
-            as the question.
+        DataError: see `rlhf_trl.data.normalise._normalise`.
     """
     return _normalise("sft", [rows], args, source)
 
 
 def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """Normalise rows into pairs ``{"question", "history", "chosen", "rejected"}`` (+ ``"system"`` / ``"text"``).
-
-    Ranked answer lists (best first) give all ordered pairs (``n*(n-1)/2``; ``ranked_pairs='all'``) or the ``n-1``
-    adjacent ones (``'adjacent'``), ``n`` counting distinct answers: a repeated answer (e.g. in oasst) counts once, at
-    its best rank (one distinct answer: no pair). Implicit-prompt rows (only chosen / rejected) share their prompt:
-    see `_implicit`.
+    """Normalise in-memory rows into pairs. Ranked answer lists (best first) give all ordered pairs
+    (``n*(n-1)/2``; ``ranked_pairs='all'``) or the ``n-1`` adjacent ones, ``n`` counting distinct answers.
 
     Raises:
-        DataError: missing / empty fields, a ranked list with fewer than two answers, chosen == rejected, or an
-            implicit pair without a shared prompt.
+        DataError: see `rlhf_trl.data.normalise._normalise`.
     """
     return _normalise("pairs", [rows], args, source)
 
 
 def prompt_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """Normalise rows of any supported format into prompts ``{"question", "history"}`` (+ ``"system"`` / ``"text"``).
-
-    A list of user turns gives turn ``prompt_turn``; a message list gives everything up to its last user turn. A row
-    with extra scalar columns (`prompt_columns`: e.g. ``topic``, or an answer column) also gets ``"columns"``, a dict
-    of them, for PPO's reward functions; a row without any gets no ``"columns"`` key.
+    """Normalise in-memory rows into prompts: a list of user turns gives turn ``prompt_turn``, a message list
+    everything up to its last user turn; extra scalar columns go to ``"columns"`` (`prompt_columns`).
 
     Raises:
-        DataError: the question field is missing, null, empty or mistyped.
+        DataError: see `rlhf_trl.data.normalise._normalise`.
     """
     return _normalise("prompts", [rows], args, source)
 
@@ -151,11 +133,11 @@ def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts"],
                  report: DataReport | None = None) -> list[dict]:
     """Read every source of the recipe (`sources`) and normalise it into records of ``kind`` (see module doc).
 
-    Rows are streamed from `datasets`' Arrow cache in batches (`iter_row_batches`), so only the records are held as
+    Rows are streamed from `datasets`' Arrow cache in batches (`rlhf_trl.data.read._arrow_batches`), so only the records are held as
     Python objects; ``max_samples`` stops reading early.
 
     Raises:
-        DataError: see `iter_row_batches`, `sft_records`, `pair_records`, `prompt_records`.
+        DataError: see `load_rows` and `rlhf_trl.data.normalise._normalise`.
     """
     records = []
     if report is not None:

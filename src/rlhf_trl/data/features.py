@@ -186,6 +186,17 @@ def _check_records(records: list[dict], tokenizer, template: Template, source: s
                        len(records))
 
 
+def _tally(report: DataReport, source: str, split: str, total: int, limit: int | None, counts: tuple, **lengths):
+    """Log each non-zero count (``source: n of total <what>=<limit> tokens``) and add it, and the token lengths
+    (``lengths``: part -> tokens per row), to ``report`` under ``split``."""
+    for kind, what, n in counts:
+        if n:
+            logger.warning("%s: %d of %d %s=%s tokens", source, n, total, what, limit)
+        report.count(kind, f"{split}: {what}", n)
+    for part, values in lengths.items():
+        report.lengths(split, part, values)
+
+
 def sft_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
                  source: str = "dataset", length_policy: Literal["drop", "truncate_prompt"] = "drop",
                  max_prompt_length: int | None = None, report: DataReport | None = None,
@@ -193,15 +204,14 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
     """Tokenize SFT records into ``input_ids`` and ``completion_mask`` (1 on response tokens incl. EOS).
 
     Returns columns for `trl.SFTTrainer` (pre-tokenized: it skips its own tokenization), each a list of
-    ``[prompt_len + response_len + 1]`` lists. Rows longer than ``max_length`` tokens (counts logged):
+    ``[prompt_len + response_len + 1]`` lists. Rows longer than ``max_length`` tokens (counted in ``report`` under
+    ``split``, and logged):
 
     - ``length_policy='drop'``: rows whose prompt alone fills ``max_length`` (no answer token left to learn from) are
       dropped; longer rows are cut at the end by the trainer;
     - ``'truncate_prompt'``: the prompt is cut from the left (newest turns kept) so that the whole response fits; if
-      the response alone leaves no room, ``min(max_prompt_length, max_length - 1)`` prompt tokens are kept.
-
-    Rows whose answer the trainer will cut at ``max_length`` are counted too; all counts and the token lengths go into
-    ``report`` (under ``split``).
+      the response alone leaves no room, ``min(max_prompt_length, max_length - 1)`` prompt tokens are kept;
+    - either way, rows whose answer the trainer cuts at ``max_length`` are counted.
 
     Raises:
         DataError: no row is left. ValueError: an unknown ``length_policy``; chat mode problems
@@ -226,21 +236,11 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
             cut += len(p) + len(c) > max_length
         input_ids.append(p + c)
         masks.append([0] * len(p) + [1] * len(c))
-    if report is not None:
-        report.count("dropped", f"{split} rows (prompt fills max_length)", dropped)
-        report.count("truncated", f"{split} prompts", truncated)
-        report.count("truncated", f"{split} answers (cut at max_length)", cut)
-        report.lengths(split, "prompt", [m.count(0) for m in masks])
-        report.lengths(split, "response", [sum(m) for m in masks])
-    if cut:
-        logger.warning("%s: %d of %d answers are cut at max_length=%s tokens (their ends are not learned)", source,
-                       cut, len(records), max_length)
-    if dropped:
-        logger.warning("%s: %d of %d rows dropped: the prompt alone fills max_length=%s tokens "
-                       "(length_policy: truncate_prompt keeps them)", source, dropped, len(records), max_length)
-    if truncated:
-        logger.warning("%s: %d of %d prompts truncated from the left to fit max_length=%s tokens",
-                       source, truncated, len(records), max_length)
+    _tally(report or DataReport("sft"), source, split, len(records), max_length, (
+        ("dropped", "rows dropped: the prompt alone fills max_length", dropped),
+        ("truncated", "prompts truncated from the left to fit max_length", truncated),
+        ("truncated", "answers are cut at max_length", cut)),
+        prompt=[m.count(0) for m in masks], response=[sum(m) for m in masks])
     if records and not input_ids:
         raise DataError(source, f"no row is left: every prompt fills max_length={max_length} tokens (raise "
                                 "max_length or set length_policy: truncate_prompt)")
@@ -278,15 +278,11 @@ def pair_features(records: list[dict], tokenizer, template: Template, max_length
         out["chosen_ids"].append(p + c)
         out["rejected_ids"].append(p + j)
         out["prompt_length"].append(len(p))
-    if report is not None:
-        report.count("dropped", f"{split} pairs (longer than max_length)", dropped)
-        report.count("truncated", f"{split} pair prompts", truncated)
-        report.lengths(split, "prompt", out["prompt_length"])
-        report.lengths(split, "response", [max(len(c), len(j)) - p for c, j, p in
-                                           zip(out["chosen_ids"], out["rejected_ids"], out["prompt_length"])])
-    if dropped or truncated:
-        logger.warning("%s: %d of %d pairs dropped and %d truncated (max_length=%s tokens, length_policy=%s)",
-                       source, dropped, len(records), truncated, max_length, length_policy)
+    _tally(report or DataReport("rm"), source, split, len(records), max_length, (
+        ("dropped", "pairs dropped: longer than max_length", dropped),
+        ("truncated", "pair prompts truncated from the left to fit max_length", truncated)),
+        prompt=out["prompt_length"], response=[max(len(c), len(j)) - p for c, j, p in
+                                               zip(out["chosen_ids"], out["rejected_ids"], out["prompt_length"])])
     if not out["chosen_ids"]:
         raise DataError(source, f"no pair is left: all {len(records)} pairs exceed max_length={max_length} tokens "
                                 "(raise max_length or set length_policy: truncate_prompt)")
@@ -307,11 +303,7 @@ def prompt_features(records: list[dict], tokenizer, template: Template, max_prom
         raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {max_prompt_length}")
     _check_records(records, tokenizer, template, source, report=report)
     full = [_prompt_ids(tokenizer, template, r) for r in records]
-    cut = sum(len(p) > max_prompt_length for p in full)
-    if cut:
-        logger.warning("%s: %d of %d prompts cut to their last max_prompt_length=%d tokens", source, cut, len(full),
-                       max_prompt_length)
-    if report is not None:
-        report.count("truncated", f"{split} prompts (kept from the right)", cut)
-        report.lengths(split, "prompt", [min(len(p), max_prompt_length) for p in full])
+    _tally(report or DataReport("ppo"), source, split, len(full), max_prompt_length, (
+        ("truncated", "prompts cut to their last max_prompt_length", sum(len(p) > max_prompt_length for p in full)),),
+        prompt=[min(len(p), max_prompt_length) for p in full])
     return {"input_ids": [p[-max_prompt_length:] for p in full]}

@@ -7,7 +7,6 @@ import glob
 import logging
 import os
 from contextlib import contextmanager
-from typing import Iterator
 
 from .args import DataError
 
@@ -22,37 +21,27 @@ def source_name(dataset_name) -> str:
 
 
 def load_rows(dataset_name, split: str = "train", config: str | None = None) -> list[dict]:
-    """Read a source (see `iter_row_batches`) into one list of row dicts (small data; stages stream batches).
-
-    Raises:
-        DataError: see `iter_row_batches`.
-    """
-    return [row for batch in iter_row_batches(dataset_name, split, config) for row in batch]
-
-
-def iter_row_batches(dataset_name, split: str = "train", config: str | None = None,
-                     batch_rows: int = BATCH_ROWS) -> Iterator[list[dict]]:
-    """Read a source through `datasets` and yield its rows as lists of at most ``batch_rows`` dicts.
+    """Read a source into one list of row dicts (small data; the stages stream `_arrow_batches`).
 
     ``dataset_name``: a local file (.json / .jsonl / .csv / .parquet, optionally compressed: `COMPRESSIONS`), a glob,
     a directory (every data file under it, sorted; one file type), a list of these, or a hub dataset id (read with
-    ``config`` and ``split``; local files ignore both). `datasets` caches the parsed rows as Arrow on disk, so only
-    one batch at a time is held as Python objects.
+    ``config`` and ``split``; local files ignore both).
 
     Raises:
-        DataError: a file is missing, of an unsupported type, cannot be parsed, the files mix types, nothing matches
-            a glob, the source holds no rows, or a hub dataset cannot be loaded (offline: the message names
+        DataError: a file is missing, of an unsupported type, cannot be parsed or decoded, the files mix types, nothing
+            matches a glob, the source holds no rows, or a hub dataset cannot be loaded (offline: the message names
             ``HF_HUB_OFFLINE``).
     """
-    for batch in _arrow_batches(dataset_name, split, config, batch_rows):
-        yield batch if batch.__class__ is list else batch.to_pylist()
+    return [row for batch in _arrow_batches(dataset_name, split, config)
+            for row in (batch if batch.__class__ is list else batch.to_pylist())]
 
 
 def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None,
                    encoding: str = "utf-8"):
-    """`iter_row_batches` before the conversion to Python: Arrow record batches of plain columns, or lists of row dicts
-    where `datasets` must decode columns or index rows; at most ``batch_rows`` (default `BATCH_ROWS`) rows each.
-    ``encoding``: of local json / csv files (`_open_dataset`)."""
+    """A source's rows (see `load_rows`) as Arrow record batches of plain columns, or lists of row dicts where
+    `datasets` must decode columns or index rows; at most ``batch_rows`` (default `BATCH_ROWS`) rows each. `datasets`
+    caches the parsed rows as Arrow on disk, so only one batch at a time is held as Python objects. ``encoding``: of
+    local json / csv files (`_open_dataset`)."""
     batch_rows = batch_rows or BATCH_ROWS
     with _quiet_datasets():
         ds = _open_dataset(dataset_name, split, config, encoding)
