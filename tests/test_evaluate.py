@@ -9,6 +9,7 @@ import torch
 
 from rlhf_trl import demo_task, evaluate, merge
 from rlhf_trl.data import DataArguments, Template, pair_features, read_records, split_records
+from rlhf_trl.models import StageInputError
 from rlhf_trl.scoring import score_sequences
 
 RECIPES = os.path.join(os.path.dirname(__file__), "..", "recipes", "demo")
@@ -215,3 +216,13 @@ def test_quality_lines_read_the_figures_honestly():
                         "error, 3 pairs): larger than two standard errors.")
     noisy = quality_lines(figures, [{"sft": {"reward": 0.0}, "ppo": {"reward": d}} for d in (-1.0, 1.2)])
     assert noisy[3].endswith("within two standard errors of zero (noise at this scale).")
+
+
+def test_eval_refuses_a_causal_lm_as_reward_model(assets, sft_run, tmp_path):
+    with pytest.raises(StageInputError) as err:
+        evaluate.main(["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
+                       "--sft_model_path", sft_run["merged"], "--reward_model_path", sft_run["merged"],
+                       "--output_dir", str(tmp_path)])
+    assert str(err.value).startswith(f"reward_model_path '{sft_run['merged']}' is a Qwen2ForCausalLM, not a "
+                                     "sequence-classification model: a reward model needs a trained score head")
+    assert os.listdir(tmp_path) == []

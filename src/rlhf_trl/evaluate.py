@@ -29,6 +29,7 @@ from .data import DataError, Template, prompt_features, read_records, split_reco
 from .demo_task import on_topic, score_response
 from .models import (eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir,
                      write_json, write_jsonl, write_text)
+from .reward_models import require_reward_model
 from .scoring import pad_left, pad_right, response_logprobs, sample, score_sequences
 
 logger = logging.getLogger(__name__)
@@ -280,6 +281,7 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     hints = hints or {}
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", hints.get("sft"))
     rm_path = require_model_dir(training_args.reward_model_path, "reward model", hints.get("rm"))
+    require_reward_model(rm_path, hints.get("rm"))
     ppo_path = require_model_dir(os.path.join(out_dir, "merged"), "PPO policy", hints.get("ppo", "make ppo"))
 
     template = Template.from_args(data_args)
