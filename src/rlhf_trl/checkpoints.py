@@ -10,6 +10,7 @@ import os
 import shutil
 import struct
 import zipfile
+from types import SimpleNamespace
 
 from . import faults
 from .config import RecipeError, RunArguments, check_output_dir
@@ -25,13 +26,10 @@ DAMAGED_PREFIX = "damaged-"  # damaged-checkpoint-N: set aside by a resume from 
 
 
 class AtomicCheckpointMixin:
-    """Mixed into a `transformers.Trainer` subclass: each ``checkpoint-N`` is written under ``.tmp-checkpoint-N``
-    and renamed into place only when complete, so a killed run never leaves a half-written ``checkpoint-N``.
-    Subclasses add files with `checkpoint_extras`.
-
-    Every process calls ``_save_checkpoint`` (collective operations, per-rank ``rng_state_<rank>.pth``); only the
-    main process clears the staging directory, writes the extras, the ``manifest.json`` (`write_manifest`, checked by
-    `checkpoint_problem` before a resume) and renames, between barriers.
+    """Mixed into a `transformers.Trainer` subclass: each ``checkpoint-N`` is written under ``.tmp-checkpoint-N`` and
+    renamed into place only when complete (a killed run never leaves a half-written one); subclasses add files with
+    `checkpoint_extras`. Every process saves (collective operations, per-rank ``rng_state_<rank>.pth``); the main
+    process clears the staging directory, writes ``manifest.json`` (`write_manifest`) and renames, between barriers.
     """
 
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
@@ -78,27 +76,14 @@ def with_atomic_checkpoints(trainer_cls):
     return type(trainer_cls.__name__, (AtomicCheckpointMixin, trainer_cls), {})
 
 
-def remove_staging(output_dir: str) -> None:
-    """Delete ``.tmp-checkpoint-*`` leftovers of a killed run (never complete checkpoints) and its
-    ``.tmp-offload-*`` weight files (``offload_reward_model``)."""
-    for path in glob.glob(os.path.join(output_dir, f"{STAGING_PREFIX}checkpoint-*")):
-        logger.info("removing the unfinished checkpoint %s of an interrupted run", path)
-        shutil.rmtree(path, ignore_errors=True)
-    for path in glob.glob(os.path.join(output_dir, f"{STAGING_PREFIX}offload-*")):
-        logger.info("removing the offloaded weights %s of an interrupted run", path)
-        os.remove(path)
-
-
 def start_run(training_args, run_args=None):
-    """Checks every stage makes before it reads its inputs; nothing of an earlier run is changed here.
-
-    Puts back an earlier run that a killed run had set aside (`restore_earlier_run`), resolves
+    """Checks every stage makes before it reads its inputs; the earlier run's files are set aside later, by
+    `begin_writing`. Puts back an earlier run that a killed run had set aside (`restore_earlier_run`), resolves
     ``resume_from_checkpoint`` (`resolve_resume`), refuses (unless ``overwrite_output_dir``) to overwrite a finished
-    run or to start afresh next to an unfinished run's checkpoints, and removes ``.tmp-checkpoint-*`` leftovers of a
-    killed run. The earlier run's files are set aside later, by `begin_writing`.
+    run or to start afresh next to an unfinished run's checkpoints, and removes a killed run's ``.tmp-checkpoint-*``
+    (never complete checkpoints) and ``.tmp-offload-*`` (``offload_reward_model``) leftovers.
 
-    Returns:
-        ``(run_args, resume)``: the run arguments (defaults if None) and the checkpoint to resume from, or None.
+    Returns ``(run_args, resume)``: the run arguments (defaults if None) and the checkpoint to resume from, or None.
 
     Raises:
         StageInputError: resume requested but no checkpoint, no intact one, or the named one damaged; RecipeError: a
@@ -118,7 +103,12 @@ def start_run(training_args, run_args=None):
                           f"({os.path.basename(earlier[-1])}); continue it with resume_from_checkpoint=true, or set "
                           "`overwrite_output_dir: true` to start over")
     if state.is_main_process:
-        remove_staging(out)
+        for path in glob.glob(os.path.join(out, f"{STAGING_PREFIX}checkpoint-*")):
+            logger.info("removing the unfinished checkpoint %s of an interrupted run", path)
+            shutil.rmtree(path, ignore_errors=True)
+        for path in glob.glob(os.path.join(out, f"{STAGING_PREFIX}offload-*")):
+            logger.info("removing the offloaded weights %s of an interrupted run", path)
+            os.remove(path)
     state.wait_for_everyone()  # every process has checked the output_dir before any of them writes into it
     return run_args, resume
 
@@ -218,8 +208,8 @@ def keeps_earlier_run(run):
 
 
 def distributed_state(training_args):
-    """The `accelerate.PartialState` of this run, set up as the trainer sets it up (under ``accelerate launch`` this
-    joins the process group); one process: ``is_main_process`` True and a no-op ``wait_for_everyone``.
+    """The `accelerate.PartialState` of this run, set up as the trainer does (under ``accelerate launch``: joins the
+    process group); without one, a stand-in with ``is_main_process`` True and a no-op ``wait_for_everyone``.
 
     Raises:
         RecipeError: several processes launched (``WORLD_SIZE`` > 1) did not form one process group (e.g. a GPU
@@ -232,15 +222,9 @@ def distributed_state(training_args):
         raise RecipeError(f"launched {launched} processes but they did not join one process group (this one sees "
                           f"{state.num_processes}); on a machine without GPUs set `use_cpu: true` in the recipe or "
                           "launch with ACCEL=multi_cpu (ACCELERATE_USE_CPU=true)")
-    return state if state is not None else _SingleProcess()
-
-
-class _SingleProcess:
-    is_main_process = True
-    num_processes = 1
-
-    def wait_for_everyone(self) -> None:
-        pass
+    if state is None:
+        return SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None)
+    return state
 
 
 def weights_are_sharded(trainer) -> bool:
@@ -250,18 +234,13 @@ def weights_are_sharded(trainer) -> bool:
 
 
 def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, base_path: str, kind: str):
-    """Write a stage's ``merged/`` model (plain transformers model + tokenizer). Call on every process.
-
-    - Unsharded weights (one process, DDP): the main process merges the LoRA adapter (if any) and saves
-      (`models.merge_and_save`).
-    - Sharded (ZeRO-3 / FSDP), full-parameter: every process calls ``trainer.save_model`` into a staging directory
-      (DeepSpeed needs ``zero3_save_16bit_model: true``); the main process adds the tokenizer and renames it.
-    - Sharded, LoRA: the adapter in ``adapter_dir`` is merged into the base at ``base_path`` on the main process's
-      CPU (`merge.merge_adapter`); the result is loaded back from ``path`` (``kind``: ``causal_lm`` /
-      ``sequence_classifier``).
-
-    Returns the merged model on the main process, None on the others.
-    """
+    """Write a stage's ``merged/`` model (plain transformers model + tokenizer) at ``path``; call on every process.
+    Unsharded weights (one process, DDP): the main process merges the LoRA adapter (if any) and saves
+    (`models.merge_and_save`). Sharded (ZeRO-3 / FSDP), full-parameter: every process calls ``trainer.save_model`` into
+    a staging directory (DeepSpeed needs ``zero3_save_16bit_model: true``); the main process adds the tokenizer and
+    renames it. Sharded, LoRA: the main process merges ``adapter_dir`` into the base at ``base_path`` on its CPU
+    (`merge.merge_adapter`) and loads the result back (``kind``: ``causal_lm`` / ``sequence_classifier``).
+    Returns the merged model on the main process, None on the others."""
     main = trainer.is_world_process_zero()
     if not weights_are_sharded(trainer):
         return merge_and_save(trainer.model, tokenizer, path) if main else None
@@ -302,16 +281,13 @@ def write_manifest(checkpoint_dir: str) -> None:
 def checkpoint_problem(path: str) -> str | None:
     """None when the checkpoint directory ``path`` looks intact; otherwise a short reason naming the first damaged file
     (``optimizer.pt is missing``, ``model.safetensors is truncated (1234 of 5678 bytes)``, ...). Reads file headers
-    only: cheap on multi-GB checkpoints. Checked:
-
-    - with ``manifest.json`` (`write_manifest`): every file it lists exists with the listed size (an unreadable
-      manifest is itself the problem); without one: a Trainer checkpoint's must-have files exist
-      (`_required_files_problem`);
-    - every file under ``path``: ``*.json`` parses (and the shards a ``*.index.json`` names exist); ``*.safetensors``
-      has a header consistent with the file size; ``*.pt`` / ``*.pth`` / ``*.bin`` is a readable zip archive (its
-      central directory; legacy non-zip pickles are accepted unread).
-
-    Never raises for a damaged checkpoint; an unreadable file is reported as the problem.
+    only (cheap on multi-GB checkpoints). With ``manifest.json`` (`write_manifest`) every file it lists must exist with
+    the listed size (an unreadable manifest is itself the problem); without one, a Trainer checkpoint's must-have files:
+    ``trainer_state.json``, the optimizer state (``optimizer.pt``, FSDP ``optimizer.bin`` / ``optimizer_0/``),
+    ``scheduler.pt`` and model weights (DeepSpeed's ``global_step*/`` stands for the last three). Every file under
+    ``path``: ``*.json`` parses (and the shards a ``*.index.json`` names exist), ``*.safetensors`` has a header
+    consistent with its size, ``*.pt`` / ``*.pth`` / ``*.bin`` is a readable zip archive (its central directory;
+    legacy non-zip pickles are accepted unread). Never raises for a damaged checkpoint; an unreadable file is reported.
     """
     if not os.path.isdir(path):
         return "is not a directory"
@@ -329,9 +305,18 @@ def checkpoint_problem(path: str) -> str | None:
             if not os.path.isfile(os.path.join(path, rel)):
                 return f"{rel} is missing"
     else:
-        problem = _required_files_problem(path)
-        if problem:
-            return problem
+        names = set(os.listdir(path))
+        deepspeed = any(n.startswith("global_step") and os.path.isdir(os.path.join(path, n)) for n in names)
+        if "trainer_state.json" not in names:
+            return "trainer_state.json is missing"
+        if not (names & {"optimizer.pt", "optimizer.bin", "optimizer_0"} or deepspeed):
+            return "optimizer.pt is missing"
+        if "scheduler.pt" not in names and not deepspeed:
+            return "scheduler.pt is missing"
+        weights = {"model.safetensors", "adapter_model.safetensors", "model.safetensors.index.json",
+                   "adapter_model.bin", "pytorch_model.bin", "pytorch_model.bin.index.json"}
+        if not (names & weights or deepspeed or any(n.startswith("pytorch_model_fsdp") for n in names)):
+            return "model weights are missing (no model.safetensors or adapter_model.safetensors)"
     for rel in _relative_files(path):
         if rel != MANIFEST:
             problem = _file_problem(path, rel, listed.get(rel))
@@ -352,25 +337,6 @@ def _relative_files(root: str) -> list[str]:
 def _short(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 160 else text[:157] + "..."
-
-
-def _required_files_problem(path: str) -> str | None:
-    """The must-have files of a Trainer checkpoint without a manifest: ``trainer_state.json``, the optimizer state
-    (``optimizer.pt``, FSDP ``optimizer.bin`` / ``optimizer_0/``), ``scheduler.pt`` and model weights; DeepSpeed's
-    ``global_step*/`` stands for the last three."""
-    names = set(os.listdir(path))
-    deepspeed = any(n.startswith("global_step") and os.path.isdir(os.path.join(path, n)) for n in names)
-    if "trainer_state.json" not in names:
-        return "trainer_state.json is missing"
-    if not (names & {"optimizer.pt", "optimizer.bin", "optimizer_0"} or deepspeed):
-        return "optimizer.pt is missing"
-    if "scheduler.pt" not in names and not deepspeed:
-        return "scheduler.pt is missing"
-    weights = ("model.safetensors", "adapter_model.safetensors", "model.safetensors.index.json", "adapter_model.bin",
-               "pytorch_model.bin", "pytorch_model.bin.index.json")
-    if not (names & set(weights) or deepspeed or any(n.startswith("pytorch_model_fsdp") for n in names)):
-        return "model weights are missing (no model.safetensors or adapter_model.safetensors)"
-    return None
 
 
 def _file_problem(root: str, rel: str, expected: int | None) -> str | None:
@@ -455,10 +421,9 @@ def checkpoint_step(path: str) -> int | None:
 
 
 def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
-    """Rename every damaged ``checkpoint-N`` in ``output_dir`` newer than ``resume`` to ``damaged-checkpoint-N``
-    (kept for inspection). Left in place, it would count as the newest in ``save_total_limit``'s rotation, which
-    could delete the checkpoints this run writes. Main process, once the run writes. Returns the new paths.
-    """
+    """Rename every damaged ``checkpoint-N`` in ``output_dir`` newer than ``resume`` to ``damaged-checkpoint-N`` (kept
+    for inspection; in place, it would count as the newest in ``save_total_limit``'s rotation, which could delete the
+    checkpoints this run writes). Main process, once the run writes. Returns the new paths."""
     step = checkpoint_step(resume)
     if step is None:
         return []
@@ -478,11 +443,9 @@ def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
 
 
 def resolve_resume(value, output_dir: str) -> str | None:
-    """Turn a recipe's ``resume_from_checkpoint`` into a checkpoint directory (or None to start fresh).
-
-    ``true`` / ``last`` picks the newest intact ``checkpoint-N`` in ``output_dir`` (`checkpoint_problem`); each newer,
-    damaged one is named with its reason in a WARNING. A path must exist and be intact. Never falls back to a fresh
-    start.
+    """Turn a recipe's ``resume_from_checkpoint`` into a checkpoint directory (or None to start fresh). ``true`` /
+    ``last`` picks the newest intact ``checkpoint-N`` in ``output_dir`` (`checkpoint_problem`; each newer, damaged one
+    is named with its reason in a WARNING). A path must exist and be intact. Never falls back to a fresh start.
 
     Raises:
         StageInputError: ``true`` with no checkpoint in ``output_dir``, or none intact (one line naming the newest and
