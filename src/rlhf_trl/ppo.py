@@ -1,14 +1,13 @@
 """Stage 3: PPO against the reward model (and/or reward functions) with a KL penalty to a frozen reference.
 
 Run: ``rlhf-trl ppo --config recipes/demo/ppo.yaml`` (``make ppo RECIPE=...``; resume: ``resume_from_checkpoint=true``
-or ``=path/to/checkpoint-N``). Reads top to bottom like `rlhf_trl.sft`: recipe, data, tokenizer and models, trainer,
-train, save. The loop is `rlhf_trl.ppo_engine` inside `rlhf_trl.ppo_trainer.RLHFPPOTrainer`; the keys are TRL 1.12's
-PPOConfig's (`rlhf_trl.ppo_config`). Models: the policy is the merged SFT model (``sft_model_path``) plus a LoRA
-adapter (``use_peft``), whose reference is the adapter disabled; the frozen reward model (``reward_model_path``)
-shifted by ``reward_baseline`` (`rlhf_trl.reward_models`); the value model from the reward model (or
-``value_model_path``), trained in full or through its own adapter (``value_use_peft``), optionally on the reward
-model's own weights (``share_reward_value_base``); reward functions (``reward_funcs``, `rlhf_trl.rewards`) add to
-the score or are all of it. Outputs under ``output_dir``: ``checkpoint-N/``, ``adapter/``, ``merged/``,
+or ``=path/to/checkpoint-N``). The loop is `rlhf_trl.ppo_engine` inside `rlhf_trl.ppo_trainer.RLHFPPOTrainer`; the
+keys are TRL 1.12's PPOConfig's (`rlhf_trl.ppo_config`). Models: the policy is the merged SFT model
+(``sft_model_path``) plus a LoRA adapter (``use_peft``), whose reference is the adapter disabled; the frozen reward
+model (``reward_model_path``) shifted by ``reward_baseline`` (`rlhf_trl.reward_models`); the value model from the
+reward model (or ``value_model_path``), trained in full or through its own adapter (``value_use_peft``), optionally on
+the reward model's own weights (``share_reward_value_base``); reward functions (``reward_funcs``, `rlhf_trl.rewards`)
+add to the score or are all of it. Outputs under ``output_dir``: ``checkpoint-N/``, ``adapter/``, ``merged/``,
 ``value_model/``, ``samples.jsonl``, ``run_config.yaml``, ``metrics.json``, ``log_history.json``.
 """
 
@@ -25,25 +24,15 @@ from datasets import Dataset
 from .checkpoints import begin_writing, distributed_state, keeps_earlier_run, start_run
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, split_records
-from .models import (
-    BIASING_GENERATION_KEYS,
-    eos_token_ids,
-    load_causal_lm,
-    load_sequence_classifier,
-    load_tokenizer,
-    merge_and_save,
-    recipe_quantization_config,
-    require_model_dir,
-    sampling_generation_config,
-    save_pretrained_atomic,
-    torch_dtype,
-    write_json,
-)
+from .models import (BIASING_GENERATION_KEYS, eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer,
+                     merge_and_save, recipe_quantization_config, require_model_dir, sampling_generation_config,
+                     save_pretrained_atomic, torch_dtype, write_json)
 from .ppo_config import PPOConfig, PPOScriptArguments
 from .ppo_engine import TrainingDivergedError  # noqa: F401 (importable from the stage)
 from .ppo_trainer import AdaptiveKLController, RLHFPPOTrainer, deployable_generation_config  # noqa: F401
 from .reward_models import (SharedBaseRewardModel, apply_reward_baseline, calibrate_reward_baseline,
                             require_reward_model)
+from .rewards import load_reward_functions, reward_columns
 from .scoring import preserved_rng  # noqa: F401 (importable from the stage)
 
 logger = logging.getLogger(__name__)
@@ -60,11 +49,8 @@ def recipe_types() -> tuple:
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
     """Parse a recipe and run PPO; see `run` for the result."""
     data_args, ppo_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv, "ppo")
-    return run(
-        data_args, ppo_args, training_args, model_args,
-        sft_hint=sibling_recipe(recipe, "sft"), rm_hint=sibling_recipe(recipe, "rm"), callbacks=callbacks,
-        run_args=run_args,
-    )
+    return run(data_args, ppo_args, training_args, model_args, sft_hint=sibling_recipe(recipe, "sft"),
+               rm_hint=sibling_recipe(recipe, "rm"), callbacks=callbacks, run_args=run_args)
 
 
 @keeps_earlier_run
@@ -128,11 +114,10 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
         reward_model=reward_model, value_model=value_model, train_dataset=train_ds, eval_dataset=eval_ds,
         callbacks=callbacks, script_args=ppo_args, eos_token_ids=eos_ids, stock_generation_config=stock_config,
         recipe_configs=(data_args, ppo_args, training_args, model_args, run_args), reward_functions=reward_functions,
-        reward_columns=reward_columns_of(train_records) if reward_functions else None,
+        # rows -> {column: [value per row]} of the train records, for the reward functions' keyword columns
+        reward_columns=(lambda rows: reward_columns([train_records[i] for i in rows])) if reward_functions else None,
     )
     trainer.reward_baseline = baseline
-
-    # train
     trainer.train(resume_from_checkpoint=resume)
 
     # save
@@ -154,8 +139,6 @@ def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_arg
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", sft_hint, pickle_ok)
     reward_functions = None
     if ppo_args.reward_funcs or ppo_args.reward_weights:  # weights alone are an error, not ignored
-        from .rewards import load_reward_functions
-
         reward_functions = load_reward_functions(ppo_args.reward_funcs, ppo_args.reward_weights)
     elif not training_args.reward_model_path:
         raise ValueError("reward_model_path: PPO needs a reward model, reward functions (reward_funcs) or both")
@@ -295,13 +278,6 @@ def with_policy_adapter(policy, model_args, training_args):
                     and module.weight.dtype == torch.float32:
                 module.to(torch.bfloat16)
     return policy
-
-
-def reward_columns_of(records: list[dict]):
-    """``rows -> {column: [value per row]}`` of the train records, for reward functions' keyword columns."""
-    from .rewards import reward_columns
-
-    return lambda rows: reward_columns([records[i] for i in rows])
 
 
 def save_outputs(trainer, tokenizer, stock_config, configs: tuple, report: DataReport | None = None) -> dict:
