@@ -54,14 +54,6 @@ def one_line_arguments(parser):
     return parser
 
 
-def recipe_path(argv: list[str]) -> str | None:
-    """The value of ``--config`` in ``argv``, if any."""
-    if "--config" in argv:
-        i = argv.index("--config")
-        return argv[i + 1] if i + 1 < len(argv) else None
-    return None
-
-
 DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; offline
 
 
@@ -81,9 +73,11 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
     from trl import TrlParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    path = recipe_path(argv)
-    if "--config" in argv and path is None:
+    at = argv.index("--config") + 1 if "--config" in argv else None  # where the recipe path is
+    if at == len(argv):
         raise RecipeError("--config needs a recipe path")
+    path = argv[at] if at else None
+    known = {f.name for t in dataclass_types for f in dataclasses.fields(t)}
     data = {}
     if path is not None:
         if not os.path.isfile(path):
@@ -95,12 +89,10 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
             raise RecipeError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise RecipeError(f"{path}: a recipe must be a YAML mapping of key: value")
-        known = {f.name for t in dataclass_types for f in dataclasses.fields(t)} | {"env"}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known - {"env"})
         if unknown:
-            raise RecipeError(f"{path}: unknown key(s) {unknown}; {did_you_mean(unknown, known, '`--help`')}")
-    has_report_to = any("report_to" in {f.name for f in dataclasses.fields(t)} for t in dataclass_types)
-    if has_report_to and "report_to" not in data and not any(a.split("=")[0] == "--report_to" for a in argv):
+            raise RecipeError(f"{path}: unknown key(s) {unknown}; {did_you_mean(unknown, known | {'env'}, '`--help`')}")
+    if "report_to" in known and "report_to" not in data and not any(a.split("=")[0] == "--report_to" for a in argv):
         argv += ["--report_to", DEFAULT_REPORT_TO]
     parser = TrlParser(dataclass_types, prog=f"rlhf-trl {stage}" if stage else None,
                        usage=f"rlhf-trl {stage or '<stage>'} --config RECIPE.yaml [--key value ...]",
@@ -126,7 +118,6 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
         message = str(exc)
         if "not used by the HfArgumentParser" in message:  # a flag typed on the command line that no field has
             unused = message.split(":", 1)[-1].strip()
-            known = {f.name for t in dataclass_types for f in dataclasses.fields(t)}
             hint = did_you_mean(re.findall(r"'--([^'=]+)", unused), known, "--help", "--")
             raise RecipeError(f"command line: unknown argument(s) {unused}; {hint}") from None
         key = re.match(r"\w*", message).group()  # a dataclass's own check: "<key> must be ..."
@@ -200,9 +191,8 @@ def save_recipe(output_dir: str, *configs) -> None:
             value = getattr(cfg, f.name)
             if isinstance(value, enum.Enum):
                 value = value.value
-            if isinstance(value, (str, int, float, bool, type(None))) or (
-                isinstance(value, (list, tuple)) and all(isinstance(v, (str, int, float, bool)) for v in value)
-            ):
+            if isinstance(value, (str, int, float, bool, type(None))) or (isinstance(value, (list, tuple)) and all(
+                    isinstance(v, (str, int, float, bool)) for v in value)):
                 data[f.name] = list(value) if isinstance(value, tuple) else value
     with open(os.path.join(output_dir, "run_config.yaml"), "w", encoding="utf-8") as f:
         yaml.safe_dump(data, f, allow_unicode=True, sort_keys=True)
