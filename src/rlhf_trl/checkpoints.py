@@ -13,10 +13,10 @@ import zipfile
 from types import SimpleNamespace
 
 from . import faults
-from .config import RecipeError, RunArguments, check_output_dir
+from .config import RecipeError, RunArguments, check_output_dir, save_recipe
 from .faults import CheckpointWriteError
 from .merge import merge_adapter
-from .models import StageInputError, load_causal_lm, load_sequence_classifier, merge_and_save
+from .models import StageInputError, load_causal_lm, load_sequence_classifier, merge_and_save, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +261,29 @@ def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, bas
     if not main:
         return None
     return (load_causal_lm if kind == "causal_lm" else load_sequence_classifier)(path)
+
+
+def save_stage_outputs(trainer, tokenizer, model_path: str, kind: str, metrics: dict, report, configs: tuple,
+                       evaluate=None) -> dict:
+    """The end of the SFT and RM stages (call on every process): the adapter (LoRA), the merged model
+    (`save_final_model`) and, from the main process, the recipe (``configs``: data, training, model and run
+    arguments), ``evaluate(merged model)``'s metrics added to ``metrics`` (if given), ``metrics.json``,
+    ``log_history.json`` (the curves) and the data report. Returns ``{"output_dir", "merged", "metrics"}``."""
+    out = configs[1].output_dir
+    adapter = os.path.join(out, "adapter") if configs[2].use_peft else None
+    if adapter:
+        trainer.save_model(adapter)
+    merged = os.path.join(out, "merged")
+    model = save_final_model(trainer, tokenizer, merged, adapter, model_path, kind)  # gathers ZeRO-3 / FSDP shards
+    if trainer.is_world_process_zero():
+        save_recipe(out, *configs)
+        if evaluate is not None:
+            metrics.update(evaluate(model))
+        write_json(os.path.join(out, "metrics.json"), metrics)
+        write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})
+        report.write(out)
+    trainer.accelerator.wait_for_everyone()
+    return {"output_dir": out, "merged": merged, "metrics": metrics}
 
 
 # -- damaged checkpoints: a manifest at save time, an intactness check before a resume ---------------------------------

@@ -20,9 +20,8 @@ import os
 
 from datasets import Dataset
 
-from .checkpoints import (begin_writing, keeps_earlier_run, save_final_model, start_run,
-                          with_atomic_checkpoints)
-from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
+from .checkpoints import begin_writing, keeps_earlier_run, save_stage_outputs, start_run, with_atomic_checkpoints
+from .config import RunArguments, parse_recipe, sibling_recipe
 from .data import DataArguments, DataReport, Template, describe_sources, pair_features, read_records, split_records
 from .loop_state import with_loop_state
 from .models import (fp32_adapters_for_fp32_compute, load_sequence_classifier, load_tokenizer,
@@ -60,7 +59,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
         ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, without bitsandbytes, or on the CPU
             with an unusable bitsandbytes CPU backend or 8 bits (`rlhf_trl.models.recipe_quantization_config`).
     """
-    from trl import RewardTrainer
+    from trl import RewardTrainer, get_peft_config
 
     # inputs
     run_args, resume = start_run(training_args, run_args)
@@ -85,7 +84,9 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
                                      pickle_ok, quantization_config=quantization)
     logger.info("reward model: the SFT model with a new score head (reported MISSING above), trained in this stage")
     resize_for_tokenizer(model, tokenizer)
-    peft_config = _peft_config(model_args)
+    peft_config = get_peft_config(model_args)
+    if peft_config is not None:
+        peft_config.task_type = "SEQ_CLS"  # makes peft train and save the score head with the adapter
 
     # trainer, train (inputs proven: only now does anything of an earlier run go)
     begin_writing(training_args, run_args, resume)
@@ -97,29 +98,14 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
     train_result = trainer.train(resume_from_checkpoint=resume)
 
-    # save (under `accelerate launch`: every process calls save_model, only the main process writes and evaluates)
-    out = training_args.output_dir
-    adapter = os.path.join(out, "adapter") if model_args.use_peft else None
-    if adapter:
-        trainer.save_model(adapter)
-    merged_path = os.path.join(out, "merged")
+    # save (under `accelerate launch`: every process calls save_model, only the main process writes and evaluates:
+    # pairwise accuracy, margin and the length-only baseline on the held-out pairs, with the merged model)
     metrics = dict(train_result.metrics, global_step=trainer.state.global_step, num_train_pairs=len(train_ds),
                    num_eval_pairs=len(eval_ds) if eval_ds is not None else 0)
-    # every process takes part (ZeRO-3 / FSDP shards are gathered); the main process gets the merged model back
-    reward_model = save_final_model(trainer, tokenizer, merged_path, adapter, model_path, "sequence_classifier")
-    if not trainer.is_world_process_zero():
-        trainer.accelerator.wait_for_everyone()
-        return {"output_dir": out, "merged": merged_path, "metrics": metrics}
-    save_recipe(out, data_args, training_args, model_args, run_args)
-
-    # evaluate: pairwise accuracy, margin and the length-only baseline on the held-out pairs
-    if eval_feats:
-        metrics.update(_evaluate(reward_model, eval_feats, tokenizer.pad_token_id, out))
-    write_json(os.path.join(out, "metrics.json"), metrics)
-    write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
-    report.write(out)
-    trainer.accelerator.wait_for_everyone()
-    return {"output_dir": out, "merged": merged_path, "metrics": metrics}
+    evaluate = (lambda reward_model: _evaluate(reward_model, eval_feats, tokenizer.pad_token_id,
+                                               training_args.output_dir)) if eval_feats else None
+    return save_stage_outputs(trainer, tokenizer, model_path, "sequence_classifier", metrics, report,
+                              (data_args, training_args, model_args, run_args), evaluate)
 
 
 def _datasets(data_args: DataArguments, training_args, tokenizer, template: Template, train_records: list[dict],
@@ -136,16 +122,6 @@ def _datasets(data_args: DataArguments, training_args, tokenizer, template: Temp
     if eval_ds is None:
         training_args.eval_strategy = "no"
     return train_ds, eval_feats, eval_ds
-
-
-def _peft_config(model_args):
-    """TRL's `get_peft_config` of the recipe, with ``task_type`` SEQ_CLS."""
-    from trl import get_peft_config
-
-    peft_config = get_peft_config(model_args)
-    if peft_config is not None:
-        peft_config.task_type = "SEQ_CLS"  # makes peft train and save the score head with the adapter
-    return peft_config
 
 
 def _evaluate(reward_model, eval_feats: dict, pad_token_id: int, out: str) -> dict:

@@ -9,19 +9,17 @@ LM with its tokenizer: the input of the RM and PPO stages), ``run_config.yaml`` 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from datasets import Dataset
 
-from .checkpoints import (begin_writing, keeps_earlier_run, save_final_model, start_run,
-                          with_atomic_checkpoints)
-from .config import RunArguments, parse_recipe, save_recipe
+from .checkpoints import begin_writing, keeps_earlier_run, save_stage_outputs, start_run, with_atomic_checkpoints
+from .config import RunArguments, parse_recipe
 from .data import DataArguments, DataReport, Template, describe_sources, read_records, sft_features, split_records
 from .loop_state import with_loop_state
 from .models import (fp32_adapters_for_fp32_compute, load_causal_lm, load_tokenizer, recipe_quantization_config,
-                     require_model_dir, resize_for_tokenizer, torch_dtype, write_json)
+                     require_model_dir, resize_for_tokenizer, torch_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +91,11 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     metrics.update(num_train_rows=len(train_ds), num_eval_rows=len(eval_ds) if eval_ds is not None else 0)
 
     # save (under `accelerate launch`: every process calls save_model, only the main process writes)
-    return _save(trainer, tokenizer, model_path, metrics, report, (data_args, training_args, model_args, run_args))
+    result = save_stage_outputs(trainer, tokenizer, model_path, "causal_lm", metrics, report,
+                                (data_args, training_args, model_args, run_args))
+    if trainer.is_world_process_zero():
+        logger.info("SFT done: merged model at %s", result["merged"])
+    return result
 
 
 def _datasets(data_args: DataArguments, training_args, tokenizer, template: Template, train_records: list[dict],
@@ -115,7 +117,7 @@ def _datasets(data_args: DataArguments, training_args, tokenizer, template: Temp
 
 
 def _trainer_class(model, model_path: str, training_args):
-    """`trl.SFTTrainer`, or `own_head_loss` of it (``loss_type`` None / chunked_nll -> 'nll') for non-Linear heads."""
+    """`trl.SFTTrainer`, or with `OwnHeadLossMixin` (``loss_type`` None / chunked_nll -> 'nll') for non-Linear heads."""
     from trl import SFTTrainer
 
     head = model.get_output_embeddings()
@@ -126,27 +128,7 @@ def _trainer_class(model, model_path: str, training_args):
                    "or 'dft' from its logits)", model_path, type(head).__name__)
     if training_args.loss_type in (None, "chunked_nll"):
         training_args.loss_type = "nll"
-    return own_head_loss(SFTTrainer)
-
-
-def _save(trainer, tokenizer, model_path: str, metrics: dict, report: DataReport, configs: tuple) -> dict:
-    """Save the adapter (LoRA), the merged model and, from the main process, the recipe (``configs``: data, training,
-    model and run arguments), metrics, log history and data report. Returns `run`'s result."""
-    data_args, training_args, model_args, run_args = configs
-    out = training_args.output_dir
-    adapter = os.path.join(out, "adapter") if model_args.use_peft else None
-    if adapter:
-        trainer.save_model(adapter)
-    merged = os.path.join(out, "merged")
-    save_final_model(trainer, tokenizer, merged, adapter, model_path, "causal_lm")  # gathers ZeRO-3 / FSDP shards
-    if trainer.is_world_process_zero():
-        save_recipe(out, data_args, training_args, model_args, run_args)
-        write_json(os.path.join(out, "metrics.json"), metrics)
-        write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
-        report.write(out)
-        logger.info("SFT done: merged model at %s", merged)
-    trainer.accelerator.wait_for_everyone()
-    return {"output_dir": out, "merged": merged, "metrics": metrics}
+    return type(SFTTrainer.__name__, (OwnHeadLossMixin, SFTTrainer), {})
 
 
 class OwnHeadLossMixin:
@@ -190,11 +172,6 @@ class OwnHeadLossMixin:
                 self._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item()
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
         return (loss, outputs) if return_outputs else loss
-
-
-def own_head_loss(trainer_cls):
-    """``trainer_cls`` (`trl.SFTTrainer`) with `OwnHeadLossMixin`'s ``compute_loss``."""
-    return type(trainer_cls.__name__, (OwnHeadLossMixin, trainer_cls), {})
 
 
 if __name__ == "__main__":
