@@ -81,12 +81,6 @@ class PPOConfig(TrainingArguments):
         check_config(self)
 
 
-def _exact_div(a: int, b: int, what: str) -> int:
-    if a % b:
-        raise ValueError(f"{what}: {a} is not a multiple of {b}")
-    return a // b
-
-
 def check_config(args: PPOConfig) -> None:
     """Every check of a `PPOConfig` value that needs no model or data (run once, by ``PPOConfig.__post_init__``).
 
@@ -99,8 +93,10 @@ def check_config(args: PPOConfig) -> None:
     if args.num_mini_batches < 1:
         raise ValueError(f"num_mini_batches must be >= 1, got {args.num_mini_batches}")
     local = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    local_mini = _exact_div(local, args.num_mini_batches, "per_device_train_batch_size x gradient_accumulation_steps "
-                                                          "(rollouts per process and update) / num_mini_batches")
+    if local % args.num_mini_batches:
+        raise ValueError("per_device_train_batch_size x gradient_accumulation_steps (rollouts per process and update) "
+                         f"/ num_mini_batches: {local} is not a multiple of {args.num_mini_batches}")
+    local_mini = local // args.num_mini_batches
     if args.whiten_rewards and local_mini < 8:
         raise ValueError(f"whiten_rewards needs >= 8 rollouts per process mini-batch, got {local_mini}")
     if args.stop_token and args.stop_token_id is not None:
