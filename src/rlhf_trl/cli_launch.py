@@ -30,19 +30,7 @@ def quiet_libraries() -> None:
     """Silence bitsandbytes' two import-time WARNINGs on AVX512-BF16 CPUs when the `kernels` package cannot fetch its
     CPU kernel from the hub (offline): it falls back to its own kernel; nothing for users to do."""
     logging.getLogger("kernels").setLevel(logging.ERROR)
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_no_hub_kernel_warning)
-
-
-def _no_hub_kernel_warning(record: logging.LogRecord) -> bool:
-    return "kernels-community" not in record.getMessage()
-
-
-def close_progress_bars() -> None:
-    """Close every open tqdm progress bar (a trainer's stays open when training raises), ending its line."""
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda r: "kernels-community" not in r.getMessage())
 
 
 def is_main_rank() -> bool:
@@ -83,7 +71,10 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     try:
         result = module.main(sys.argv[1:] if argv is None else argv)
     except BaseException as exc:
-        close_progress_bars()
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):  # a trainer's stays open when training raises
+            bar.close()  # ends its line
         if isinstance(exc, user_errors) and not os.environ.get("RLHF_TRL_DEBUG"):
             print(f"rlhf-trl {stage}: error: {one_line(exc)}", file=sys.stderr)
             sys.exit(4 if isinstance(exc, CheckpointWriteError) else 2)
