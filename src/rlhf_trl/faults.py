@@ -48,11 +48,8 @@ def _rank() -> int:
 
 
 def _fault() -> tuple[int, int, str] | None:
-    """The parsed ``RLHF_TRL_FAULT`` for this process, or None.
-
-    Raises:
-        ValueError: a malformed value (``<save>:<op>[:<action>]`` with positive integers and a known action).
-    """
+    """The parsed ``RLHF_TRL_FAULT`` for this process, or None. Raises `ValueError` on a malformed value (not
+    ``<save>:<op>[:<action>]`` with positive integers and a known action)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec or _rank() != int(os.environ.get(FAULT_RANK_ENV, "0")):
         return None
@@ -65,11 +62,8 @@ def _fault() -> tuple[int, int, str] | None:
 
 def file_op(kind: str, path: str, do=None):
     """Count one file operation of a checkpoint save and run ``do()`` (if given), honouring ``RLHF_TRL_FAULT``;
-    outside `checkpoint_save` this only runs ``do()``. Returns what ``do()`` returns.
-
-    Raises:
-        OSError: the injected ``enospc`` / ``erofs`` fault at this operation (errno ENOSPC / EROFS, naming ``path``).
-    """
+    outside `checkpoint_save` this only runs ``do()``. Returns what ``do()`` returns. Raises `OSError` for an injected
+    ``enospc`` / ``erofs`` fault at this operation (errno ENOSPC / EROFS, naming ``path``)."""
     global _ops
     if not _active:
         return do() if do is not None else None
@@ -134,11 +128,8 @@ def checkpoint_save():
 
 # -- durability: fsync before publishing ----------------------------------------------------------------------------
 def fsync_path(path: str) -> None:
-    """fsync one file or directory (a counted file operation inside `checkpoint_save`).
-
-    Raises:
-        OSError: the file system refused (e.g. EIO), or an injected fault.
-    """
+    """fsync one file or directory (a counted file operation inside `checkpoint_save`). Raises `OSError`: the file
+    system refused (e.g. EIO), or an injected fault."""
     def do():
         flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0)
         fd = os.open(path, flags)
@@ -162,11 +153,8 @@ def fsync_tree(root: str) -> None:
 def publish(staged: str, final: str, aside: str | None = None) -> None:
     """fsync ``staged``, rename it to ``final`` and fsync the parent, so after a crash ``final`` is absent or complete.
     An existing ``final`` is renamed to ``aside`` (default ``final + ".old"``) only once ``staged`` is synced, put back
-    if the rename of ``staged`` fails, and removed once the new one is in place.
-
-    Raises:
-        OSError: a write, fsync or rename failed (full disk, read-only file system, ...).
-    """
+    if the rename of ``staged`` fails, and removed once the new one is in place. Raises `OSError`: a write, fsync or
+    rename failed (full disk, read-only file system, ...)."""
     fsync_tree(staged)
     old = None
     if os.path.exists(final):
