@@ -50,12 +50,9 @@ def require_reward_model(path: str, train_hint: str | None = None) -> None:
 
 
 class BaselineShiftedScore(nn.Module):
-    """Wraps a reward model's ``score`` head so that it returns ``score(hidden) - baseline``.
-
-    The engine reads rewards as ``reward_model.score(hidden_states)`` at the last non-pad token
-    (`rlhf_trl.scoring.sequence_scores`); replacing the head is how the baseline reaches it.
-    Input ``[batch, seq_len, hidden]``, output ``[batch, seq_len, 1]``.
-    """
+    """Wraps a reward model's ``score`` head (``[batch, seq_len, hidden] -> [batch, seq_len, 1]``) so that it returns
+    ``score(hidden) - baseline``: the engine reads rewards as ``reward_model.score(hidden_states)`` at the last non-pad
+    token (`rlhf_trl.scoring.sequence_scores`), so replacing the head is how the baseline reaches it."""
 
     def __init__(self, score: nn.Module, baseline: float):
         super().__init__()
@@ -80,13 +77,10 @@ def apply_reward_baseline(reward_model, baseline: float):
 class SharedBaseRewardModel(nn.Module):
     """The reward model read off the value model's weights (``share_reward_value_base``): the value model's base with
     its LoRA adapter (and trained value head) off, plus the reward model's own frozen score head. The value model is
-    ``get_peft_model(reward_model, LoRA SEQ_CLS)``, which wraps the reward model's modules in place: this holds no
-    second copy. ``backbone(input_ids=[batch, seq_len], attention_mask=..., ...)`` runs under
-    ``value_model.disable_adapter()``. The value model is not a submodule (``.eval()``, ``requires_grad_(False)``
-    and device moves of the reward model must not reach the trainable adapter); only the original score head is.
-
-    Raises:
-        ValueError: ``value_model`` is not a peft sequence-classification model with a wrapped ``score`` head.
+    ``get_peft_model(reward_model, LoRA SEQ_CLS)``, which wraps the reward model's modules in place: no second copy.
+    The value model is not a submodule (``.eval()``, ``requires_grad_(False)`` and device moves of the reward model
+    must not reach the trainable adapter); only the original score head is. Raises `ValueError`: ``value_model`` is
+    not a peft sequence-classification model with a wrapped ``score`` head.
     """
 
     base_model_prefix = "backbone"
@@ -108,7 +102,8 @@ class SharedBaseRewardModel(nn.Module):
         self.config = inner.config
 
     def backbone(self, **kwargs):
-        """The shared transformer with the value model's adapter off: the reward model's forward."""
+        """The shared transformer (``input_ids=[batch, seq_len], attention_mask=..., ...``) with the value model's
+        adapter off (``value_model.disable_adapter()``): the reward model's forward."""
         with self._value_model.disable_adapter():
             return self._backbone(**kwargs)
 
@@ -119,14 +114,11 @@ class SharedBaseRewardModel(nn.Module):
 
 
 class OffloadedWeights:
-    """A frozen module whose parameters live in a safetensors file between uses (``offload_reward_model``).
-
-    The parameters are written once to ``path`` and their storage is released (each becomes an empty tensor); inside
-    ``with offloaded.loaded():`` they are read back (``safetensors.torch.load_file``), bit for bit, and released
-    again on exit. Buffers (rotary frequencies, ...) stay in memory. Shared (tied) parameters are stored once.
-
-    Raises:
-        ValueError: a parameter that is not a plain floating-point tensor (a quantized model).
+    """A frozen module whose parameters live in a safetensors file between uses (``offload_reward_model``): written
+    once to ``path`` and their storage released (each becomes an empty tensor); inside ``with offloaded.loaded():``
+    read back (``safetensors.torch.load_file``), bit for bit, and released again on exit. Buffers (rotary
+    frequencies, ...) stay in memory. Shared (tied) parameters are stored once. Raises `ValueError`: a parameter that
+    is not a plain floating-point tensor (a quantized model).
     """
 
     def __init__(self, module: nn.Module, path: str):
@@ -167,11 +159,9 @@ class OffloadedWeights:
 def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset, args, batches: int,
                               eos_ids: list[int] | None = None) -> float:
     """Mean RM score (reward units) of SFT-policy rollouts on ``batches`` batches of ``per_device_train_batch_size``
-    prompts (``dataset`` rows of ``input_ids``), as PPO would sample them (``reward_baseline: auto``).
-
-    Uses the engine's rollout (`generate_rollouts`, `sequence_scores`) with the recipe's temperature and
-    ``response_length``, responses cut after their first EOS (any of ``eos_ids``, default the tokenizer's); runs
-    under `preserved_rng`, seeded with ``args.seed``.
+    prompts (``dataset`` rows of ``input_ids``), as PPO would sample them (``reward_baseline: auto``): the engine's
+    rollout (`generate_rollouts`, `sequence_scores`) with the recipe's temperature and ``response_length``, responses
+    cut after their first EOS (any of ``eos_ids``, default the tokenizer's); under `preserved_rng`, seed ``args.seed``.
     """
     from transformers import DataCollatorWithPadding
 
