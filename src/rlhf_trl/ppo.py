@@ -239,14 +239,12 @@ def reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model,
 
 
 def rollout_generation_config(model, source: str, eos_ids: list[int], pad_token_id: int, temperature: float):
-    """Give ``model`` the generation config PPO samples with, and return the one it had (to be saved with it).
-
-    Rollouts must be samples of ``softmax(logits / temperature)``, or the log-probs, the KL estimate and the policy
-    gradient are biased; a stock checkpoint's ``generation_config.json`` (Qwen2.5-Instruct: top_k 20, top_p 0.8,
-    repetition_penalty 1.1, temperature 0.7) would otherwise leak into ``generate``. The new config samples with
-    ``temperature`` only and stops at any of ``eos_ids``; one log line names the settings of ``source`` it overrides.
-    The returned original is what the merged policy is saved with, so it deploys as the stock model does.
-    """
+    """Give ``model`` the generation config PPO samples with, and return the one it had: the merged policy is saved
+    with it, so it deploys as the stock model does. Rollouts must be samples of ``softmax(logits / temperature)``, or
+    the log-probs, the KL estimate and the policy gradient are biased; a stock checkpoint's ``generation_config.json``
+    (Qwen2.5-Instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, temperature 0.7) would otherwise leak into
+    ``generate``. The new config samples with ``temperature`` only and stops at any of ``eos_ids``; one log line names
+    the settings of ``source`` it overrides."""
     stock = copy.deepcopy(model.generation_config)
     found = {k: getattr(stock, k, None) for k, ok in BIASING_GENERATION_KEYS.items()
              if getattr(stock, k, None) not in ok}
