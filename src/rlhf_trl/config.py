@@ -31,11 +31,8 @@ class RunArguments:
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
-    """Refuse to write over a finished run (its ``run_config.yaml`` and ``merged/`` exist) unless asked to.
-
-    Raises:
-        RecipeError: the directory holds a finished run and neither ``overwrite_output_dir`` nor resume is set.
-    """
+    """Refuse to write over a finished run (its ``run_config.yaml`` and ``merged/`` exist) unless asked to: raises
+    `RecipeError` when the directory holds one and neither ``overwrite_output_dir`` nor resume is set."""
     finished = (os.path.isfile(os.path.join(output_dir, "run_config.yaml"))
                 and os.path.isdir(os.path.join(output_dir, "merged")))
     if finished and not overwrite and not resuming:
@@ -58,13 +55,10 @@ DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; 
 
 
 def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | None = None):
-    """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into the given dataclasses (`trl.TrlParser`).
-
+    """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into the given dataclasses (`trl.TrlParser`);
     ``stage`` (``sft`` / ``rm`` / ``ppo``) names the command in ``--help``. A recipe that sets no ``report_to`` logs to
-    TensorBoard (`DEFAULT_REPORT_TO`) instead of transformers' ``none``.
-
-    Returns:
-        A tuple of dataclass instances, in the order of ``dataclass_types``, followed by the recipe path (or None).
+    TensorBoard (`DEFAULT_REPORT_TO`) instead of transformers' ``none``. Returns a tuple of dataclass instances, in
+    the order of ``dataclass_types``, followed by the recipe path (or None).
 
     Raises:
         RecipeError: the recipe is missing or not a mapping, holds an unknown key (the closest known key suggested),
