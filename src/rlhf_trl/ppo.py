@@ -127,11 +127,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
 
 def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_args: RunArguments, sft_hint, rm_hint):
     """The model directories (``{"sft", "rm", "value"}``; ``rm`` None without a reward model) and the loaded reward
-    functions (or None), checked before any data is read. Sets ``stop_token: eos`` when no stop is set.
-
-    Raises:
-        StageInputError / ValueError: see `run`.
-    """
+    functions (or None), checked before any data is read. Sets ``stop_token: eos`` when no stop is set. Raises
+    `StageInputError` / `ValueError`: see `run`."""
     pickle_ok = run_args.allow_pickle_weights
     if not training_args.sft_model_path:
         raise ValueError("sft_model_path: set it to the SFT stage's merged model directory (e.g. "
@@ -171,11 +168,8 @@ def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_a
                 pickle_ok: bool):
     """Policy (without its adapter yet), reward model (None without one; `SharedBaseRewardModel` when shared) and
     value model (with its own LoRA adapter when ``value_use_peft``), gradient checkpointing set; the EOS ids and the
-    policy's stock generation config (`rollout_generation_config`).
-
-    Raises:
-        ValueError: quantization settings (see `run`); a model's vocabulary smaller than the tokenizer's.
-    """
+    policy's stock generation config (`rollout_generation_config`). Raises `ValueError`: quantization settings (see
+    `run`); a model's vocabulary smaller than the tokenizer's."""
     from peft import LoraConfig, get_peft_model
 
     remote = ppo_args.trust_remote_code
