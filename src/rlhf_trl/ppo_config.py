@@ -22,10 +22,8 @@ class PPOConfig(TrainingArguments):
     ``offload_reward_model`` and ``single_value_forward``.
 
     Batch sizes (episodes): ``batch_size = per_device_train_batch_size x gradient_accumulation_steps x processes``
-    rollouts per update; ``num_total_batches`` updates = ceil(``total_episodes`` / ``batch_size``).
-
-    Raises:
-        ValueError: a bad value (`check_config`), when the config is made: a recipe fails before anything is read.
+    rollouts per update; ``num_total_batches`` updates = ceil(``total_episodes`` / ``batch_size``). Raises
+    `ValueError` on a bad value (`check_config`) when the config is made: a recipe fails before anything is read.
     """
 
     # defaults TRL's configs change from TrainingArguments
