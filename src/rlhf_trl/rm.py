@@ -1,16 +1,14 @@
 """Stage 2: reward model on pairwise preferences with `trl.RewardTrainer` (optional LoRA, ``task_type=SEQ_CLS``).
 
 Run: ``rlhf-trl rm --config recipes/demo/rm.yaml`` (or ``python -m rlhf_trl.rm``, ``make rm RECIPE=...``).
-
 The reward model is ``AutoModelForSequenceClassification(num_labels=1)`` on the SFT model; its score is read at the
 last real token (the EOS that ends the response). Pairs are tokenized by `rlhf_trl.data.pair_features`, the same
 construction PPO uses when it scores rollouts.
 
 Outputs under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA, with the score head), ``merged/`` (a plain
-sequence-classification model with its trained score head and tokenizer: the input of PPO),
-``eval_metrics.json`` (``accuracy``, ``margin``, ``length_baseline_accuracy``, ``num_pairs`` on the eval split),
-``eval_pairs.jsonl`` (those held-out pairs as token ids: ``chosen_ids``, ``rejected_ids``, ``prompt_length``; read by
-``rlhf-trl eval``).
+sequence-classification model with its trained score head and tokenizer: the input of PPO), ``eval_metrics.json``
+(``accuracy``, ``margin``, ``length_baseline_accuracy``, ``num_pairs`` on the eval split), ``eval_pairs.jsonl`` (those
+held-out pairs as token ids: ``chosen_ids``, ``rejected_ids``, ``prompt_length``; read by ``rlhf-trl eval``).
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 @keeps_earlier_run
 def run(data_args: DataArguments, training_args, model_args, produced_by: str | None = None,
         run_args: RunArguments | None = None, callbacks: list | None = None) -> dict:
-    """Train a reward model on ``data_args.dataset_name`` starting from ``model_args.model_name_or_path``.
-
+    """Train a reward model on ``data_args.dataset_name`` starting from ``model_args.model_name_or_path``;
     ``callbacks``: extra `transformers.TrainerCallback` objects for the trainer (e.g. step timing).
 
     Raises:
@@ -77,8 +74,16 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right",
                                trust_remote_code=training_args.trust_remote_code)
     training_args.pad_token = tokenizer.pad_token
-    train_ds, eval_feats, eval_ds = _datasets(data_args, training_args, tokenizer, template, train_records,
-                                              eval_records, report)
+
+    def features(rows, split):  # tokenized pairs (`pair_features`)
+        return pair_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
+                             source=f"{describe_sources(data_args)} ({split} split)", report=report, split=split)
+
+    train_ds = Dataset.from_dict(features(train_records, "train"))
+    eval_feats = features(eval_records, "eval") if eval_records else None
+    eval_ds = Dataset.from_dict(eval_feats) if eval_feats else None
+    if eval_ds is None:  # no eval rows: evaluation off
+        training_args.eval_strategy = "no"
     # quantized: TRL's RewardTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
     model = load_sequence_classifier(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code,
                                      pickle_ok, quantization_config=quantization)
@@ -106,22 +111,6 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
                                                training_args.output_dir)) if eval_feats else None
     return save_stage_outputs(trainer, tokenizer, model_path, "sequence_classifier", metrics, report,
                               (data_args, training_args, model_args, run_args), evaluate)
-
-
-def _datasets(data_args: DataArguments, training_args, tokenizer, template: Template, train_records: list[dict],
-              eval_records: list[dict], report: DataReport | None = None) -> tuple:
-    """The train dataset, the eval features and dataset (`pair_features`; both None without eval rows, which turns
-    evaluation off)."""
-    def features(rows, split):
-        return pair_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
-                             source=f"{describe_sources(data_args)} ({split} split)", report=report, split=split)
-
-    train_ds = Dataset.from_dict(features(train_records, "train"))
-    eval_feats = features(eval_records, "eval") if eval_records else None
-    eval_ds = Dataset.from_dict(eval_feats) if eval_feats else None
-    if eval_ds is None:
-        training_args.eval_strategy = "no"
-    return train_ds, eval_feats, eval_ds
 
 
 def _evaluate(reward_model, eval_feats: dict, pad_token_id: int, out: str) -> dict:

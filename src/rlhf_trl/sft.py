@@ -40,8 +40,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 @keeps_earlier_run
 def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None,
         callbacks: list | None = None) -> dict:
-    """Fine-tune ``model_args.model_name_or_path`` on ``data_args.dataset_name`` (prompt tokens masked from the loss).
-
+    """Fine-tune ``model_args.model_name_or_path`` on ``data_args.dataset_name`` (prompt tokens masked from the loss);
     ``callbacks``: extra `transformers.TrainerCallback` objects for the trainer (e.g. step timing).
 
     Raises:
@@ -68,7 +67,18 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right",
                                trust_remote_code=training_args.trust_remote_code)
     training_args.pad_token = tokenizer.pad_token
-    train_ds, eval_ds = _datasets(data_args, training_args, tokenizer, template, train_records, eval_records, report)
+
+    def features(rows, split):  # tokenized (`sft_features`)
+        source = f"{describe_sources(data_args)} ({split} split)"
+        return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, source,
+                                              data_args.length_policy, data_args.max_prompt_length, report, split))
+
+    train_ds = features(train_records, "train")
+    eval_ds = features(eval_records, "eval") if eval_records else None
+    if eval_ds is None:  # no eval rows: evaluation off
+        training_args.eval_strategy = "no"
+    if training_args.completion_only_loss is None:  # the loss is on completion tokens only unless the recipe says
+        training_args.completion_only_loss = True
     # quantized: TRL's SFTTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
     model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
                            quantization_config=quantization)
@@ -96,24 +106,6 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     if trainer.is_world_process_zero():
         logger.info("SFT done: merged model at %s", result["merged"])
     return result
-
-
-def _datasets(data_args: DataArguments, training_args, tokenizer, template: Template, train_records: list[dict],
-              eval_records: list[dict], report: DataReport | None = None) -> tuple:
-    """The tokenized train and eval datasets (`sft_features`; eval None without eval rows, which turns evaluation
-    off); the loss is on completion tokens only unless the recipe sets ``completion_only_loss``."""
-    def features(rows, split):
-        source = f"{describe_sources(data_args)} ({split} split)"
-        return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, source,
-                                              data_args.length_policy, data_args.max_prompt_length, report, split))
-
-    train_ds = features(train_records, "train")
-    eval_ds = features(eval_records, "eval") if eval_records else None
-    if eval_ds is None:
-        training_args.eval_strategy = "no"
-    if training_args.completion_only_loss is None:
-        training_args.completion_only_loss = True
-    return train_ds, eval_ds
 
 
 def _trainer_class(model, model_path: str, training_args):
