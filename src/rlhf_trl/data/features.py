@@ -102,17 +102,10 @@ def response_eos_id(tokenizer, template: Template) -> int:
 
 def encode_prompt(tokenizer, template: Template, question: str, history=None, system: str | None = None,
                   text: str | None = None) -> list[int]:
-    """Token ids of the rendered prompt, ``[prompt_len]``.
-
-    Text / raw modes: the template's text (or ``text`` verbatim), no special tokens added (special-token strings in
-    the data are tokenized as text). Chat mode (``text`` ignored: `_prompt_ids` parses its turns):
-    ``apply_chat_template(messages, add_generation_prompt=True)`` of `Template.messages`, tokenized as rendered (as
-    TRL does: special-token strings in message contents become special tokens).
-
-    Raises:
-        ValueError: chat mode with a tokenizer without a chat template, or a template that fails on these messages
-            (`_render_chat`).
-    """
+    """Token ids of the rendered prompt, ``[prompt_len]``: text / raw modes, the template's text (or ``text``
+    verbatim) with special-token strings tokenized as text; chat mode, ``apply_chat_template(`Template.messages`,
+    add_generation_prompt=True)`` tokenized as rendered (as TRL does). Raises ValueError: chat mode without a chat
+    template, or one that fails on these messages (`_render_chat`)."""
     if not template.chat:
         return _encode_text(tokenizer, template.format_prompt(question, history, text, system))
     _require_chat_template(tokenizer)
@@ -250,12 +243,10 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
 def pair_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
                   length_policy: Literal["drop", "truncate_prompt"] = "drop",
                   source: str = "dataset", report: DataReport | None = None, split: str = "train") -> dict[str, list]:
-    """Tokenize pairs into ``chosen_ids`` / ``rejected_ids`` (prompt ids + response ids + EOS) for `RewardTrainer`.
-
-    Pairs longer than ``max_length`` tokens are dropped (``length_policy='drop'``) or have their prompt truncated
-    from the left so that the longer response still fits whole (``'truncate_prompt'``; a pair whose response alone
-    exceeds ``max_length`` is dropped). Counts of dropped / truncated pairs are logged and, with the token lengths,
-    go into ``report`` (under ``split``). An empty answer is its EOS alone.
+    """Tokenize pairs into ``chosen_ids`` / ``rejected_ids`` (prompt ids + response ids + EOS; an empty answer is the
+    EOS alone) and ``prompt_length`` for `RewardTrainer`. Pairs over ``max_length`` tokens are dropped (``'drop'``) or
+    have their prompt cut from the left so that the longer response fits (``'truncate_prompt'``; dropped if it cannot);
+    counts and token lengths are logged and go into ``report`` under ``split``.
 
     Raises:
         DataError: no pair is left. ValueError: chat mode problems (`chat_end_of_turn_id`).

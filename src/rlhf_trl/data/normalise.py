@@ -106,12 +106,10 @@ def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
     """Normalise batches of rows into records of ``kind`` ('sft' / 'pairs' / 'prompts'); row numbers run on across
     batches. The format is resolved from the first row (``dataset_format: auto``) and checked on every row.
 
-    A bad row (`DataError` naming its row) stops the read (``on_bad_row: error``, the message says how to skip) or is
-    skipped and counted in ``report`` (``skip``); more bad rows than ``max_bad_row_fraction`` of the rows read stop it
-    too. Rows with nothing for the stage (`SkipRow`) are skipped and counted under either policy.
-
-    Raises:
-        DataError: a bad row under ``error``, too many bad rows, a file-level problem, or no usable row.
+    A bad row (`DataError` naming its row) stops the read (``on_bad_row: error``; the message says how to skip) or is
+    skipped and counted in ``report`` (``skip``) up to ``max_bad_row_fraction``; rows with nothing for the stage
+    (`SkipRow`) are skipped and counted either way. Raises `DataError`: a bad row under ``error``, too many bad rows,
+    a file-level problem, or no usable row.
     """
     report = report if report is not None else DataReport(kind)
     if args.dataset_format not in FORMATS:

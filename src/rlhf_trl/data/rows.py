@@ -105,16 +105,10 @@ def _conversation(row: dict, fmt: str, args: DataArguments, source: str, i: int,
 
 
 def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
-    """The prompt part of a row: ``(system, history, question)``.
-
-    The question column (``question_key`` or the first of `QUESTION_KEYS`) holds a string, a list of user turns
-    (one question per row for SFT / RM; PPO prompts take turn ``prompt_turn``), or a message list (everything up to
-    the last user turn); the ``input`` column (never the question column itself) is appended on a new line;
-    ``history`` pairs come first.
-
-    Raises:
-        DataError: a missing / null / empty / mistyped field.
-    """
+    """The prompt part of a row, ``(system, history, question)``: the question column (``question_key`` or the first
+    of `QUESTION_KEYS`) holds a string, a list of user turns (PPO prompts only: turn ``prompt_turn``) or a message
+    list (up to its last user turn); ``input`` is appended on a new line; ``history`` pairs come first. Raises
+    `DataError`: a missing / null / empty / mistyped field."""
     qkey = args.question_key or _first(row, QUESTION_KEYS) or "instruction"
     value = _column(row, qkey, source, i, "question_key")
     system, history = None, None
@@ -174,13 +168,9 @@ def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
     """An implicit-prompt pair: ``chosen`` / ``rejected`` transcripts (strings) or message lists sharing a prompt.
 
     Text: the prompt is the shared prefix through the last ``assistant_marker``, kept verbatim as ``text`` and
-    ``question`` (``markers``: for `split_transcript` with chat templates); the answers are the rest, leading space
-    included (an empty or blank rest is an empty answer: the EOS alone). Messages (UltraFeedback-binarized): the
-    prompt is the shared leading messages (ending with a user turn), then one assistant message on each side.
-
-    Raises:
-        DataError: missing / mistyped sides, identical sides, or no shared prefix ending in the assistant marker
-            (text) / a user turn (messages).
+    ``question``; the answers are the rest, leading space included (a blank rest: an empty answer). Messages
+    (UltraFeedback-binarized): the shared leading messages, ending with a user turn, then one assistant message each.
+    Raises `DataError`: missing / mistyped or identical sides, or no shared prompt.
     """
     gkey, bkey = args.good_key or "chosen", args.bad_key or "rejected"
     chosen, rejected = row.get(gkey), row.get(bkey)
