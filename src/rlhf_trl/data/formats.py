@@ -1,0 +1,72 @@
+"""The row formats of `rlhf_trl.data` (`FORMATS`): which one a row has (`detect_format`) and which of its columns are
+not part of the prompt (`prompt_columns`)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from .args import DataArguments
+from .turns import ROLES, _is_messages
+
+QUESTION_KEYS = ("instruction", "prompt", "question", "query")
+ANSWER_KEYS = ("output", "answer", "response", "completion")
+CONVERSATION_KEYS = {"sharegpt": "conversations", "messages": "messages", "firefly": "conversation"}
+
+
+def _is_conversation(value) -> bool:
+    """A message list opening with a user (or system) turn: a whole conversation, not an answer."""
+    return _is_messages(value) and ROLES.get(value[0].get("role", value[0].get("from"))) in ("user", "system")
+
+
+def detect_format(row: dict, args: DataArguments) -> str:
+    """Guess the source format from the keys of one row (honouring the recipe's column mapping).
+
+    chosen + rejected both message lists (UltraFeedback-binarized) -> implicit; ``conversations`` -> sharegpt;
+    ``messages`` -> messages; ``conversation`` -> firefly; chosen + rejected -> pairwise with a question column, else
+    implicit; an answer column -> ranked (a list of answers) or alpaca (also a message list); else prompt.
+    """
+    keys = row.keys()
+    good, bad = args.good_key or "chosen", args.bad_key or "rejected"
+    if good in keys and bad in keys and _is_conversation(row[good]) and _is_conversation(row[bad]):
+        return "implicit"  # whole conversations on each side: the prompt is their shared leading messages
+    if (args.conversations_key or "conversations") in keys:
+        return "sharegpt"
+    if (args.messages_key or "messages") in keys:
+        return "messages"
+    if (args.conversations_key or "conversation") in keys:
+        return "firefly"
+    if good in keys and bad in keys:
+        qkey = args.question_key or _first(keys, QUESTION_KEYS)
+        return "pairwise" if qkey is not None and qkey in keys else "implicit"
+    answer = args.answer_key or _first(keys, ANSWER_KEYS)
+    if answer is not None and answer in keys:
+        value = row[answer]
+        return "ranked" if isinstance(value, list) and not _is_messages(value) else "alpaca"
+    return "prompt"
+
+
+def _first(keys: Iterable[str], candidates: Iterable[str]) -> str | None:
+    return next((c for c in candidates if c in keys), None)
+
+
+_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
+
+
+def prompt_columns(row: dict, fmt: str, args: DataArguments) -> dict:
+    """The extra columns of a prompt row, in row order, for PPO's reward functions (`rlhf_trl.rewards.reward_columns`):
+    every scalar column (str / int / float / bool / None) not read as the prompt (``fmt`` sharegpt / messages /
+    firefly: the turns; implicit: chosen / rejected; else the question, ``input`` and ``history`` columns). Answer
+    columns count (e.g. gsm8k's ``answer``: a reward function's reference); list / dict columns do not."""
+    if fmt in CONVERSATION_KEYS:
+        key = "messages_key" if fmt == "messages" else "conversations_key"
+        used = (getattr(args, key) or CONVERSATION_KEYS[fmt], "tools")
+    elif fmt == "implicit":
+        used = (args.good_key or "chosen", args.bad_key or "rejected")
+    else:  # the question column as `_prompt` picks it
+        qkey = args.question_key or _first(row, QUESTION_KEYS)
+        used = (qkey, args.input_key or "input", args.history_key or "history")
+    out = {}
+    for k, v in row.items():  # a plain loop: faster than a comprehension here
+        if k not in used and v.__class__ in _SCALAR_TYPES:
+            out[k] = v
+    return out
