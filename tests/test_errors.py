@@ -748,7 +748,7 @@ def real_process_case(command, assets, tmp_path):
     if command == "eval":
         model = assets["base_model"]
         return (["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path", model,
-                 "--reward_model_path", model, "--output_dir", str(tmp_path / "out")],
+                 "--reward_model_path", reward_stand_in(assets), "--output_dir", str(tmp_path / "out")],
                 f"rlhf-trl eval: error: PPO policy not found at '{tmp_path / 'out' / 'merged'}'; run `make ppo "
                 f"RECIPE={RECIPES}/ppo.yaml` first")
     adapter = tmp_path / "adapter"  # merge: an adapter asked to be its own output
