@@ -3,7 +3,7 @@ prompt and response is where the template puts it."""
 
 import string
 
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from rlhf_trl.data import DataArguments, Template, encode_prompt, encode_response, pair_records, sft_records
@@ -30,12 +30,14 @@ def test_template_round_trip(question, answer):
 
 @SETTINGS
 @given(q=text, good=text, bad=text, qk=key, gk=key, bk=key)
+@example(q="0", good="0", bad="R", qk="_", gk="__", bk="history")  # a mapped column is never read as earlier turns
+@example(q="q", good="a", bad="b", qk="_", gk="input", bk="__")  # ... nor appended to the question as `input`
 def test_any_column_mapping_round_trips(q, good, bad, qk, gk, bk):
     assume(len({qk, gk, bk}) == 3 and good != bad)  # three distinct columns; a pair of two different answers
     row = {qk: q, gk: good, bk: bad}
     args = DataArguments(question_key=qk, good_key=gk, bad_key=bk, dataset_format="pairwise")
     assert pair_records([row], args, "f") == [{"question": q, "history": [], "chosen": good, "rejected": bad}]
-    sft = sft_records([row], DataArguments(question_key=qk, answer_key=gk, dataset_format="alpaca"), "f")
+    sft = sft_records([{qk: q, gk: good}], DataArguments(question_key=qk, answer_key=gk, dataset_format="alpaca"), "f")
     assert sft[0]["question"] == q and sft[0]["answer"] == good
 
 

@@ -88,8 +88,8 @@ def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
         raise DataError(source, "must be a string, a list of user turns or a list of {role, content} messages", i, qkey)
     else:
         question = _string(value, source, i, qkey)
-    ikey = args.input_key or "input"
-    if ikey != qkey:
+    ikey = _optional_key(args, "input_key", "input")
+    if ikey and ikey != qkey:
         extra = row.get(ikey)
         if extra is not None:
             extra = _string(extra, source, i, ikey, allow_empty=True)
@@ -100,9 +100,16 @@ def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
     return system, history, question
 
 
+def _optional_key(args: DataArguments, attr: str, default: str) -> str | None:
+    """The column of an optional field: the recipe's ``attr``, else ``default`` unless a recipe key maps another
+    field to that column (``bad_key: history`` is the rejected answer, not earlier turns)."""
+    mapped = (args.question_key, args.answer_key, args.good_key, args.bad_key)
+    return getattr(args, attr) or (None if default in mapped else default)
+
+
 def _history(row: dict, args: DataArguments, source: str, i: int) -> list[tuple[str, str]]:
-    hkey = args.history_key or "history"
-    history = row.get(hkey) or []
+    hkey = _optional_key(args, "history_key", "history")
+    history = (row.get(hkey) if hkey else None) or []
     if not isinstance(history, list) or not all(isinstance(t, (list, tuple)) and len(t) == 2
                                                 and all(isinstance(x, str) for x in t) for t in history):
         raise DataError(source, "must be a list of [question, answer] string pairs", i, hkey)
