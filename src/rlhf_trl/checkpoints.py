@@ -10,6 +10,7 @@ import os
 import shutil
 import struct
 import zipfile
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 from . import faults
@@ -256,11 +257,31 @@ def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, bas
                 shutil.rmtree(path)
             os.rename(staging, path)
     elif main:
-        merge_adapter(adapter_dir, path, base=base_path)
+        with loading_on_one_process():
+            merge_adapter(adapter_dir, path, base=base_path)
     trainer.accelerator.wait_for_everyone()
     if not main:
         return None
-    return (load_causal_lm if kind == "causal_lm" else load_sequence_classifier)(path)
+    with loading_on_one_process():
+        return (load_causal_lm if kind == "causal_lm" else load_sequence_classifier)(path)
+
+
+@contextmanager
+def loading_on_one_process():
+    """Load models on this process alone during a DeepSpeed ZeRO-3 run: transformers' ``from_pretrained`` builds a
+    model inside ``deepspeed.zero.Init`` (a collective of every process) whenever a ZeRO-3 config is registered
+    (`transformers.integrations.is_deepspeed_zero3_enabled`), so the main process loading the merged model alone would
+    wait forever for the others. The config is unregistered for the block and registered again after it."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers has no public getter of the config object
+    config = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            hf_deepspeed.set_hf_deepspeed_config(config)
 
 
 def save_stage_outputs(trainer, tokenizer, model_path: str, kind: str, metrics: dict, report, configs: tuple,

@@ -496,14 +496,16 @@ class PPOEngine(Trainer):
         """Sample tables (hook for subclasses; the engine writes none)."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the policy only (adapter or full weights), as the Trainer's checkpoint model files."""
-        wrapper = self.model
-        self.model = self.unwrapped.policy
-        if self.is_deepspeed_enabled:
-            backup, self.deepspeed = self.deepspeed, self.model
+        """Save the policy only (adapter or full weights), as the Trainer's checkpoint model files; call on every
+        process. Under DeepSpeed the policy-and-value engine's state dict is gathered (ZeRO-3: every process takes
+        part, ``stage3_gather_16bit_weights_on_model_save``) and its ``policy.`` entries are saved."""
+        wrapper, self.model = self.model, self.unwrapped.policy
         try:
-            super().save_model(output_dir, _internal_call)
+            if not self.is_deepspeed_enabled:
+                return super().save_model(output_dir, _internal_call)
+            full = self.accelerator.get_state_dict(self.deepspeed)  # main process: the whole state dict
+            if self.args.should_save:
+                policy = {k.removeprefix("policy."): v for k, v in full.items() if k.startswith("policy.")}
+                self._save(output_dir or self.args.output_dir, state_dict=policy)
         finally:
             self.model = wrapper
-            if self.is_deepspeed_enabled:
-                self.deepspeed = backup
