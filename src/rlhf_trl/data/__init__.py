@@ -12,12 +12,14 @@
    prompt and generated ids the same way, so the reward model scores the very ids it was trained on (joining strings
    first would merge tokens across the ``"答："`` boundary with byte-level BPE).
 
-Errors name the file, the row and the field (`DataError`).
-"""
+Errors name the file, the row and the field (`DataError`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
+import random
 from typing import Literal
 
 # re-exported: the public API of the data modules
@@ -36,44 +38,27 @@ logger = logging.getLogger(__name__)
 
 
 def sft_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """Normalise in-memory rows into SFT records (the last assistant turn, or the chosen answer, is the target).
-
-    Raises:
-        DataError: see `rlhf_trl.data.normalise._normalise`.
-    """
+    """In-memory rows as SFT records (the last assistant turn, or the chosen answer, is the target). Raises `DataError`
+    (`.normalise._normalise`)."""
     return _normalise("sft", [rows], args, source)
 
 
 def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """Normalise in-memory rows into pairs. Ranked answer lists (best first) give all ordered pairs
-    (``n*(n-1)/2``; ``ranked_pairs='all'``) or the ``n-1`` adjacent ones, ``n`` counting distinct answers.
-
-    Raises:
-        DataError: see `rlhf_trl.data.normalise._normalise`.
-    """
+    """In-memory rows as pairs. Ranked answer lists (best first) give all ordered pairs (``n*(n-1)/2``;
+    ``ranked_pairs='all'``) or the ``n-1`` adjacent ones, ``n`` counting distinct answers. Raises `DataError`."""
     return _normalise("pairs", [rows], args, source)
 
 
 def prompt_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """Normalise in-memory rows into prompts: a list of user turns gives turn ``prompt_turn``, a message list
-    everything up to its last user turn; extra scalar columns go to ``"columns"`` (`prompt_columns`).
-
-    Raises:
-        DataError: see `rlhf_trl.data.normalise._normalise`.
-    """
+    """In-memory rows as prompts: a list of user turns gives turn ``prompt_turn``, a message list everything up to its
+    last user turn; extra scalar columns go to ``"columns"`` (`prompt_columns`). Raises `DataError`."""
     return _normalise("prompts", [rows], args, source)
 
 
 def split_records(records: list[dict], eval_split_size: float, seed: int,
                   report: DataReport | None = None) -> tuple[list[dict], list[dict]]:
-    """Shuffle deterministically and split off ``eval_split_size`` (fraction < 1, or a row count) for evaluation;
-    the sizes go into ``report``.
-
-    Raises:
-        DataError: the eval split would leave no training record (``eval_split_size`` >= the records).
-    """
-    import random
-
+    """Shuffle deterministically and split off ``eval_split_size`` (fraction < 1, or a row count) for evaluation; the
+    sizes go into ``report``. Raises `DataError`: no training record would be left."""
     rows = list(records)
     random.Random(seed).shuffle(rows)
     n_eval = int(round(len(rows) * eval_split_size)) if eval_split_size < 1 else int(eval_split_size)
@@ -91,18 +76,10 @@ SOURCE_KEYS = ("dataset_name", "dataset_config", "dataset_split", "dataset_forma
 
 
 def sources(args: DataArguments) -> list[DataArguments]:
-    """The recipe's data sources: ``dataset_name`` (if set) then each entry of ``datasets``.
-
-    Each entry of ``datasets`` inherits the template, ``ranked_pairs``, ``max_samples`` and ``dataset_split`` of the
-    recipe and sets its own ``dataset_name``, format and column mapping (`SOURCE_KEYS`); mapping keys it does not
-    set start from their defaults.
-
-    Raises:
-        ValueError: no source at all, or an entry with an unknown key or without ``dataset_name``.
-    """
-    import dataclasses
-    import difflib
-
+    """The recipe's data sources: ``dataset_name`` (if set) then each entry of ``datasets``, which inherits the
+    template, ``ranked_pairs``, ``max_samples`` and ``dataset_split`` of the recipe and sets its own ``dataset_name``,
+    format and column mapping (`SOURCE_KEYS`; unset mapping keys start from their defaults). Raises `ValueError`: no
+    source at all, or an entry with an unknown key or without ``dataset_name``."""
     out = [args] if args.dataset_name else []
     for j, entry in enumerate(args.datasets or []):
         if not isinstance(entry, dict) or not entry.get("dataset_name"):
@@ -113,7 +90,6 @@ def sources(args: DataArguments) -> list[DataArguments]:
             hint = "; ".join(f"did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)
             raise ValueError(f"datasets[{j}] ({entry['dataset_name']}): unknown key(s) {unknown}; "
                              f"{hint or f'use {SOURCE_KEYS}'}")
-        # mapping keys start from their defaults; max_samples and dataset_split are inherited
         defaults = {k: f.default for k, f in DataArguments.__dataclass_fields__.items()
                     if k in SOURCE_KEYS and k not in ("max_samples", "dataset_split")}
         out.append(dataclasses.replace(args, datasets=[], **{**defaults, **entry}))
@@ -131,14 +107,9 @@ def describe_sources(args: DataArguments) -> str:
 
 def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts"],
                  report: DataReport | None = None) -> list[dict]:
-    """Read every source of the recipe (`sources`) and normalise it into records of ``kind`` (see module doc).
-
-    Rows are streamed from `datasets`' Arrow cache in batches (`rlhf_trl.data.read._arrow_batches`), so only the records are held as
-    Python objects; ``max_samples`` stops reading early.
-
-    Raises:
-        DataError: see `load_rows` and `rlhf_trl.data.normalise._normalise`.
-    """
+    """Read every source of the recipe (`sources`) and normalise it into records of ``kind`` (see module doc). Rows are
+    streamed from `datasets`' Arrow cache in batches (`.read._arrow_batches`), so only the records are held as Python
+    objects; ``max_samples`` stops reading early. Raises `DataError` (`load_rows`, `.normalise._normalise`)."""
     records = []
     if report is not None:
         report.template = Template.from_args(args).mode

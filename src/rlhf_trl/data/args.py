@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 
 DEFAULT_PROMPT_TEMPLATE = "问：{question}\n\n答："
@@ -87,8 +88,6 @@ class DataArguments:
                                  "gb18030, big5, ...); UTF-8 files may start with a BOM.")
 
     def __post_init__(self):
-        import codecs
-
         choices = {"dataset_format": FORMATS, "ranked_pairs": ("all", "adjacent"),
                    "length_policy": ("drop", "truncate_prompt"), "on_bad_row": ("error", "skip")}
         for key, allowed in choices.items():
@@ -113,14 +112,10 @@ class DataArguments:
 
 @dataclass(frozen=True)
 class Template:
-    """How prompts and completions are rendered. Text mode (default): ``问：{question}\\n\\n答：`` + ``{answer}`` (+ EOS
-    at tokenization). ``prompt='raw'``: question and answer as they are. ``chat=True``: the tokenizer's chat template
-    (`encode_prompt`), with ``system_prompt`` for rows without a system turn of their own.
-
-    Raises:
-        ValueError: a text template without its placeholder, ``system_prompt`` without ``chat``, or ``chat`` with
-            a changed text template.
-    """
+    """How prompts and completions are rendered. Text mode (default): ``问：{question}\\n\\n答：`` + ``{answer}`` (+ EOS at
+    tokenization). ``prompt='raw'``: question and answer as they are. ``chat=True``: the tokenizer's chat template
+    (`encode_prompt`), with ``system_prompt`` for rows without a system turn of their own. Raises `ValueError`: a text
+    template without its placeholder, ``system_prompt`` without ``chat``, or ``chat`` with a changed text template."""
 
     prompt: str = DEFAULT_PROMPT_TEMPLATE
     completion: str = DEFAULT_COMPLETION_TEMPLATE
@@ -152,13 +147,10 @@ class Template:
 
     def format_prompt(self, question: str, history: list[tuple[str, str]] | None = None,
                       text: str | None = None, system: str | None = None) -> str:
-        """Render the prompt text (text / raw modes). Earlier turns are rendered with the same template, separated by
-        a blank line (raw: concatenated as they are). ``text`` (a prompt carrying its own turns) is returned as is.
-        A ``{system}`` slot in the prompt template takes the system turn (or nothing), once, before the first turn.
-
-        Raises:
-            ValueError: in chat mode (chat prompts are token ids: `encode_prompt`).
-        """
+        """Render the prompt text (text / raw modes). Earlier turns are rendered with the same template, separated by a
+        blank line (raw: concatenated as they are). ``text`` (a prompt carrying its own turns) is returned as is. A
+        ``{system}`` slot in the prompt template takes the system turn (or nothing), once, before the first turn. Raises
+        `ValueError`: in chat mode (chat prompts are token ids: `encode_prompt`)."""
         if self.chat:
             raise ValueError("chat-template prompts are rendered by the tokenizer: use encode_prompt")
         if text is not None:

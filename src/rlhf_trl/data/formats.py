@@ -19,12 +19,10 @@ def _is_conversation(value) -> bool:
 
 
 def detect_format(row: dict, args: DataArguments) -> str:
-    """Guess the source format from the keys of one row (honouring the recipe's column mapping).
-
-    chosen + rejected both message lists (UltraFeedback-binarized) -> implicit; ``conversations`` -> sharegpt;
-    ``messages`` -> messages; ``conversation`` -> firefly; chosen + rejected -> pairwise with a question column, else
-    implicit; an answer column -> ranked (a list of answers) or alpaca (also a message list); else prompt.
-    """
+    """Guess the source format from the keys of one row (honouring the recipe's column mapping). chosen + rejected both
+    message lists (UltraFeedback-binarized) -> implicit; ``conversations`` -> sharegpt; ``messages`` -> messages;
+    ``conversation`` -> firefly; chosen + rejected -> pairwise with a question column, else implicit; an answer column
+    -> ranked (a list of answers) or alpaca (also a message list); else prompt."""
     keys = row.keys()
     good, bad = args.good_key or "chosen", args.bad_key or "rejected"
     if good in keys and bad in keys and _is_conversation(row[good]) and _is_conversation(row[bad]):

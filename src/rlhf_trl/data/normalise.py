@@ -3,6 +3,7 @@ policy (``on_bad_row``, ``max_bad_row_fraction``), counting every skip in the `D
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Iterable
 
@@ -18,8 +19,7 @@ _ROLE_NAMES = {code: role for role, code in _ROLE_CODES.items()}
 
 
 def _is_message_column(schema, key: str) -> bool:
-    """Whether column ``key`` is a list of structs with string ``role`` and ``content`` fields (others may follow, but
-    not ``tool_calls``)."""
+    """Whether column ``key`` is a list of structs with string ``role`` and ``content`` fields and no ``tool_calls``."""
     import pyarrow as pa
 
     k = schema.get_field_index(key)
@@ -48,9 +48,7 @@ def _message_plan(signature: bytes, end: str) -> tuple | None:
     except DataError:
         return None
     start = question - 2 * len(history)
-    if history != [(k, k + 1) for k in range(start, question, 2)]:
-        return None
-    return system, start, question, answer
+    return (system, start, question, answer) if history == [(k, k + 1) for k in range(start, question, 2)] else None
 
 
 def _message_records(column, end: str, plans: dict) -> list[dict | None]:
@@ -104,20 +102,16 @@ def _message_records(column, end: str, plans: dict) -> list[dict | None]:
 def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
                report: DataReport | None = None) -> list[dict]:
     """Normalise batches of rows into records of ``kind`` ('sft' / 'pairs' / 'prompts'); row numbers run on across
-    batches. The format is resolved from the first row (``dataset_format: auto``) and checked on every row.
-
-    A bad row (`DataError` naming its row) stops the read (``on_bad_row: error``; the message says how to skip) or is
-    skipped and counted in ``report`` (``skip``) up to ``max_bad_row_fraction``; rows with nothing for the stage
-    (`SkipRow`) are skipped and counted either way. Raises `DataError`: a bad row under ``error``, too many bad rows,
-    a file-level problem, or no usable row.
-    """
+    batches. The format is resolved from the first row (``dataset_format: auto``) and checked on every row. A bad row
+    (`DataError` naming its row) stops the read (``on_bad_row: error``; the message says how to skip) or is skipped and
+    counted in ``report`` (``skip``) up to ``max_bad_row_fraction``; rows with nothing for the stage (`SkipRow`) are
+    skipped and counted either way. Raises `DataError`: a bad row under ``error``, too many bad rows, a file-level
+    problem, or no usable row."""
     report = report if report is not None else DataReport(kind)
     if args.dataset_format not in FORMATS:
         raise ValueError(f"dataset_format must be one of {FORMATS}, got {args.dataset_format!r}")
     if kind == "pairs" and args.ranked_pairs not in ("all", "adjacent"):
         raise ValueError(f"ranked_pairs must be 'all' or 'adjacent', got {args.ranked_pairs!r}")
-    import gc
-
     enabled = gc.isenabled()
     gc.disable()  # records hold no reference cycles: the cyclic GC would rescan millions of them for nothing
     try:
@@ -130,8 +124,7 @@ def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
 
 
 def _check_bad_rows(report: DataReport, args: DataArguments, source: str) -> None:
-    """Log one line of this source's skips; raise if its bad rows exceed ``max_bad_row_fraction`` or no record is
-    left."""
+    """Log this source's skips; raise `DataError` if bad rows exceed ``max_bad_row_fraction`` or no record is left."""
     entry = report.sources[-1]
     bad, n, skips = entry["bad_rows"], entry["rows_read"], entry["skipped"]
     reasons = "; ".join(f"{reason}: {count}" for reason, count in skips.items())
@@ -181,10 +174,8 @@ def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: s
                     if rec is None:  # a row the fast conversion does not vouch for: the plain path (and its errors)
                         _policy(one, add, batch.slice(k, 1).to_pylist()[0], fmt, args, source, i, report, counts)
                     else:
-                        if extras is not None:
-                            columns = prompt_columns(extras[k], fmt, args)
-                            if columns:
-                                rec["columns"] = columns
+                        if extras is not None and (columns := prompt_columns(extras[k], fmt, args)):
+                            rec["columns"] = columns
                         add(rec)
                     i += 1
                 continue

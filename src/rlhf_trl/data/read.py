@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import codecs
 import glob
+import importlib
+import json
 import logging
 import os
 from contextlib import contextmanager
@@ -13,6 +15,7 @@ from .args import DataError
 LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # read by `datasets` (.zst needs zstandard, .lz4 needs lz4)
 BATCH_ROWS = 8192  # rows converted from Arrow to Python objects at a time
+_OPENERS = {"": "builtins", ".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # modules with `open`; .zst / .lz4: none
 
 
 def source_name(dataset_name) -> str:
@@ -21,17 +24,12 @@ def source_name(dataset_name) -> str:
 
 
 def load_rows(dataset_name, split: str = "train", config: str | None = None) -> list[dict]:
-    """Read a source into one list of row dicts (small data; the stages stream `_arrow_batches`).
-
-    ``dataset_name``: a local file (.json / .jsonl / .csv / .parquet, optionally compressed: `COMPRESSIONS`), a glob,
-    a directory (every data file under it, sorted; one file type), a list of these, or a hub dataset id (read with
-    ``config`` and ``split``; local files ignore both).
-
-    Raises:
-        DataError: a file is missing, of an unsupported type, cannot be parsed or decoded, the files mix types, nothing
-            matches a glob, the source holds no rows, or a hub dataset cannot be loaded (offline: the message names
-            ``HF_HUB_OFFLINE``).
-    """
+    """Read a source into one list of row dicts (small data; the stages stream `_arrow_batches`). ``dataset_name``: a
+    local file (.json / .jsonl / .csv / .parquet, optionally compressed: `COMPRESSIONS`), a glob, a directory (every
+    data file under it, sorted; one file type), a list of these, or a hub dataset id (read with ``config`` and
+    ``split``; local files ignore both). Raises `DataError`: a file is missing, of an unsupported type, cannot be parsed
+    or decoded, the files mix types, nothing matches a glob, the source holds no rows, or a hub dataset cannot be loaded
+    (offline: the message names ``HF_HUB_OFFLINE``)."""
     return [row for batch in _arrow_batches(dataset_name, split, config)
             for row in (batch if batch.__class__ is list else batch.to_pylist())]
 
@@ -87,11 +85,8 @@ def _is_local(name: str) -> bool:
 
 
 def _local_files(dataset_name) -> list[str] | None:
-    """The data files of a local source, or None for a hub id.
-
-    Raises:
-        DataError: missing file, empty glob or directory, unsupported type, or mixed file types.
-    """
+    """The data files of a local source, or None for a hub id. Raises `DataError`: missing file, empty glob or
+    directory, unsupported type, or mixed file types."""
     names = list(dataset_name) if isinstance(dataset_name, (list, tuple)) else [dataset_name]
     if not names:
         raise DataError("dataset_name", "an empty list of files")
@@ -176,11 +171,8 @@ def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = 
 
 def _pairs_of_lists(ds, files: list[str]):
     """A JSON array of lists (`datasets` reads each list as a column ``text``): ``[prompt, answer]`` lists become
-    ``instruction`` / ``output`` rows; a file with a real ``text`` column is returned as it is.
-
-    Raises:
-        DataError: the lists are not all two strings.
-    """
+    ``instruction`` / ``output`` rows; a file with a real ``text`` column is returned as it is. Raises `DataError`: the
+    lists are not all two strings."""
     import datasets
     import pyarrow as pa
 
@@ -196,13 +188,8 @@ def _pairs_of_lists(ds, files: list[str]):
 
 
 def _check_encoding(path: str, encoding: str) -> None:
-    """Decode ``path`` with ``encoding`` to find the first byte it cannot decode.
-
-    Raises:
-        DataError: the file, the line and the byte offset, and the fix (``dataset_encoding``).
-    """
-    import importlib
-
+    """Decode ``path`` with ``encoding`` to find the first byte it cannot decode. Raises `DataError`: the file, the line
+    and the byte offset, and the fix (``dataset_encoding``)."""
     module = _OPENERS.get(_split_ext(path)[1])
     if module is None:
         return
@@ -220,22 +207,12 @@ def _check_encoding(path: str, encoding: str) -> None:
             offset += len(chunk)
 
 
-_OPENERS = {"": "builtins", ".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # modules with `open`; .zst / .lz4: none
-
-
 def _check_json_file(path: str, kind: str) -> None:
-    """Re-read a JSON / JSON Lines file that `datasets` could not parse, with Python's parser, to say where it breaks.
-
-    A file starting with ``[`` is one JSON document (the message names line and column); any other is JSON Lines, row
+    """Re-read a JSON / JSON Lines file that `datasets` could not parse, with Python's parser, to say where it breaks. A
+    file starting with ``[`` is one JSON document (the message names line and column); any other is JSON Lines, row
     ``k`` being the ``k``-th non-blank line (0-based). Returns quietly when the file parses or cannot be re-read here
-    (the caller then reports `datasets`' own error).
-
-    Raises:
-        DataError: the file, the row (JSON Lines) and what is wrong with it, or a file without any row.
-    """
-    import importlib
-    import json
-
+    (the caller then reports `datasets`' own error). Raises `DataError`: the file, the row (JSON Lines) and what is
+    wrong with it, or a file without any row."""
     module = _OPENERS.get(_split_ext(path)[1])
     if module is None:
         return

@@ -1,8 +1,7 @@
 """Step 2 of `rlhf_trl.data`: normalise one row of any source format into an SFT record, pairs or a prompt.
 
 A row that is valid but has nothing for the stage (an empty SFT answer, a KTO row labelled false, a pair whose scores
-tie) raises `SkipRow`: skipped and counted whatever ``on_bad_row`` says. A bad row raises `DataError`.
-"""
+tie) raises `SkipRow`: skipped and counted whatever ``on_bad_row`` says. A bad row raises `DataError`."""
 
 from __future__ import annotations
 
@@ -15,13 +14,13 @@ from .formats import (ANSWER_KEYS, CONVERSATION_KEYS, QUESTION_KEYS, _first, det
 from .turns import (ROLES, TOOL_ROLES, _content, _dialogue, _is_messages, _markers, _turns,  # noqa: F401
                     chat_messages, parse_tools, split_transcript, tool_dialogue)
 
+
 class SkipRow(Exception):
     """A valid row with nothing for this stage; ``reason`` is counted in the data report."""
 
 
 def _column(row: dict, key: str, source: str, i: int, recipe_key: str):
-    """``row[key]``; without it, `DataError` naming the recipe key that maps the column and the file's columns,
-    closest first."""
+    """``row[key]``; without it, `DataError` naming ``recipe_key`` and the file's columns, closest first."""
     if key not in row:
         close = difflib.get_close_matches(key, list(row), n=3, cutoff=0.3)
         names = close + sorted(k for k in row if k not in close)
@@ -133,13 +132,11 @@ def _answer_text(value: Any, source: str, i: int, key: str) -> str:
 
 
 def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
-    """An implicit-prompt pair: ``chosen`` / ``rejected`` transcripts (strings) or message lists sharing a prompt.
-
-    Text: the prompt is the shared prefix through the last ``assistant_marker``, kept verbatim as ``text`` and
-    ``question``; the answers are the rest, leading space included (a blank rest: an empty answer). Messages
+    """An implicit-prompt pair: ``chosen`` / ``rejected`` transcripts (strings) or message lists sharing a prompt. Text:
+    the prompt is the shared prefix through the last ``assistant_marker``, kept verbatim as ``text`` and ``question``;
+    the answers are the rest, leading space included (a blank rest: an empty answer). Messages
     (UltraFeedback-binarized): the shared leading messages, ending with a user turn, then one assistant message each.
-    Raises `DataError`: missing / mistyped or identical sides, or no shared prompt.
-    """
+    Raises `DataError`: missing / mistyped or identical sides, or no shared prompt."""
     gkey, bkey = args.good_key or "chosen", args.bad_key or "rejected"
     chosen, rejected = row.get(gkey), row.get(bkey)
     both = f"{gkey}/{bkey}"
@@ -276,10 +273,9 @@ def _check_scores(row: dict, args: DataArguments, source: str, i: int) -> None:
 
 def _prompt_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:
     rec = _prompt_fields(row, fmt, args, source, i)
-    if len(row) > 1:  # a one-column row is its prompt (the common prompt file): no extras to look for
-        columns = prompt_columns(row, fmt, args)
-        if columns:  # rows without extra columns keep their plain records
-            rec["columns"] = columns
+    # a one-column row is its prompt (the common prompt file): no extras; rows without extras keep plain records
+    if len(row) > 1 and (columns := prompt_columns(row, fmt, args)):
+        rec["columns"] = columns
     return rec
 
 

@@ -5,8 +5,7 @@ checks and errors, then a dialogue: ``(system, history, question, answer)``; tra
 Roles: ``system``, ``user``, ``assistant``, and for tool-calling rows ``tool_call`` (an assistant's call: sharegpt
 ``function_call``, an assistant message's ``tool_calls``; its content is the call as JSON) and ``tool`` (a result:
 sharegpt ``observation``, role ``tool``). Rows with tool turns or a ``tools`` column render through the tokenizer's
-chat template only (`chat_messages`).
-"""
+chat template only (`chat_messages`)."""
 
 from __future__ import annotations
 
@@ -37,12 +36,8 @@ def _content(value):
 
 def _turns(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
     """``[(role, content)]`` (roles: see the module doc) from ``[{role, content}]``, ``[{from, value}]`` or Firefly's
-    ``[{human, assistant}]`` exchanges.
-
-    Raises:
-        DataError: not a non-empty list of such objects, an unknown role, or an empty / non-string content (an
-            assistant's may be empty: a silent reply).
-    """
+    ``[{human, assistant}]`` exchanges. Raises `DataError`: not a non-empty list of such objects, an unknown role, or an
+    empty / non-string content (an assistant's may be empty: a silent reply)."""
     if value.__class__ is list and value:  # fast path: plain {role, content} messages with text content
         out = []
         append = out.append
@@ -101,11 +96,8 @@ def _checked_turn(role: str, content, source: str, i: int, key: str, j: int) -> 
 
 
 def parse_tools(value, source: str, i: int, key: str = "tools") -> list[dict] | None:
-    """A row's ``tools`` column: a list of function schemas, or its JSON text; None when absent or empty.
-
-    Raises:
-        DataError: not a list of objects (nor JSON text of one).
-    """
+    """A row's ``tools`` column: a list of function schemas, or its JSON text; None when absent or empty. Raises
+    `DataError`: not a list of objects (nor JSON text of one)."""
     if isinstance(value, str):
         if not value.strip():
             return None
@@ -145,15 +137,11 @@ def _call_arguments(call: dict) -> dict:
 
 
 def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
-    """Split turns without tool roles into ``(system, history, question, answer)``.
-
-    ``end='assistant'``: cut after the last assistant turn (SFT target: answer); ``end='user'``: cut after the last
-    user turn (answer None). Turns before the cut must alternate user / assistant after an optional system turn.
-
-    Raises:
-        DataError: no turn of the kind ``end`` (or no user turn before the last assistant), a system turn that is not
-            first, or turns that do not alternate.
-    """
+    """Split turns without tool roles into ``(system, history, question, answer)``. ``end='assistant'``: cut after the
+    last assistant turn (SFT target: answer); ``end='user'``: cut after the last user turn (answer None). Turns before
+    the cut must alternate user / assistant after an optional system turn. Raises `DataError`: no turn of the kind
+    ``end`` (or no user turn before the last assistant), a system turn that is not first, or turns that do not
+    alternate."""
     system, offset = None, 0
     if turns and turns[0][0] == "system":
         system, turns, offset = turns[0][1], turns[1:], 1
@@ -180,12 +168,9 @@ def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: 
 def tool_dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
     """`_dialogue` for turns with tool roles: ``(system, prompt_turns, question, answer_turn)``; the prompt turns
     (system excluded) run to the cut, the question is the last user turn's text, the answer the turn after the cut
-    (``end='assistant'``: the last assistant or tool-call turn; ``'user'``: None, the cut follows the last user or
-    tool turn). A tool result must follow a call or another result.
-
-    Raises:
-        DataError: no turn of the kind ``end``, a first turn that is not the user's, or a misplaced tool result.
-    """
+    (``end='assistant'``: the last assistant or tool-call turn; ``'user'``: None, the cut follows the last user or tool
+    turn). A tool result must follow a call or another result. Raises `DataError`: no turn of the kind ``end``, a first
+    turn that is not the user's, or a misplaced tool result."""
     system = turns[0][1] if turns and turns[0][0] == "system" else None
     offset = int(system is not None)
     body = turns[offset:]
@@ -219,12 +204,10 @@ def _marker_pattern(human: str, assistant: str):
 
 def split_transcript(text: str, human_marker: str = DEFAULT_HUMAN_MARKER,
                      assistant_marker: str = DEFAULT_ASSISTANT_MARKER):
-    """Parse a prompt transcript ending with the assistant marker into ``(system, history, question)``.
-
-    Text before the first marker is the system turn (None if blank); turn texts are stripped; consecutive turns of
-    one speaker are joined by a blank line. Lenient: a transcript without a user turn gives the whole text (minus
-    the final marker) as the question. Used to render implicit-prompt pairs with a chat template.
-    """
+    """Parse a prompt transcript ending with the assistant marker into ``(system, history, question)``. Text before the
+    first marker is the system turn (None if blank); turn texts are stripped; consecutive turns of one speaker are
+    joined by a blank line. Lenient: a transcript without a user turn gives the whole text (minus the final marker) as
+    the question. Used to render implicit-prompt pairs with a chat template."""
     pieces = _marker_pattern(human_marker, assistant_marker).split(text)
     system = pieces[0].strip() or None
     turns: list[list[str]] = []
