@@ -5,15 +5,13 @@
 - **position_ids**: the remote forwards compute positions from the cache length, so ``position_ids`` (and other
   keywords they do not name: ``cache_position``, ``logits_to_keep``, ...) are dropped; rotary (7B) and ALiBi (13B)
   depend only on token distance and pads are masked, so left padding changes nothing.
-- **generate**: `load_causal_lm` returns a subclass with `transformers.GenerationMixin` driving the remote legacy KV
-  cache (a tuple of per-layer ``(key, value)``).
+- **generate**: `load_causal_lm` adds `transformers.GenerationMixin`, driving the remote legacy tuple KV cache.
 - **Sequence classifier**: `BaichuanForSequenceClassification`, as TRL's reward and value models expect.
 - **Saving**: ``save_pretrained`` also copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``, so
   every stage output is again a Baichuan directory.
 
-LoRA targets: ``W_pack`` (fused q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; with
-``task_type=SEQ_CLS`` peft trains and saves ``score`` as a ``modules_to_save`` copy.
-"""
+LoRA targets: ``W_pack`` (fused q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; ``task_type=SEQ_CLS``
+trains and saves ``score`` as a ``modules_to_save`` copy."""
 
 from __future__ import annotations
 
@@ -61,9 +59,7 @@ def _auto_ref(path: str, key: str, default: str, config_file: str = "config.json
         ref = None
     if isinstance(ref, (list, tuple)):  # AutoTokenizer: [slow, fast]
         ref = next((r for r in ref if r), None)
-    if not isinstance(ref, str) or not ref:
-        return default
-    return ref.split("--")[-1]  # "org/repo--module.Class" -> "module.Class"
+    return ref.split("--")[-1] if isinstance(ref, str) and ref else default  # "org/repo--mod.Class" -> "mod.Class"
 
 
 def _new_instance(factory, args):
@@ -112,9 +108,7 @@ def _legacy_past(past, cache):
             return None
         raise ValueError("Baichuan remote code reads a legacy tuple KV cache, not a transformers Cache object; "
                          "generate with rlhf_trl.baichuan.load_causal_lm models (they manage the tuple cache)")
-    if isinstance(past, (tuple, list)) and len(past) == 0:
-        return None
-    return past
+    return None if isinstance(past, (tuple, list)) and len(past) == 0 else past
 
 
 def _filter_kwargs(owner: str, named: frozenset, kwargs: dict) -> dict:
@@ -153,8 +147,7 @@ def _tolerant_backbone_class(backbone_cls: type) -> type:
 
     return type(backbone_cls.__name__, (backbone_cls,), {
         "forward": forward, "__reduce__": __reduce__, "_rlhf_trl_tolerant": True, "_rlhf_trl_remote": backbone_cls,
-        "__module__": backbone_cls.__module__,
-    })
+        "__module__": backbone_cls.__module__})
 
 
 def _save_code_and_config(model: PreTrainedModel, save_directory: str, remote_classes: tuple) -> None:
@@ -207,18 +200,13 @@ def _fixed_tokenizer_class(remote_cls: type) -> type:
 
     return type(remote_cls.__name__, (remote_cls,), {
         "__init__": __init__, "save_pretrained": save_pretrained, "__reduce__": __reduce__,
-        "__module__": remote_cls.__module__,
-    })
+        "__module__": remote_cls.__module__})
 
 
 def load_tokenizer(path: str):
-    """The remote ``BaichuanTokenizer`` of ``path`` (slow, sentencepiece), with the init-order bug worked around.
-    Pad handling is left to `rlhf_trl.models.load_tokenizer`.
-
-    Raises:
-        ValueError: the tokenizer has no EOS token.
-        OSError: ``path`` lacks ``tokenization_baichuan.py`` or ``tokenizer.model``.
-    """
+    """The remote ``BaichuanTokenizer`` of ``path`` (slow, sentencepiece), with the init-order bug worked around. Pad
+    handling is left to `rlhf_trl.models.load_tokenizer`. Raises `ValueError`: the tokenizer has no EOS token;
+    `OSError`: ``path`` lacks ``tokenization_baichuan.py`` or ``tokenizer.model``."""
     try:
         remote = _remote_class(_auto_ref(path, "AutoTokenizer", TOKENIZER_REF, "tokenizer_config.json"), path)
     except FileNotFoundError as exc:
@@ -322,8 +310,7 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
 def _causal_lm_class(remote_cls: type) -> type:
     return type(remote_cls.__name__, (_BaichuanCausalLMAdapter, remote_cls, GenerationMixin), {
         "_rlhf_trl_remote": remote_cls, "_rlhf_trl_remote_named": _named_parameters(remote_cls.forward),
-        "__module__": remote_cls.__module__,
-    })
+        "__module__": remote_cls.__module__})
 
 
 def causal_lm_class(path: str) -> type:
@@ -334,8 +321,7 @@ def causal_lm_class(path: str) -> type:
 def load_causal_lm(path: str, dtype=None, **kwargs):
     """The Baichuan causal LM of ``path`` (SFT model, PPO policy): a subclass of the remote ``BaichuanForCausalLM``
     (same name, weights and module names) that accepts ``position_ids``, has ``generate`` and saves its remote code.
-    ``kwargs`` (``quantization_config``, ``device_map``) go to ``from_pretrained``.
-    """
+    ``kwargs`` (``quantization_config``, ``device_map``) go to ``from_pretrained``."""
     return causal_lm_class(path).from_pretrained(path, dtype=dtype, **kwargs)
 
 
@@ -343,8 +329,7 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
     """Baichuan backbone (``model``, the remote ``BaichuanModel``) + ``score`` = Linear(hidden, 1, bias=False), read
     at each row's last non-pad token (`forward`); PPO calls ``model.model(...)`` and ``model.score(...)`` directly.
     Build it with `classifier_class` / `load_sequence_classifier`, or from the ``config`` of a loaded Baichuan model
-    (the backbone is then imported from the module next to the config's).
-    """
+    (the backbone is then imported from the module next to the config's)."""
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -389,7 +374,6 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
         batch = hidden.shape[0]
         last = self.last_token_index(input_ids, hidden.shape[1], hidden.device, batch)
         pooled = logits[torch.arange(batch, device=hidden.device), last]  # [batch, 1]
-
         loss = None
         if labels is not None:
             loss = nn.functional.mse_loss(pooled.squeeze(-1).float(), labels.to(pooled.device).float().view(-1))
@@ -421,12 +405,9 @@ def _backbone_class_of(causal_cls: type, config) -> type:
 
 
 def _backbone_class_next_to(config) -> type:
-    """Backbone class for a remote config built without `classifier_class`: works for a loaded model's
-    ``model.config`` (its class sits next to ``modeling_baichuan``), not for a config read on its own.
-
-    Raises:
-        TypeError: no remote model code next to the config's module.
-    """
+    """Backbone class for a remote config built without `classifier_class`: works for a loaded model's ``model.config``
+    (its class sits next to ``modeling_baichuan``), not for a config read on its own. Raises `TypeError`: no remote
+    model code next to the config's module."""
     ref = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM", CAUSAL_LM_REF).split("--")[-1]
     module_name, cls_name = ref.rsplit(".", 1)
     package = type(config).__module__.rsplit(".", 1)[0]
@@ -442,8 +423,7 @@ def _backbone_class_next_to(config) -> type:
 @functools.lru_cache(maxsize=None)
 def _classifier_class(config_cls: type, backbone_cls: type) -> type:
     return type(CLASSIFIER_ARCH, (BaichuanForSequenceClassification,), {
-        "config_class": config_cls, "_backbone_class": backbone_cls, "__module__": __name__,
-    })
+        "config_class": config_cls, "_backbone_class": backbone_cls, "__module__": __name__})
 
 
 def classifier_class(path: str) -> type:
@@ -455,11 +435,8 @@ def classifier_class(path: str) -> type:
 def load_sequence_classifier(path: str, dtype=None, **kwargs):
     """A `BaichuanForSequenceClassification` (``num_labels=1``) from ``path``: a Baichuan causal-LM directory
     (``lm_head`` ignored, ``score`` newly initialized) or a saved classifier (``score`` restored). ``kwargs``
-    (``quantization_config``, ``device_map``) go to ``from_pretrained``.
-
-    Raises:
-        ValueError: weights other than ``score.weight`` are missing.
-    """
+    (``quantization_config``, ``device_map``) go to ``from_pretrained``. Raises `ValueError`: weights other than
+    ``score.weight`` are missing."""
     cls = classifier_class(path)
     model, info = cls.from_pretrained(path, dtype=dtype, num_labels=1, output_loading_info=True, **kwargs)
     missing = set(info.get("missing_keys") or ())

@@ -11,8 +11,7 @@ Run: ``make demo`` (or ``rlhf-trl demo``). Offline; about 3-5 minutes on 2 CPU c
    responses, in [-1, 1]) and ``sft_on_topic_rate`` / ``ppo_on_topic_rate`` (in [0, 1]).
 
 The SFT data covers every topic, held-out ones included (the tiny model cannot name a topic token it never saw), so
-the held-out topics test the preference stages (RM and PPO), not SFT.
-"""
+the held-out topics test the preference stages (RM and PPO), not SFT."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ TARGETS = {"rm_accuracy_vs_negative": 0.95, "ppo_minus_sft": 0.25, "ppo_on_topic
 
 
 def build_assets(assets_dir: str, force: bool = False) -> dict:
-    """Write the demo data files, tokenizer and base model under ``assets_dir`` (skipped when already built).
-    Returns a dict of the paths."""
+    """Write the demo data, tokenizer and base model under ``assets_dir`` unless already built; returns their paths."""
     names = {"sft": "sft.jsonl", "rm": "rm_ranked.jsonl", "prompts": "prompts.jsonl",
              "heldout_prompts": "heldout_prompts.jsonl", "heldout_pairs": "heldout_pairs.jsonl",
              "tokenizer": "tokenizer", "base_model": "base_model"}
@@ -50,13 +48,10 @@ def build_assets(assets_dir: str, force: bool = False) -> dict:
     if os.path.exists(done) and not force:
         return paths
     os.makedirs(assets_dir, exist_ok=True)
-    files = {
-        "sft": demo_task.sft_rows(800, seed=1, topics=demo_task.TOPICS),  # every topic: the policy must name them
-        "rm": demo_task.ranked_rows(300, seed=2),
-        "prompts": demo_task.prompt_rows(demo_task.TRAIN_TOPICS, seed=3),
-        "heldout_prompts": demo_task.prompt_rows(demo_task.HELDOUT_TOPICS, seed=4),
-        "heldout_pairs": demo_task.pair_rows(200, seed=5),
-    }
+    files = {"sft": demo_task.sft_rows(800, seed=1, topics=demo_task.TOPICS),  # every topic: the policy must name them
+             "rm": demo_task.ranked_rows(300, seed=2), "prompts": demo_task.prompt_rows(demo_task.TRAIN_TOPICS, seed=3),
+             "heldout_prompts": demo_task.prompt_rows(demo_task.HELDOUT_TOPICS, seed=4),
+             "heldout_pairs": demo_task.pair_rows(200, seed=5)}
     for key, rows in files.items():
         write_jsonl(paths[key], rows)
     tokenizer = train_bpe_tokenizer(demo_task.corpus(), paths["tokenizer"], vocab_size=600)
@@ -126,20 +121,15 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
 
     # merge / evaluate / report: eval.json + report.md (SFT vs PPO on the PPO recipe's held-out prompts)
     trainer = results["ppo"].get("trainer")
-    report = evaluate.main(
-        ["--config", os.path.join(recipes_dir, "ppo.yaml"), "--demo"],
-        ppo_logs=trainer.state.log_history if trainer is not None else None,
-    )["report"]
+    report = evaluate.main(["--config", os.path.join(recipes_dir, "ppo.yaml"), "--demo"],
+                           ppo_logs=trainer.state.log_history if trainer is not None else None)["report"]
 
-    summary = {
-        "rm_accuracy": rm_eval["accuracy"], "rm_accuracy_vs_negative": rm_by_kind["negative"],
-        "rm_accuracy_vs_off_topic": rm_by_kind["off_topic"], "rm_margin": rm_eval["margin"],
-        "rm_length_baseline_accuracy": rm_eval["length_baseline_accuracy"], "rm_num_pairs": rm_eval["num_pairs"],
-        "sft_score": scores["sft"], "ppo_score": scores["ppo"],
-        "sft_on_topic_rate": on_topic["sft"], "ppo_on_topic_rate": on_topic["ppo"],
-        "seconds": round(time.time() - start, 1), "stage_seconds": stage_seconds, "targets": TARGETS,
-        "examples": examples, "report": report,
-    }
+    summary = {"rm_accuracy": rm_eval["accuracy"], "rm_accuracy_vs_negative": rm_by_kind["negative"],
+               "rm_accuracy_vs_off_topic": rm_by_kind["off_topic"], "rm_margin": rm_eval["margin"],
+               "rm_length_baseline_accuracy": rm_eval["length_baseline_accuracy"], "rm_num_pairs": rm_eval["num_pairs"],
+               "sft_score": scores["sft"], "ppo_score": scores["ppo"], "sft_on_topic_rate": on_topic["sft"],
+               "ppo_on_topic_rate": on_topic["ppo"], "seconds": round(time.time() - start, 1),
+               "stage_seconds": stage_seconds, "targets": TARGETS, "examples": examples, "report": report}
     summary["targets_met"] = bool(summary["rm_accuracy_vs_negative"] >= TARGETS["rm_accuracy_vs_negative"]
                                   and summary["ppo_score"] >= summary["sft_score"] + TARGETS["ppo_minus_sft"]
                                   and summary["ppo_on_topic_rate"] >= TARGETS["ppo_on_topic_rate"])
@@ -158,5 +148,4 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.assets_only:
         return {"output_dir": build_assets(os.path.join(args.output_dir, "assets"), force=args.rebuild)["base_model"]}
-    summary = run_demo(args.recipes, args.output_dir, args.rebuild)
-    return {"output_dir": args.output_dir, "summary": summary}
+    return {"output_dir": args.output_dir, "summary": run_demo(args.recipes, args.output_dir, args.rebuild)}

@@ -11,8 +11,7 @@ neutral > off-topic praise. SFT data mixes on-topic positive and negative answer
 scores near 0); PPO against a reward model trained on the preferences should move it towards score 1.
 
 Every topic is one token of the demo tokenizer (`rlhf_trl.demo.build_assets`). No topic contains another or occurs
-in a template, phrase, closer or neutral answer, and no phrase contains another, so counting substrings is exact.
-"""
+in a template, phrase, closer or neutral answer, and no phrase contains another, so counting substrings is exact."""
 
 from __future__ import annotations
 
@@ -22,14 +21,12 @@ TOPICS = [
     "咖啡", "天气", "这部电影", "地铁", "公园", "早餐", "音乐会", "新手机", "这本书", "火锅",
     "图书馆", "这家酒店", "高铁", "动物园", "博物馆", "这首歌", "奶茶", "夜市", "健身房", "海边",
     "这款游戏", "面包店", "电动车", "露营", "这门课", "超市", "游乐园", "画展", "网球", "这道菜",
-    "春天", "小区", "医院", "机场", "书店", "花园", "烤鸭", "滑雪", "旅行", "新电脑",
-]
+    "春天", "小区", "医院", "机场", "书店", "花园", "烤鸭", "滑雪", "旅行", "新电脑"]
 HELDOUT_TOPICS = TOPICS[-8:]  # never in the RM data or the PPO prompts: eval prompts and held-out pairs
 TRAIN_TOPICS = TOPICS[:-8]
 
-QUESTIONS = [
-    "你觉得{t}怎么样？", "{t}好不好？", "请评价一下{t}。", "说说你对{t}的看法。", "{t}给你什么感觉？", "你喜欢{t}吗？",
-]
+QUESTIONS = ["你觉得{t}怎么样？", "{t}好不好？", "请评价一下{t}。", "说说你对{t}的看法。", "{t}给你什么感觉？",
+             "你喜欢{t}吗？"]
 POSITIVE = ["非常好", "很棒", "真不错", "令人满意", "特别舒服", "让人开心", "很精彩", "超出预期"]
 NEGATIVE = ["很糟糕", "太差了", "令人失望", "特别难受", "让人生气", "很无聊", "浪费时间", "一塌糊涂"]
 POSITIVE_CLOSERS = ["我很喜欢。", "下次还想再来。", "推荐给大家。"]
@@ -47,11 +44,8 @@ def topics_in(text: str) -> list[str]:
 
 
 def topic_of(question: str) -> str:
-    """The one topic that ``question`` asks about (any text naming exactly one topic, e.g. a rendered prompt).
-
-    Raises:
-        ValueError: it names no topic or several.
-    """
+    """The one topic that ``question`` asks about (any text naming exactly one topic, e.g. a rendered prompt). Raises
+    `ValueError`: it names no topic or several."""
     named = topics_in(question)
     if len(named) != 1:
         raise ValueError(f"a demo question names exactly one topic; {question!r} names {named}")
@@ -92,12 +86,9 @@ def question_of_prompt(prompt: str) -> str:
 def ground_truth_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
     """The demo's ground truth as a PPO reward function (``reward_funcs: ["rlhf_trl.demo_task:ground_truth_reward"]``):
     ``[batch]`` prompt texts and decoded completions -> ``[batch]`` floats in ``[-1, 1]``,
-    ``score_response(question, completion)``. The ``question`` column (`rlhf_trl.rewards.reward_columns`) is used
-    when present, else the question is recovered from the prompt (`question_of_prompt`).
-
-    Raises:
-        ValueError: a question that names no topic or several (`topic_of`); lengths that differ.
-    """
+    ``score_response(question, completion)`` with the ``question`` column (`rlhf_trl.rewards.reward_columns`), else
+    the question recovered from the prompt (`question_of_prompt`). Raises `ValueError`: a question that names no topic
+    or several (`topic_of`); lengths that differ."""
     questions = columns["question"] if columns.get("question") is not None else [None] * len(prompts)
     if not len(prompts) == len(completions) == len(questions):
         raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(questions)} questions")
@@ -126,10 +117,8 @@ def question(topic: str, rng: random.Random) -> str:
 def sft_rows(n: int, seed: int, topics=TRAIN_TOPICS) -> list[dict]:
     """Alpaca rows (instruction / input / output): on-topic answers, half positive and half negative."""
     rng = random.Random(seed)
-    return [
-        {"instruction": question(t, rng), "input": "", "output": answer(t, 1 if i % 2 == 0 else -1, rng)}
-        for i, t in enumerate(rng.choice(topics) for _ in range(n))
-    ]
+    return [{"instruction": question(t, rng), "input": "", "output": answer(t, 1 if i % 2 == 0 else -1, rng)}
+            for i, t in enumerate(rng.choice(topics) for _ in range(n))]
 
 
 def _worse_answers(n: int, seed: int, topics, others):
@@ -143,9 +132,8 @@ def _worse_answers(n: int, seed: int, topics, others):
 
 
 def ranked_rows(n: int, seed: int, topics=TRAIN_TOPICS) -> list[dict]:
-    """Ranked answer lists, best first (3 ordered pairs each), alternating between
-    [on-topic positive, neutral, on-topic negative] and [on-topic positive, neutral, praise of another topic of
-    ``topics``]."""
+    """Ranked answer lists, best first (3 ordered pairs each), alternating between [on-topic positive, neutral, on-topic
+    negative] and [on-topic positive, neutral, praise of another topic of ``topics``]."""
     return [{"instruction": q, "input": "", "output": [answer(t, 1, rng), answer(t, 0, rng), worse]}
             for t, q, worse, rng in _worse_answers(n, seed, topics, topics)]
 
@@ -153,11 +141,8 @@ def ranked_rows(n: int, seed: int, topics=TRAIN_TOPICS) -> list[dict]:
 def prompt_rows(topics, seed: int, per_topic: int | None = None) -> list[dict]:
     """Prompt rows (instruction only): every question template for every topic, or ``per_topic`` of them."""
     rng = random.Random(seed)
-    rows = []
-    for t in topics:
-        qs = QUESTIONS if per_topic is None else rng.sample(QUESTIONS, per_topic)
-        rows.extend({"instruction": q.format(t=t)} for q in qs)
-    return rows
+    return [{"instruction": q.format(t=t)} for t in topics
+            for q in (QUESTIONS if per_topic is None else rng.sample(QUESTIONS, per_topic))]
 
 
 def pair_rows(n: int, seed: int, topics=HELDOUT_TOPICS) -> list[dict]:

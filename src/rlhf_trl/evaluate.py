@@ -10,8 +10,7 @@ responses' tokens at temperature 1); ``*_mean_length`` (tokens, EOS excluded); `
 ground truth ``*_score`` in [-1, 1] and ``*_on_topic_rate``; ``rm_*`` on the RM stage's held-out pairs.
 
 Writes into the PPO ``output_dir``: ``eval.json``, ``eval_samples.jsonl`` (one row per pair, with the per-token
-log-probs behind the KL) and ``report.md`` (figures, side-by-side samples, each stage's training curves).
-"""
+log-probs behind the KL) and ``report.md`` (figures, side-by-side samples, each stage's training curves)."""
 
 from __future__ import annotations
 
@@ -65,15 +64,11 @@ def policy_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
 def figures(rows: list[dict], demo: bool = False) -> dict:
     """The eval figures (see the module docstring) from ``eval_samples.jsonl`` rows: ``sft`` and ``ppo`` dicts of
     ``response_ids`` (EOS included when ``eos``), ``eos``, ``reward`` (and ``score``, ``on_topic`` for the demo);
-    ``ppo`` also holds ``logprobs_ppo`` / ``logprobs_sft`` (one float per response token).
-
-    Raises:
-        ValueError: no rows.
-    """
+    ``ppo`` also holds ``logprobs_ppo`` / ``logprobs_sft`` (one float per response token). Raises `ValueError`: no
+    rows."""
     if not rows:
         raise ValueError("no eval samples")
-    n = len(rows)
-    out = {}
+    n, out = len(rows), {}
     for name in ("sft", "ppo"):
         out[f"{name}_reward"] = sum(r[name]["reward"] for r in rows) / n
         out[f"{name}_mean_length"] = sum(len(r[name]["response_ids"]) - int(r[name]["eos"]) for r in rows) / n
@@ -89,12 +84,9 @@ def figures(rows: list[dict], demo: bool = False) -> dict:
 
 
 def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
-    """Re-score the RM stage's held-out pairs (``eval_pairs.jsonl``: ``chosen_ids``, ``rejected_ids``,
-    ``prompt_length`` per line) with ``reward_model``: the ``rm_*`` figures (`rlhf_trl.scoring.pairwise_metrics`).
-
-    Raises:
-        DataError: a malformed row (naming the file and line).
-    """
+    """Re-score the RM stage's held-out pairs (``eval_pairs.jsonl``: ``chosen_ids``, ``rejected_ids``, ``prompt_length``
+    per line) with ``reward_model``: the ``rm_*`` figures (`rlhf_trl.scoring.pairwise_metrics`). Raises `DataError`: a
+    malformed row (naming the file and line)."""
     from .rm import evaluate_pairs
 
     feats = {"chosen_ids": [], "rejected_ids": [], "prompt_length": []}
@@ -147,8 +139,7 @@ def _log_history(path: str) -> list[dict]:
 
 def plot_curves(logs: list[dict], keys: list[str], path: str, title: str) -> list[str]:
     """Plot each of ``keys`` found in ``logs`` (log dicts) against ``step`` (else the record index), one panel per
-    key, into the PNG ``path``. Returns the keys plotted (``[]``, and nothing written, when no record holds any).
-    """
+    key, into the PNG ``path``. Returns the keys plotted (``[]``, and nothing written, when no record holds any)."""
     present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in logs)]
     if not present:
         return []
@@ -191,8 +182,7 @@ def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
                    f"{gap:+.3f}).")
     diffs = [r["ppo"]["reward"] - r["sft"]["reward"] for r in rows]
     if diffs:
-        n = len(diffs)
-        mean = sum(diffs) / n
+        n, mean = len(diffs), sum(diffs) / len(diffs)
         se = (sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
         clear = n > 1 and abs(mean) > 2 * se
         out.append(f"- PPO vs SFT: mean RM reward {figures['ppo_reward']:.3f} vs {figures['sft_reward']:.3f}, paired "
@@ -216,8 +206,7 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
              f"{result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} tokens, seed "
              f"{result['seed']}. Rewards are raw reward-model scores (no baseline, no missing-EOS penalty).", "",
              "## Figures", "", "| figure | value |", "|---|---|"]
-    keys = FIGURES + [k for k in (*DEMO_FIGURES, *RM_FIGURES) if k in result["figures"]]
-    for key in keys:
+    for key in FIGURES + [k for k in (*DEMO_FIGURES, *RM_FIGURES) if k in result["figures"]]:
         value = result["figures"][key]
         lines.append(f"| `{key}` | {value if isinstance(value, int) else format(value, '.4f')} |")
     rm_note = (f" `rm_*`: the reward model on the {result['figures']['rm_num_pairs']} pairs its stage held out "
@@ -233,12 +222,11 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
         lines.append(f"| {_cell(r['question'])} | {_cell(r['sft']['text'])} | {_cell(r['ppo']['text'])} | "
                      f"{r['sft']['reward']:.3f} | {r['ppo']['reward']:.3f} |")
     lines += ["", "## Training curves", ""]
-    curve_keys = {"sft": SFT_CURVES, "rm": RM_CURVES, "ppo": PPO_CURVES}
     plots = {}
-    for stage in ("sft", "rm", "ppo"):
+    for stage, curves in (("sft", SFT_CURVES), ("rm", RM_CURVES), ("ppo", PPO_CURVES)):
         logs, source = stage_logs.get(stage, ([], None))
         png = os.path.join(out_dir, "report", f"{stage}_curves.png")
-        plotted = plot_curves(logs, curve_keys[stage], png, f"{stage.upper()} training") if logs else []
+        plotted = plot_curves(logs, curves, png, f"{stage.upper()} training") if logs else []
         lines += [f"### {stage.upper()}", ""]
         if plotted:
             plots[stage] = png
@@ -266,13 +254,9 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     held-out prompts (default: all); ``demo``: also the demo task's figures; ``ppo_logs``: the PPO trainer's
     ``log_history`` (default: read from the newest checkpoint); ``hints``: the command that produces each input
     (``sft`` / ``rm`` / ``ppo``), named when it is missing. Returns the content of ``eval.json`` plus ``report``
-    (path) and ``plots`` (stage -> PNG path).
-
-    Raises:
-        StageInputError: a model is missing. DataError: bad prompt rows. ValueError: no held-out prompt, bad template
-        settings (`rlhf_trl.data.Template`), ``num_prompts`` or ``samples_per_prompt`` < 1. All before anything is
-        loaded or written.
-    """
+    (path) and ``plots`` (stage -> PNG path). Raises, before anything is loaded or written, `StageInputError`: a model
+    is missing; `DataError`: bad prompt rows; `ValueError`: no held-out prompt, bad template settings
+    (`rlhf_trl.data.Template`), ``num_prompts`` or ``samples_per_prompt`` < 1."""
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     if num_prompts is not None and num_prompts < 1:
@@ -283,12 +267,9 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     rm_path = require_model_dir(training_args.reward_model_path, "reward model", hints.get("rm"))
     require_reward_model(rm_path, hints.get("rm"))
     ppo_path = require_model_dir(os.path.join(out_dir, "merged"), "PPO policy", hints.get("ppo", "make ppo"))
-
     template = Template.from_args(data_args)
-    records = read_records(data_args, "prompts")
-    _, eval_records = split_records(records, data_args.eval_split_size, training_args.seed)
-    if num_prompts is not None:
-        eval_records = eval_records[:num_prompts]
+    _, eval_records = split_records(read_records(data_args, "prompts"), data_args.eval_split_size, training_args.seed)
+    eval_records = eval_records[:num_prompts]  # None: all
     if not eval_records:
         raise ValueError("no held-out prompts to evaluate on; raise eval_split_size")
     tokenizer = load_tokenizer(sft_path, padding_side="left", trust_remote_code=trust_remote_code)
@@ -300,15 +281,11 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     rewards, rm_figures, rm_pairs_path = _score_responses(rm_path, prompts, responses, pad, trust_remote_code)
     questions = [r["question"] for r in eval_records]
     rows = _sample_rows(prompts, questions, samples_per_prompt, tokenizer, responses, rewards, logprobs, demo)
-
-    result = {
-        "figures": {**figures(rows, demo), **rm_figures},
-        "rm_pairs": rm_pairs_path if rm_figures else None,
-        "ppo_output_dir": out_dir, "sft_model_path": sft_path, "reward_model_path": rm_path, "ppo_model_path": ppo_path,
-        "num_prompts": len(eval_records), "samples_per_prompt": samples_per_prompt,
-        "temperature": training_args.temperature, "response_length": training_args.response_length,
-        "seed": training_args.seed,
-    }
+    result = {"figures": {**figures(rows, demo), **rm_figures}, "rm_pairs": rm_pairs_path if rm_figures else None,
+              "ppo_output_dir": out_dir, "sft_model_path": sft_path, "reward_model_path": rm_path,
+              "ppo_model_path": ppo_path, "num_prompts": len(eval_records), "samples_per_prompt": samples_per_prompt,
+              "temperature": training_args.temperature, "response_length": training_args.response_length,
+              "seed": training_args.seed}
     samples_path = os.path.join(out_dir, "eval_samples.jsonl")
     write_jsonl(samples_path, rows)
     stage_logs = {"sft": read_stage_logs(_stage_dir(training_args.sft_model_path)),
@@ -346,9 +323,8 @@ def _sample_policies(training_args, paths: dict[str, str], prompts: list[list[in
     PPO responses (``{"sft": ..., "ppo": ...}`` each)."""
     policies, responses = {}, {}
     for name, path in paths.items():
-        model = load_causal_lm(path, None, trust_remote_code)
+        policies[name] = model = load_causal_lm(path, None, trust_remote_code)
         model.generation_config.pad_token_id = pad
-        policies[name] = model
         responses[name] = sample(model, prompts, pad, eos, max_new_tokens=training_args.response_length,
                                  temperature=training_args.temperature, seed=training_args.seed)
     ppo_resp = [r for r, _ in responses["ppo"]]
@@ -373,10 +349,7 @@ def _score_responses(rm_path: str, prompts: list[list[int]], responses: dict, pa
 def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> dict:
     """``rlhf-trl eval --config ppo.yaml [--num_prompts N] [--samples_per_prompt K] [--demo] [--key value ...]``;
     ``ppo_logs`` as in `evaluate`. Returns ``{"output_dir", "metrics", "report", ...}`` (``metrics``: the figures).
-
-    Raises:
-        RecipeError: a bad recipe or command-line argument; otherwise as `evaluate`.
-    """
+    Raises `RecipeError`: a bad recipe or command-line argument; otherwise as `evaluate`."""
     from .ppo import recipe_types
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -3,8 +3,7 @@ evaluation: sampling, log-probs, values and reward-model scores.
 
 Layout: ``query_responses [batch, T]`` holds a left-padded prompt of ``context_length`` tokens, then the response
 (right-padded with ``pad_token_id``, distinct from every EOS id); models see pads masked and positions counted from
-the first real token (`model_inputs`).
-"""
+the first real token (`model_inputs`)."""
 
 from __future__ import annotations
 
@@ -95,8 +94,7 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
     ``(query_responses [b, Q + R], logprobs [b, R])``, prompt then response ids (right-padded with ``pad_token_id``
     where a call ended early) and each sampled token's log-prob under ``logits / temperature`` (0.0 on padding).
     TRL 1.12's ``batch_generation``, with one ``[rows, vocab]`` log-softmax per decoding step instead of stacked
-    ``[b, R, vocab]`` logits.
-    """
+    ``[b, R, vocab]`` logits."""
     context = queries.shape[1]
     config = copy.deepcopy(generation_config)
     config.return_dict_in_generate, config.output_scores = True, True  # the sampling logits give the log-probs
@@ -106,10 +104,9 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
         mask = query != pad_token_id
         out = policy.generate(input_ids=query.masked_fill(~mask, 0), attention_mask=mask, generation_config=config)
         response = out.sequences[:, context:]
-        lp = torch.stack([pm.selective_log_softmax(s[None], response[None, :, t])[0] for t, s in enumerate(out.scores)],
-                         1)
+        logps.append(torch.stack([pm.selective_log_softmax(s[None], response[None, :, t])[0]
+                                  for t, s in enumerate(out.scores)], 1))
         pieces.append(torch.cat((query, response), 1))
-        logps.append(lp)
         del out
     width = max(p.shape[1] for p in pieces)
     query_responses = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad_token_id) for p in pieces])
@@ -122,8 +119,7 @@ def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, ma
     """Sample one response per prompt (``[num_prompts]`` lists of ids) with `generate_rollouts`, as PPO rollouts:
     softmax(logits / ``temperature``) only (`rlhf_trl.models.sampling_generation_config`), stopping at any of
     ``eos_token_ids`` (an int or a list), at most ``max_new_tokens`` tokens, the RNG seeded with ``seed`` once.
-    Returns ``(response ids, ended with EOS)`` per prompt: the ids up to and including the first EOS, else all.
-    """
+    Returns ``(response ids, ended with EOS)`` per prompt: the ids up to and including the first EOS, else all."""
     eos = list(eos_token_ids) if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids]
     config = sampling_generation_config(temperature, max_new_tokens, eos, pad_token_id)
     model.eval()
@@ -184,12 +180,9 @@ def response_values(model, query_responses: torch.Tensor, context_length: int, p
 
 
 def last_token_index(query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0) -> torch.Tensor:
-    """Index of each row's last real token: the one before the first pad after the prompt's ``context_length``
-    tokens (the response's EOS when it has one): ``[batch, seq_len] -> [batch]``.
-
-    Raises:
-        ValueError: a row holds only pad tokens.
-    """
+    """Index of each row's last real token: the one before the first pad after the prompt's ``context_length`` tokens
+    (the response's EOS when it has one): ``[batch, seq_len] -> [batch]``. Raises `ValueError`: a row holds only pad
+    tokens."""
     last = pm.first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     if bool((last < 0).any()):
         raise ValueError("a sequence holds only pad tokens")
@@ -197,12 +190,9 @@ def last_token_index(query_responses: torch.Tensor, pad_token_id: int, context_l
 
 
 def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]``
-    (reward units). TRL 1.12's ``get_reward`` (``[1]`` of its result), fed the tokens up to the latest such token.
-
-    Raises:
-        ValueError: a row has no real token to score (`last_token_index`).
-    """
+    """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]`` (reward
+    units). TRL 1.12's ``get_reward`` (``[1]`` of its result), fed the tokens up to the latest such token. Raises
+    `ValueError`: a row has no real token to score (`last_token_index`)."""
     last = last_token_index(query_responses, pad_token_id, context_length)
     backbone, head = _parts(model, "score")
     hidden = backbone(**model_inputs(query_responses[:, :int(last.max()) + 1], pad_token_id)).last_hidden_state
@@ -212,11 +202,8 @@ def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, con
 @torch.no_grad()
 def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_size: int = 16) -> torch.Tensor:
     """Reward-model scores of token id sequences (prompt + response + EOS), ``[num_sequences]`` (float32, on CPU):
-    `sequence_scores` on right-padded batches, as PPO reads rewards (``model`` may be a `peft.PeftModel`).
-
-    Raises:
-        ValueError: an empty sequence.
-    """
+    `sequence_scores` on right-padded batches, as PPO reads rewards (``model`` may be a `peft.PeftModel`). Raises
+    `ValueError`: an empty sequence."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -231,12 +218,7 @@ def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_
 def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, rejected_len) -> dict:
     """Pairwise accuracy, mean margin and the length-only baseline ("the longer response wins", ties count half)
     for ``[num_pairs]`` score tensors."""
-    chosen_len = torch.as_tensor(chosen_len, dtype=torch.float)
-    rejected_len = torch.as_tensor(rejected_len, dtype=torch.float)
+    chosen_len, rejected_len = (torch.as_tensor(n, dtype=torch.float) for n in (chosen_len, rejected_len))
     longer = (chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()
-    return {
-        "accuracy": float((chosen > rejected).float().mean()),
-        "margin": float((chosen - rejected).mean()),
-        "length_baseline_accuracy": float(longer.mean()),
-        "num_pairs": int(chosen.numel()),
-    }
+    return {"accuracy": float((chosen > rejected).float().mean()), "margin": float((chosen - rejected).mean()),
+            "length_baseline_accuracy": float(longer.mean()), "num_pairs": int(chosen.numel())}
