@@ -15,8 +15,7 @@ Nothing here is active unless an environment variable asks for it (the tests set
 
 Counted: ``torch.save``, safetensors' ``serialize_file``, Python ``open()`` for writing, and the operations made
 through `fsync_tree`, `publish` and `file_op`. Writes of native code (the tokenizers library's ``tokenizer.json``)
-are not counted, but are fsynced (counted) before the rename like the rest of the staging directory.
-"""
+are not counted, but are fsynced (counted) before the rename like the rest of the staging directory."""
 
 from __future__ import annotations
 

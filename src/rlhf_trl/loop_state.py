@@ -25,20 +25,17 @@ class LoopStateMixin:
     """What `transformers.Trainer`'s checkpoints lack for a resumed run to log exactly what the uninterrupted run
     logs (the loss sums since the last log and over the run, the last logged step, TRL's running statistics): saved
     as ``loop_state.json`` (one entry per process), put back when the resumed run starts its first epoch. Needs the
-    Trainer's ``_run_epoch(..., epoch=, resume_from_checkpoint=, epochs_trained=)`` (transformers >= 5).
-    """
+    Trainer's ``_run_epoch(..., epoch=, resume_from_checkpoint=, epochs_trained=)`` (transformers >= 5)."""
 
     _loop_state_restored = False
 
     def _loop_state(self) -> dict:
         metrics = getattr(self, "_metrics", None)
-        return {
-            "tr_loss": self._tr_loss.item() if isinstance(getattr(self, "_tr_loss", None), torch.Tensor) else None,
-            "total_loss_scalar": getattr(self, "_total_loss_scalar", 0.0),
-            "globalstep_last_logged": getattr(self, "_globalstep_last_logged", self.state.global_step),
-            "total_train_tokens": getattr(self, "_total_train_tokens", None),
-            "metrics": {k: dict(v) for k, v in metrics.items()} if isinstance(metrics, dict) else None,
-        }
+        return {"tr_loss": self._tr_loss.item() if isinstance(getattr(self, "_tr_loss", None), torch.Tensor) else None,
+                "total_loss_scalar": getattr(self, "_total_loss_scalar", 0.0),
+                "globalstep_last_logged": getattr(self, "_globalstep_last_logged", self.state.global_step),
+                "total_train_tokens": getattr(self, "_total_train_tokens", None),
+                "metrics": {k: dict(v) for k, v in metrics.items()} if isinstance(metrics, dict) else None}
 
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
         """Write ``loop_state.json`` (every process's sums, gathered to the main process, which writes)."""
@@ -58,11 +55,8 @@ class LoopStateMixin:
         return super()._run_epoch(*args, **kwargs)
 
     def _restore_loop_state(self, ckpt: str) -> None:
-        """Put back this process's entry of ``ckpt/loop_state.json`` (none: a warning).
-
-        Raises:
-            ValueError: the file holds another number of processes than this run has.
-        """
+        """Put back this process's entry of ``ckpt/loop_state.json`` (none: a warning). Raises `ValueError`: the file
+        holds another number of processes than this run has."""
         self._loop_state_restored = True
         path = os.path.join(ckpt, LOOP_STATE_NAME)
         if not os.path.exists(path):
@@ -87,8 +81,8 @@ class LoopStateMixin:
                 self._metrics[mode] = defaultdict(list, values)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
-        """The Trainer's log; a resumed run's final ``train_loss`` is the whole run's mean, as without the resume."""
+        """The Trainer's log; a resumed run's final ``train_loss`` is the whole run's mean, as without the resume (the
+        Trainer divides by the steps of this call only; the restored total covers the whole run)."""
         if "train_loss" in logs and getattr(self, "_resumed_loss_total", False):
-            # the Trainer divides by the steps of this call only; the restored total covers the whole run
             logs["train_loss"] = self._total_loss_scalar / max(self.state.global_step, 0.001)
         super().log(logs, start_time)

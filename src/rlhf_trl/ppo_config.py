@@ -19,12 +19,10 @@ def _f(default, help: str):
 @dataclass
 class PPOConfig(TrainingArguments):
     """PPO settings: the keys (and defaults) of TRL 1.12's PPOConfig plus ``logits_chunk_size``,
-    ``offload_reward_model`` and ``single_value_forward``.
-
-    Batch sizes (episodes): ``batch_size = per_device_train_batch_size x gradient_accumulation_steps x processes``
-    rollouts per update; ``num_total_batches`` updates = ceil(``total_episodes`` / ``batch_size``). Raises
-    `ValueError` on a bad value (`check_config`) when the config is made: a recipe fails before anything is read.
-    """
+    ``offload_reward_model`` and ``single_value_forward``. Batch sizes (episodes):
+    ``batch_size = per_device_train_batch_size x gradient_accumulation_steps x processes`` rollouts per update;
+    ``num_total_batches`` updates = ceil(``total_episodes`` / ``batch_size``). Raises `ValueError` on a bad value
+    (`check_config`) when the config is made: a recipe fails before anything is read."""
 
     # defaults TRL's configs change from TrainingArguments
     learning_rate: float = _f(3e-6, "AdamW learning rate.")
@@ -80,14 +78,10 @@ class PPOConfig(TrainingArguments):
 
 
 def check_config(args: PPOConfig) -> None:
-    """Every check of a `PPOConfig` value that needs no model or data (run once, by ``PPOConfig.__post_init__``).
-
-    Raises:
-        ValueError: ``num_mini_batches`` < 1 or not dividing each process's rollouts per update
-            (``per_device_train_batch_size x gradient_accumulation_steps``); ``whiten_rewards`` with fewer than 8
-            rollouts per process mini-batch; ``stop_token`` other than 'eos', or set with ``stop_token_id``;
-            ``kl_estimator`` other than 'k1' / 'k3' (one line naming the keys).
-    """
+    """Every check of a `PPOConfig` value that needs no model or data (run once, by ``PPOConfig.__post_init__``). Raises
+    `ValueError` (one line naming the keys): ``num_mini_batches`` < 1 or not dividing each process's rollouts per update
+    (``per_device_train_batch_size x gradient_accumulation_steps``); ``whiten_rewards`` with fewer than 8 rollouts per
+    process mini-batch; ``stop_token`` other than 'eos', or set with ``stop_token_id``; an unknown ``kl_estimator``."""
     if args.num_mini_batches < 1:
         raise ValueError(f"num_mini_batches must be >= 1, got {args.num_mini_batches}")
     local = args.per_device_train_batch_size * args.gradient_accumulation_steps

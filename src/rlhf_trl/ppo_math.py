@@ -7,8 +7,7 @@ in the form TRL 1.12's PPOTrainer (``ppo_trainer.py`` of its experimental PPO pa
 (tests/test_ppo_oracle.py) holds the engine to that trainer's numbers.
 
 Position convention (TRL 1.12's; docs/ppo-engine.md): ``sequence_lengths[i]`` is the index of the last real token
-of response ``i``; log-probs are real through it, values one position further, where the score is added.
-"""
+of response ``i``; log-probs are real through it, values one position further, where the score is added."""
 
 from __future__ import annotations
 
@@ -26,10 +25,8 @@ def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits)[..., index]`` without a second ``[..., V]`` tensor: ``[b, R, V], [b, R] -> [b, R]``.
-
-    fp32 / fp64: gathered logit minus a per-row logsumexp; lower precisions: a per-row log_softmax (logsumexp in
-    bf16 loses too much). Same computation as TRL's ``trl.trainer.utils.selective_log_softmax``.
-    """
+    fp32 / fp64: gathered logit minus a per-row logsumexp; lower precisions: a per-row log_softmax (logsumexp in bf16
+    loses too much). Same computation as TRL's ``trl.trainer.utils.selective_log_softmax``."""
     if logits.dtype in (torch.float32, torch.float64):
         selected = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
         lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
@@ -50,11 +47,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Variance of ``values`` where ``mask`` is true, Bessel-corrected.
-
-    Raises:
-        ValueError: the mask selects nothing (a mini-batch of one empty response).
-    """
+    """Variance of ``values`` where ``mask`` is true, Bessel-corrected. Raises `ValueError`: the mask selects nothing (a
+    mini-batch of one empty response)."""
     count = mask.sum()
     if count == 0:
         raise ValueError("whitening over an empty mask: raise the mini-batch size")
@@ -88,13 +82,9 @@ def score_positions(sequence_lengths: torch.Tensor, width: int) -> torch.Tensor:
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs, nats: ``[b, R] x 2 -> [b, R]``.
-
     ``k1``: ``logp - logp_ref`` (unbiased, can be negative per token); ``k3``: ``(r - 1) - log r`` with
     ``r = p_ref / p`` (unbiased, never negative, lower variance). J. Schulman, "Approximating KL Divergence" (2020).
-
-    Raises:
-        ValueError: an unknown estimator.
-    """
+    Raises `ValueError`: an unknown estimator."""
     log_ratio = ref_logprobs - logprobs
     if estimator == "k1":
         return -log_ratio
@@ -105,11 +95,9 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
 
 def shape_rewards(kl: torch.Tensor, scores: torch.Tensor, kl_coef: float,
                   sequence_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards: ``-kl_coef * kl`` everywhere plus each sequence's score at `score_positions`.
-
-    ``kl [b, R]`` (nats), ``scores [b]`` (reward units, baseline and penalties already applied),
-    ``sequence_lengths [b]`` -> ``(rewards [b, R], non_score_reward [b, R])``. Ziegler et al. 2019, eq. 2.
-    """
+    """Per-token rewards, ``-kl_coef * kl`` everywhere plus each sequence's score at `score_positions` (Ziegler et al.
+    2019, eq. 2): ``kl [b, R]`` (nats), ``scores [b]`` (reward units, baseline and penalties already applied),
+    ``sequence_lengths [b]`` -> ``(rewards [b, R], non_score_reward [b, R])``."""
     non_score_reward = -kl_coef * kl
     rewards = non_score_reward.clone()
     rows = torch.arange(rewards.shape[0], device=rewards.device)
@@ -119,11 +107,9 @@ def shape_rewards(kl: torch.Tensor, scores: torch.Tensor, kl_coef: float,
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation, from the last position backwards (Schulman et al. 2016, eq. 16).
-
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` (``V_R = 0``), ``A_t = delta_t + gamma * lam * A_{t+1}``;
     ``returns = advantages + values``. ``rewards, values [b, R] -> (advantages [b, R], returns [b, R])``; padded
-    positions must hold zero values and rewards.
-    """
+    positions must hold zero values and rewards."""
     width = rewards.shape[1]
     last = torch.zeros_like(rewards[:, 0])
     reversed_advantages = []
@@ -138,12 +124,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
 
 def policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, cliprange: float) -> dict[str, torch.Tensor]:
-    """PPO's clipped surrogate loss (Schulman et al. 2017, eq. 7), averaged over real tokens.
-
+    """PPO's clipped surrogate loss (Schulman et al. 2017, eq. 7), averaged over real tokens:
     ``new_logprobs, old_logprobs, advantages [b, R]``, ``mask [b, R]`` (true on real tokens) -> dict of scalars:
     ``loss`` (to minimise), ``clipfrac`` (share of tokens where the clipped term is active), ``ratio`` (mean
-    probability ratio over all positions), ``approxkl`` (``0.5 * mean(log_ratio^2)``).
-    """
+    probability ratio over all positions), ``approxkl`` (``0.5 * mean(log_ratio^2)``)."""
     log_ratio = new_logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -157,10 +141,8 @@ def policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
 
 def value_loss(new_values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                cliprange_value: float) -> dict[str, torch.Tensor]:
-    """Clipped value loss ``0.5 * mean(max((V - G)^2, (clip(V, V_old +- c) - G)^2))`` over real positions.
-
-    ``new_values, old_values, returns, mask [b, R]`` -> ``{"loss", "clipfrac"}`` (scalars).
-    """
+    """Clipped value loss ``0.5 * mean(max((V - G)^2, (clip(V, V_old +- c) - G)^2))`` over real positions:
+    ``new_values, old_values, returns, mask [b, R]`` -> ``{"loss", "clipfrac"}`` (scalars)."""
     clipped_values = torch.clamp(new_values, old_values - cliprange_value, old_values + cliprange_value)
     unclipped = (new_values - returns) ** 2
     clipped = (clipped_values - returns) ** 2
@@ -175,16 +157,13 @@ def compute_advantages(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, value
                        lam: float = 0.95, whiten_rewards: bool = False,
                        whiten_advantages: bool = True) -> dict[str, torch.Tensor]:
     """Step 3 of a PPO update: masks, KL, shaped rewards, GAE advantages and returns, as TRL 1.12's PPOTrainer.
-
     ``logprobs, ref_logprobs, values [b, R]`` (unmasked: the sampled tokens' log-probs under the policy and the
-    reference, nats; the value model's estimates, reward units), ``scores [b]`` (reward units),
-    ``sequence_lengths [b]`` (index of each response's last real token) -> dict of ``[b, R]`` tensors:
-    ``padding_mask`` (log-probs' padding), ``padding_mask_p1`` (values' padding, one position later), ``logprobs``
-    and ``values`` masked (`INVALID_LOGPROB`, 0), ``kl`` (`kl_estimate`), ``non_score_reward`` (``-kl_coef * kl``),
-    ``advantages`` (`gae`, whitened over the real tokens of the batch unless ``whiten_advantages`` is false) and
-    ``returns`` (advantages + values, before whitening). ``whiten_rewards`` whitens the shaped rewards first
-    (without shifting their mean).
-    """
+    reference, nats; the value model's estimates, reward units), ``scores [b]`` (reward units), ``sequence_lengths [b]``
+    (index of each response's last real token) -> dict of ``[b, R]`` tensors: ``padding_mask`` (log-probs' padding),
+    ``padding_mask_p1`` (values' padding, one position later), ``logprobs`` and ``values`` masked (`INVALID_LOGPROB`,
+    0), ``kl`` (`kl_estimate`), ``non_score_reward`` (``-kl_coef * kl``), ``advantages`` (`gae`, whitened over the real
+    tokens of the batch unless ``whiten_advantages`` is false) and ``returns`` (advantages + values, before whitening).
+    ``whiten_rewards`` whitens the shaped rewards first (without shifting their mean)."""
     width = logprobs.shape[1]
     padding_mask = response_padding_mask(sequence_lengths, width)
     padding_mask_p1 = value_padding_mask(sequence_lengths, width)

@@ -2,8 +2,7 @@
 kept on disk between rollouts; and the 'auto' baseline's calibration.
 
 Each wrapper keeps what `rlhf_trl.scoring.sequence_scores` reads: ``base_model_prefix`` naming a backbone and a
-``score`` head ``[batch, seq_len, hidden] -> [batch, seq_len, 1]``.
-"""
+``score`` head ``[batch, seq_len, hidden] -> [batch, seq_len, 1]``."""
 
 from __future__ import annotations
 
@@ -50,9 +49,8 @@ def require_reward_model(path: str, train_hint: str | None = None) -> None:
 
 
 class BaselineShiftedScore(nn.Module):
-    """Wraps a reward model's ``score`` head (``[batch, seq_len, hidden] -> [batch, seq_len, 1]``) so that it returns
-    ``score(hidden) - baseline``: the engine reads rewards as ``reward_model.score(hidden_states)`` at the last non-pad
-    token (`rlhf_trl.scoring.sequence_scores`), so replacing the head is how the baseline reaches it."""
+    """A reward model's ``score`` head (``[batch, seq_len, hidden] -> [batch, seq_len, 1]``) minus ``baseline``: the
+    engine reads rewards off ``reward_model.score`` (`rlhf_trl.scoring.sequence_scores`), so the baseline goes there."""
 
     def __init__(self, score: nn.Module, baseline: float):
         super().__init__()
@@ -65,8 +63,7 @@ class BaselineShiftedScore(nn.Module):
 
 def apply_reward_baseline(reward_model, baseline: float):
     """Freeze ``reward_model``, put it in eval mode and shift its score head by ``-baseline``. Returns the model."""
-    reward_model.eval()
-    reward_model.requires_grad_(False)
+    reward_model.eval().requires_grad_(False)
     if isinstance(reward_model.score, BaselineShiftedScore):
         reward_model.score = reward_model.score.inner
     if baseline:
@@ -76,12 +73,10 @@ def apply_reward_baseline(reward_model, baseline: float):
 
 class SharedBaseRewardModel(nn.Module):
     """The reward model read off the value model's weights (``share_reward_value_base``): the value model's base with
-    its LoRA adapter (and trained value head) off, plus the reward model's own frozen score head. The value model is
-    ``get_peft_model(reward_model, LoRA SEQ_CLS)``, which wraps the reward model's modules in place: no second copy.
-    The value model is not a submodule (``.eval()``, ``requires_grad_(False)`` and device moves of the reward model
-    must not reach the trainable adapter); only the original score head is. Raises `ValueError`: ``value_model`` is
-    not a peft sequence-classification model with a wrapped ``score`` head.
-    """
+    its LoRA adapter (and trained value head) off, plus the reward model's own frozen score head. The value model,
+    ``get_peft_model(reward_model, LoRA SEQ_CLS)``, wraps the reward model's modules in place (no second copy) and is
+    not a submodule, so ``.eval()``, ``requires_grad_(False)`` and device moves miss its trainable adapter. Raises
+    `ValueError`: ``value_model`` is not a peft sequence-classification model with a wrapped ``score`` head."""
 
     base_model_prefix = "backbone"
 
@@ -118,8 +113,7 @@ class OffloadedWeights:
     once to ``path`` and their storage released (each becomes an empty tensor); inside ``with offloaded.loaded():``
     read back (``safetensors.torch.load_file``), bit for bit, and released again on exit. Buffers (rotary
     frequencies, ...) stay in memory. Shared (tied) parameters are stored once. Raises `ValueError`: a parameter that
-    is not a plain floating-point tensor (a quantized model).
-    """
+    is not a plain floating-point tensor (a quantized model)."""
 
     def __init__(self, module: nn.Module, path: str):
         self.module, self.path = module, path

@@ -1,8 +1,7 @@
 """Small models built locally from a config (random init), for the demo, tests and offline smoke runs.
 
 Run: ``rlhf-trl init-model --tokenizer DIR --output DIR [--hidden_size 64 --num_layers 2]`` builds a Qwen2-architecture
-causal LM whose vocabulary matches the tokenizer, and saves both to ``--output``.
-"""
+causal LM whose vocabulary matches the tokenizer, and saves both to ``--output``."""
 
 from __future__ import annotations
 
@@ -40,12 +39,9 @@ def train_bpe_tokenizer(texts: list[str], output_dir: str, vocab_size: int = 100
 def build_tiny_qwen2(tokenizer, output_dir: str, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                      intermediate_size: int | None = None, max_position_embeddings: int = 512, seed: int = 0,
                      **config_overrides):
-    """Build a randomly initialized `Qwen2ForCausalLM` sized to ``tokenizer``, save it with the tokenizer and return
-    it. ``config_overrides`` replace `Qwen2Config` fields, e.g. ``vocab_size`` or ``num_key_value_heads``.
-
-    Raises:
-        ValueError: ``vocab_size`` is smaller than ``len(tokenizer)``.
-    """
+    """Build a randomly initialized `Qwen2ForCausalLM` sized to ``tokenizer``, save it with the tokenizer and return it.
+    ``config_overrides`` replace `Qwen2Config` fields, e.g. ``vocab_size`` or ``num_key_value_heads``. Raises
+    `ValueError`: ``vocab_size`` is smaller than ``len(tokenizer)``."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -58,8 +54,7 @@ def build_tiny_qwen2(tokenizer, output_dir: str, hidden_size: int = 64, num_laye
     fields.update(config_overrides)
     if fields["vocab_size"] < len(tokenizer):
         raise ValueError(f"vocab_size {fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)}")
-    config = Qwen2Config(**fields)
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(Qwen2Config(**fields))
     model.generation_config.update(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     save_pretrained_atomic(model, tokenizer, output_dir)
     logger.info("built %s (%.2fM parameters) at %s", type(model).__name__, model.num_parameters() / 1e6, output_dir)
