@@ -44,9 +44,11 @@ help:
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip "setuptools>=77" wheel
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	# DeepSpeed (.[deepspeed], for ACCEL=zero2 / zero3) builds from source against the torch above: no build
+	# isolation, so no second torch is downloaded
+	$(BIN)/pip install -q --no-build-isolation -e ".[dev,deepspeed]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -117,6 +117,9 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
         key = re.match(r"\w*", message).group()  # a dataclass's own check: "<key> must be ..."
         raise RecipeError(f"{value_source(key, argv, path) if key else path or 'command line'}: {message}") from None
     check_values(parsed, argv, path)
+    for cfg in parsed:
+        if hasattr(cfg, "bf16"):
+            check_launch(cfg, path)
     return (*parsed, path)
 
 
@@ -132,6 +135,32 @@ RANGES = {
     "in [0, 1]": ("gamma", "lam"), "in [0, 1)": ("lora_dropout", "value_lora_dropout")}
 _MEETS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0,
           "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
+
+
+def check_launch(training_args, path: str | None) -> None:
+    """Refuse what `accelerate launch` set up that cannot run as configured, before anything is read or written.
+    Mixed precision has one source of truth, the recipe's ``bf16`` / ``fp16``: the shipped DeepSpeed / FSDP configs
+    say ``mixed_precision: 'no'`` and transformers turns ``bf16: true`` into DeepSpeed's ``bf16.enabled``.
+
+    Raises:
+        RecipeError: FSDP launched on a machine without GPUs (accelerate would run DDP without a word); a DeepSpeed
+            launch whose accelerate config asks for a ``mixed_precision`` (``ACCELERATE_MIXED_PRECISION``) the recipe
+            does not (transformers would stop at the trainer: "ds bf16.enabled=True vs hf bf16=False").
+    """
+    import torch
+
+    def on(name):
+        return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+    if on("ACCELERATE_USE_FSDP") and not torch.accelerator.is_available():
+        raise RecipeError("ACCEL=fsdp: accelerate runs FSDP only on GPUs and this machine has none (it would run DDP "
+                          "instead); use ACCEL=zero3 (DeepSpeed ZeRO-3) or ACCEL=multi_cpu here")
+    config = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") if on("ACCELERATE_USE_DEEPSPEED") else "no"
+    if config not in ("no", "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no"):
+        raise RecipeError(f"{path or 'command line'}: bf16: {str(training_args.bf16).lower()}, fp16: "
+                          f"{str(training_args.fp16).lower()}, but the accelerate config says mixed_precision: "
+                          f"{config}; the recipe decides precision: set mixed_precision: 'no' in the accelerate config "
+                          f"(as recipes/accelerate_configs/zero3.yaml does), or {config}: true in the recipe")
 
 
 def did_you_mean(unknown: list[str], known: set[str], manual: str, dashes: str = "") -> str:
