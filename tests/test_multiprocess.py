@@ -38,11 +38,11 @@ def free_port() -> int:
 
 
 def launch(stage: str, args: list[str], nproc: int, config: str = MULTI_CPU, use_cpu_env: bool = True,
-           check: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+           check: bool = True) -> subprocess.CompletedProcess:
     """``rlhf-trl <stage> ARGS`` as one process, or under ``accelerate launch --num_processes nproc``."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               RLHF_TRL_DEBUG="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
+               RLHF_TRL_DEBUG="1", PYTHONUNBUFFERED="1")
     if nproc == 1:
         cmd = [sys.executable, "-m", "rlhf_trl.cli", stage, *args]
     else:
