@@ -10,16 +10,21 @@ STAGES = {
     "sft": "supervised fine-tuning (trl.SFTTrainer)",
     "rm": "reward model on chosen/rejected pairs (trl.RewardTrainer)",
     "ppo": "PPO against the reward model and/or reward functions (the project's engine, rlhf_trl.ppo_engine)",
+    "dpo": "stage 3 on preference pairs, no reward model (trl.DPOTrainer)",
+    "grpo": "stage 3 without a value model: group-relative advantages (trl.GRPOTrainer), PPO's rewards",
+    "rloo": "stage 3 without a value model: leave-one-out advantages (trl.RLOOTrainer), PPO's rewards",
     "demo": "build the embedded demo and run SFT -> RM -> PPO on it",
     "demo-real": "SFT -> RM -> PPO -> eval on a real Qwen2.5 Instruct directory (--model DIR), sized for a CPU",
     "init-model": "build a random-init tiny Qwen2 with a tokenizer's vocabulary (offline smoke runs)",
     # merge / evaluate / report
     "merge": "merge a LoRA adapter into its base: --adapter DIR --output DIR [--base DIR]",
     "eval": "compare the PPO policy with its SFT policy (rewards, win rate, KL), write eval.json + report.md",
+    "compare": "stage-3 policies side by side (--policies sft=DIR ppo=DIR dpo=DIR ...): RM reward with 95% CI, win "
+               "rate, KL, cost; compare.json + compare.md",
 }
 
 USAGE = "usage: rlhf-trl {" + ",".join(STAGES) + "} --config RECIPE.yaml [--key value ...]\n\n" + "\n".join(
-    f"  {name:5s} {text}" for name, text in STAGES.items()
+    f"  {name:10s} {text}" for name, text in STAGES.items()
 )
 
 

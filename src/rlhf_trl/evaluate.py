@@ -61,26 +61,42 @@ def policy_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
     return out
 
 
-def figures(rows: list[dict], demo: bool = False) -> dict:
-    """The eval figures (see the module docstring) from ``eval_samples.jsonl`` rows: ``sft`` and ``ppo`` dicts of
-    ``response_ids`` (EOS included when ``eos``), ``eos``, ``reward`` (and ``score``, ``on_topic`` for the demo);
-    ``ppo`` also holds ``logprobs_ppo`` / ``logprobs_sft`` (one float per response token). Raises `ValueError`: no
-    rows."""
+def policy_figures(rows: list[dict], name: str, ref: str | None = None, demo: bool = False) -> dict:
+    """Policy ``name``'s figures over sample rows (`sample_and_score`), unprefixed: ``reward`` (mean raw RM score),
+    ``mean_length`` (tokens, EOS excluded), ``eos_rate`` (and ``score``, ``on_topic_rate`` with ``demo``); against
+    the reference policy ``ref``: ``win_rate`` (ties 1/2), ``kl_per_token`` (nats: mean of ``logprobs_<name> -
+    logprobs_<ref>`` over ``name``'s response tokens), ``num_kl_tokens``. Raises `ValueError`: no rows."""
     if not rows:
         raise ValueError("no eval samples")
-    n, out = len(rows), {}
-    for name in ("sft", "ppo"):
-        out[f"{name}_reward"] = sum(r[name]["reward"] for r in rows) / n
-        out[f"{name}_mean_length"] = sum(len(r[name]["response_ids"]) - int(r[name]["eos"]) for r in rows) / n
-        out[f"{name}_eos_rate"] = sum(int(r[name]["eos"]) for r in rows) / n
-        if demo:
-            out[f"{name}_score"] = sum(r[name]["score"] for r in rows) / n
-            out[f"{name}_on_topic_rate"] = sum(int(r[name]["on_topic"]) for r in rows) / n
-    pairs = [(r["ppo"]["reward"], r["sft"]["reward"]) for r in rows]
-    out["win_rate"] = sum(1.0 if ppo > sft else 0.5 if ppo == sft else 0.0 for ppo, sft in pairs) / n
-    diffs = [a - b for r in rows for a, b in zip(r["ppo"]["logprobs_ppo"], r["ppo"]["logprobs_sft"])]
-    out.update(kl_per_token=sum(diffs) / len(diffs) if diffs else 0.0, num_samples=n, num_kl_tokens=len(diffs))
+    n, mine = len(rows), [r[name] for r in rows]
+    out = {"reward": sum(m["reward"] for m in mine) / n,
+           "mean_length": sum(len(m["response_ids"]) - int(m["eos"]) for m in mine) / n,
+           "eos_rate": sum(int(m["eos"]) for m in mine) / n}
+    if demo:
+        out.update(score=sum(m["score"] for m in mine) / n, on_topic_rate=sum(int(m["on_topic"]) for m in mine) / n)
+    if ref:
+        pairs = [(r[name]["reward"], r[ref]["reward"]) for r in rows]
+        out["win_rate"] = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs) / n
+        diffs = [a - b for m in mine for a, b in zip(m[f"logprobs_{name}"], m[f"logprobs_{ref}"])]
+        out.update(kl_per_token=sum(diffs) / len(diffs) if diffs else 0.0, num_kl_tokens=len(diffs))
     return out
+
+
+def figures(rows: list[dict], demo: bool = False) -> dict:
+    """The eval figures (see the module docstring) from ``eval_samples.jsonl`` rows: `policy_figures` of ``sft`` and
+    of ``ppo`` against ``sft``. Raises `ValueError`: no rows."""
+    sft, ppo = policy_figures(rows, "sft", demo=demo), policy_figures(rows, "ppo", "sft", demo)
+    per_policy = {f"{name}_{k}": f[k] for name, f in (("sft", sft), ("ppo", ppo)) for k in sft}
+    return {**per_policy, "win_rate": ppo["win_rate"], "kl_per_token": ppo["kl_per_token"], "num_samples": len(rows),
+            "num_kl_tokens": ppo["num_kl_tokens"]}
+
+
+def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean of ``a[i] - b[i]`` over paired samples and its standard error (sample sd / sqrt(n); nan for n < 2)."""
+    diffs = [x - y for x, y in zip(a, b)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    return mean, (sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
 
 
 def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
@@ -180,10 +196,8 @@ def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
         out.append(f"- Reward model: accuracy {figures['rm_accuracy']:.3f} on {figures['rm_num_pairs']} held-out "
                    f"pairs, {verdict} the length-only baseline ({figures['rm_length_baseline_accuracy']:.3f}, gap "
                    f"{gap:+.3f}).")
-    diffs = [r["ppo"]["reward"] - r["sft"]["reward"] for r in rows]
-    if diffs:
-        n, mean = len(diffs), sum(diffs) / len(diffs)
-        se = (sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
+    if rows:
+        n, (mean, se) = len(rows), paired_difference(*([r[k]["reward"] for r in rows] for k in ("ppo", "sft")))
         clear = n > 1 and abs(mean) > 2 * se
         out.append(f"- PPO vs SFT: mean RM reward {figures['ppo_reward']:.3f} vs {figures['sft_reward']:.3f}, paired "
                    f"difference {mean:+.3f} +- {se:.3f} (standard error, {n} pairs): "
@@ -255,35 +269,22 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     ``log_history`` (default: read from the newest checkpoint); ``hints``: the command that produces each input
     (``sft`` / ``rm`` / ``ppo``), named when it is missing. Returns the content of ``eval.json`` plus ``report``
     (path) and ``plots`` (stage -> PNG path). Raises, before anything is loaded or written, `StageInputError`: a model
-    is missing; `DataError`: bad prompt rows; `ValueError`: no held-out prompt, bad template settings
-    (`rlhf_trl.data.Template`), ``num_prompts`` or ``samples_per_prompt`` < 1."""
-    if samples_per_prompt < 1:
-        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
-    if num_prompts is not None and num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1 (or unset: every held-out prompt), got {num_prompts}")
+    is missing; otherwise as `sample_and_score`."""
     out_dir = training_args.output_dir
     hints = hints or {}
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", hints.get("sft"))
     rm_path = require_model_dir(training_args.reward_model_path, "reward model", hints.get("rm"))
     require_reward_model(rm_path, hints.get("rm"))
     ppo_path = require_model_dir(os.path.join(out_dir, "merged"), "PPO policy", hints.get("ppo", "make ppo"))
-    template = Template.from_args(data_args)
-    _, eval_records = split_records(read_records(data_args, "prompts"), data_args.eval_split_size, training_args.seed)
-    eval_records = eval_records[:num_prompts]  # None: all
-    if not eval_records:
-        raise ValueError("no held-out prompts to evaluate on; raise eval_split_size")
-    tokenizer = load_tokenizer(sft_path, padding_side="left", trust_remote_code=trust_remote_code)
-    prompt_ids = prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length)["input_ids"]
-    prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
-    pad, eos = tokenizer.pad_token_id, eos_token_ids(tokenizer, sft_path)  # every EOS id ends a response
-    responses, logprobs = _sample_policies(training_args, {"sft": sft_path, "ppo": ppo_path}, prompts, pad, eos,
-                                           trust_remote_code)
-    rewards, rm_figures, rm_pairs_path = _score_responses(rm_path, prompts, responses, pad, trust_remote_code)
-    questions = [r["question"] for r in eval_records]
-    rows = _sample_rows(prompts, questions, samples_per_prompt, tokenizer, responses, rewards, logprobs, demo)
-    result = {"figures": {**figures(rows, demo), **rm_figures}, "rm_pairs": rm_pairs_path if rm_figures else None,
+    pairs = os.path.join(_stage_dir(rm_path) or "", "eval_pairs.jsonl")
+    rows, n_prompts, rm_figures = sample_and_score(
+        data_args, training_args, {"sft": sft_path, "ppo": ppo_path}, rm_path, num_prompts, samples_per_prompt, demo,
+        trust_remote_code, pairs)
+    if not rm_figures:
+        logger.warning("eval: no RM held-out pairs at %s; rm_accuracy is not reported", pairs)
+    result = {"figures": {**figures(rows, demo), **rm_figures}, "rm_pairs": pairs if rm_figures else None,
               "ppo_output_dir": out_dir, "sft_model_path": sft_path, "reward_model_path": rm_path,
-              "ppo_model_path": ppo_path, "num_prompts": len(eval_records), "samples_per_prompt": samples_per_prompt,
+              "ppo_model_path": ppo_path, "num_prompts": n_prompts, "samples_per_prompt": samples_per_prompt,
               "temperature": training_args.temperature, "response_length": training_args.response_length,
               "seed": training_args.seed}
     samples_path = os.path.join(out_dir, "eval_samples.jsonl")
@@ -298,52 +299,67 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     return {**result["figures"], **result}
 
 
-def _sample_rows(prompts: list[list[int]], questions: list[str], samples_per_prompt: int, tokenizer,
-                 responses: dict, rewards: dict, logprobs: dict, demo: bool) -> list[dict]:
-    """The ``eval_samples.jsonl`` rows: one per prompt and sample index (see `figures`)."""
-    rows = []
-    for i, p in enumerate(prompts):
-        row = {"prompt_index": i // samples_per_prompt, "sample_index": i % samples_per_prompt,
-               "question": questions[i // samples_per_prompt], "prompt_ids": p}
-        for name in ("sft", "ppo"):
-            ids, ended = responses[name][i]
+def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: str, num_prompts: int | None,
+                     samples_per_prompt: int, demo: bool = False, trust_remote_code: bool = False,
+                     pairs_file: str | None = None) -> tuple[list[dict], int, dict]:
+    """Each policy of ``paths`` (name -> model dir; the first, the reference, gives the tokenizer and EOS ids) samples
+    ``samples_per_prompt`` responses to each of the first ``num_prompts`` (None: all) held-out prompts of the PPO
+    recipe (`DataArguments`, `PPOConfig`), as PPO samples, with the same seed; the RM scores each (raw). Returns
+    ``(rows, number of prompts, rm_* figures on pairs_file or {})``: a row per prompt and sample index, per policy
+    ``response_ids``, ``eos``, ``text``, ``reward`` (``score``, ``on_topic`` with ``demo``) and, but for the
+    reference, ``logprobs_<name>`` / ``logprobs_<reference>`` (a float per response token). Raises, before loading
+    anything, `DataError`: bad prompt rows; `ValueError`: no held-out prompt, bad template settings, a count < 1."""
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1 (or unset: every held-out prompt), got {num_prompts}")
+    template = Template.from_args(data_args)
+    _, eval_records = split_records(read_records(data_args, "prompts"), data_args.eval_split_size, training_args.seed)
+    eval_records = eval_records[:num_prompts]  # None: all
+    if not eval_records:
+        raise ValueError("no held-out prompts to evaluate on; raise eval_split_size")
+    ref_path = next(iter(paths.values()))
+    tokenizer = load_tokenizer(ref_path, padding_side="left", trust_remote_code=trust_remote_code)
+    prompt_ids = prompt_features(eval_records, tokenizer, template, data_args.max_prompt_length)["input_ids"]
+    prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
+    pad, eos = tokenizer.pad_token_id, eos_token_ids(tokenizer, ref_path)  # every EOS id ends a response
+    responses, logprobs = _sample_policies(training_args, paths, prompts, pad, eos, trust_remote_code)
+    reward_model = load_sequence_classifier(rm_path, None, trust_remote_code)
+    reward_model.config.pad_token_id = pad
+    rows = [{"prompt_index": i // samples_per_prompt, "sample_index": i % samples_per_prompt,
+             "question": eval_records[i // samples_per_prompt]["question"], "prompt_ids": p}
+            for i, p in enumerate(prompts)]
+    for name, resp in responses.items():
+        rewards = score_sequences(reward_model, [p + r for p, (r, _) in zip(prompts, resp)], pad).tolist()
+        for i, (row, (ids, ended)) in enumerate(zip(rows, resp)):
             text = tokenizer.decode(ids, skip_special_tokens=True)
-            row[name] = {"response_ids": ids, "eos": ended, "text": text, "reward": rewards[name][i]}
+            row[name] = {"response_ids": ids, "eos": ended, "text": text, "reward": rewards[i]}
             if demo:
-                row[name]["score"] = score_response(row["question"], text)
-                row[name]["on_topic"] = on_topic(row["question"], text)
-        row["ppo"].update(logprobs_ppo=logprobs["ppo"][i], logprobs_sft=logprobs["sft"][i])
-        rows.append(row)
-    return rows
+                row[name].update(score=score_response(row["question"], text), on_topic=on_topic(row["question"], text))
+            row[name].update({f"logprobs_{k}": v[i] for k, v in logprobs.get(name, {}).items()})
+    rm_figures = rm_pair_figures(reward_model, pairs_file, pad) if pairs_file and os.path.isfile(pairs_file) else {}
+    return rows, len(eval_records), rm_figures
 
 
 def _sample_policies(training_args, paths: dict[str, str], prompts: list[list[int]], pad: int, eos: list[int],
                      trust_remote_code: bool) -> tuple[dict, dict]:
-    """Each policy's ``(response ids, ended with EOS)`` per prompt, and both policies' per-token log-probs of the
-    PPO responses (``{"sft": ..., "ppo": ...}`` each)."""
-    policies, responses = {}, {}
+    """Each policy's ``(response ids, ended with EOS)`` per prompt, and for each policy but the first (the reference)
+    the per-token log-probs of its own responses under itself and under the reference (``{name: {name: ...,
+    reference: ...}}``). At most two models are loaded at a time."""
+    ref, responses, logprobs = next(iter(paths)), {}, {}
     for name, path in paths.items():
-        policies[name] = model = load_causal_lm(path, None, trust_remote_code)
+        model = load_causal_lm(path, None, trust_remote_code)
         model.generation_config.pad_token_id = pad
         responses[name] = sample(model, prompts, pad, eos, max_new_tokens=training_args.response_length,
                                  temperature=training_args.temperature, seed=training_args.seed)
-    ppo_resp = [r for r, _ in responses["ppo"]]
-    return responses, {name: policy_logprobs(policies[name], prompts, ppo_resp, pad) for name in ("ppo", "sft")}
-
-
-def _score_responses(rm_path: str, prompts: list[list[int]], responses: dict, pad: int,
-                     trust_remote_code: bool) -> tuple[dict, dict, str]:
-    """Raw RM scores of ``prompt + response`` per policy, the RM's held-out pair figures (``{}`` without
-    ``eval_pairs.jsonl``) and that file's path."""
-    reward_model = load_sequence_classifier(rm_path, None, trust_remote_code)
-    reward_model.config.pad_token_id = pad
-    rewards = {name: score_sequences(reward_model, [p + r for p, (r, _) in zip(prompts, responses[name])], pad).tolist()
-               for name in ("sft", "ppo")}
-    rm_pairs_path = os.path.join(_stage_dir(rm_path) or "", "eval_pairs.jsonl")
-    rm_figures = rm_pair_figures(reward_model, rm_pairs_path, pad) if os.path.isfile(rm_pairs_path) else {}
-    if not rm_figures:
-        logger.warning("eval: no RM held-out pairs at %s; rm_accuracy is not reported", rm_pairs_path)
-    return rewards, rm_figures, rm_pairs_path
+        if name == ref:
+            reference = model
+            continue
+        own = [r for r, _ in responses[name]]
+        logprobs[name] = {name: policy_logprobs(model, prompts, own, pad),
+                          ref: policy_logprobs(reference, prompts, own, pad)}
+        del model
+    return responses, logprobs
 
 
 def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> dict:
