@@ -1,16 +1,13 @@
 """The one data formatter shared by SFT, reward-model and PPO stages, in three steps:
 
-1. **read** (`.read`) local json / jsonl / csv / parquet files (also compressed), globs, shard directories or a hub
-   dataset through `datasets`, in Arrow batches;
-2. **normalise** (`.normalise`, `.rows`, `.turns`) each row, whatever its format (`FORMATS`, detected from the first
-   row), into records: SFT ``{"question", "history", "answer"}``, pairs ``{..., "chosen", "rejected"}``, prompts
-   ``{"question", "history"}`` (+ ``"columns"``: extra scalar columns); plus ``"system"``, ``"text"`` (a transcript
-   rendered verbatim) or ``"messages"`` / ``"tools"`` (tool-calling rows) where the row has them. Bad rows follow
-   ``on_bad_row``; every skip is counted in a `DataReport`;
-3. **tokenize** (`.features`) every stage alike: ``prompt_ids + response_ids + [eos]``, prompt and response each
-   tokenized on its own (text templates: the tokenizer's EOS; chat templates: the end-of-turn token). PPO joins
-   prompt and generated ids the same way, so the reward model scores the very ids it was trained on (joining strings
-   first would merge tokens across the ``"答："`` boundary with byte-level BPE).
+1. **read** (`.read`) local files (also compressed), globs, shard directories or a hub dataset, in Arrow batches;
+2. **normalise** (`.normalise`, `.rows`, `.turns`) each row, whatever its format (`FORMATS`), into records: SFT
+   ``{"question", "history", "answer"}``, pairs ``{..., "chosen", "rejected"}``, prompts ``{"question", "history"}``
+   (+ ``"columns"``, ``"system"``, ``"text"``, ``"messages"`` / ``"tools"`` where the row has them); bad rows follow
+   ``on_bad_row``, every skip counted in a `DataReport`;
+3. **tokenize** (`.features`) every stage alike: ``prompt_ids + response_ids + [eos]``, each part tokenized on its own,
+   as PPO joins prompt and generated ids, so the reward model scores the very ids it was trained on (joined strings
+   would merge tokens across the ``"答："`` boundary).
 
 Errors name the file, the row and the field (`DataError`)."""
 
@@ -38,8 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 def sft_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """In-memory rows as SFT records (the last assistant turn, or the chosen answer, is the target). Raises `DataError`
-    (`.normalise._normalise`)."""
+    """In-memory rows as SFT records (target: the last assistant turn, or the chosen answer). Raises `DataError`."""
     return _normalise("sft", [rows], args, source)
 
 
@@ -77,9 +73,8 @@ SOURCE_KEYS = ("dataset_name", "dataset_config", "dataset_split", "dataset_forma
 
 def sources(args: DataArguments) -> list[DataArguments]:
     """The recipe's data sources: ``dataset_name`` (if set) then each entry of ``datasets``, which inherits the
-    template, ``ranked_pairs``, ``max_samples`` and ``dataset_split`` of the recipe and sets its own ``dataset_name``,
-    format and column mapping (`SOURCE_KEYS`; unset mapping keys start from their defaults). Raises `ValueError`: no
-    source at all, or an entry with an unknown key or without ``dataset_name``."""
+    recipe's other fields and sets its own `SOURCE_KEYS` (unset: the defaults; ``max_samples``, ``dataset_split``:
+    the recipe's). Raises `ValueError`: no source, or an entry with an unknown key or without ``dataset_name``."""
     out = [args] if args.dataset_name else []
     for j, entry in enumerate(args.datasets or []):
         if not isinstance(entry, dict) or not entry.get("dataset_name"):
@@ -107,17 +102,15 @@ def describe_sources(args: DataArguments) -> str:
 
 def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts"],
                  report: DataReport | None = None) -> list[dict]:
-    """Read every source of the recipe (`sources`) and normalise it into records of ``kind`` (see module doc). Rows are
-    streamed from `datasets`' Arrow cache in batches (`.read._arrow_batches`), so only the records are held as Python
-    objects; ``max_samples`` stops reading early. Raises `DataError` (`load_rows`, `.normalise._normalise`)."""
+    """Read every source of the recipe (`sources`) into records of ``kind``, streamed in Arrow batches
+    (`.read._arrow_batches`); ``max_samples`` stops reading early. Raises `DataError`."""
     records = []
     if report is not None:
         report.template = Template.from_args(args).mode
     for src in sources(args):
         name = source_name(src.dataset_name)
-        batches = _arrow_batches(src.dataset_name, src.dataset_split, src.dataset_config, BATCH_ROWS,
-                                 src.dataset_encoding)
-        counted = _counted(batches, src.max_samples)
+        counted = _counted(_arrow_batches(src.dataset_name, src.dataset_split, src.dataset_config, BATCH_ROWS,
+                                          src.dataset_encoding), src.max_samples)
         part = _normalise(kind, counted, src, name, report)
         logger.info("%s: %d rows -> %d %s records", name, counted.rows, len(part), kind)
         records.extend(part)

@@ -112,10 +112,9 @@ class DataArguments:
 
 @dataclass(frozen=True)
 class Template:
-    """How prompts and completions are rendered. Text mode (default): ``问：{question}\\n\\n答：`` + ``{answer}`` (+ EOS at
-    tokenization). ``prompt='raw'``: question and answer as they are. ``chat=True``: the tokenizer's chat template
-    (`encode_prompt`), with ``system_prompt`` for rows without a system turn of their own. Raises `ValueError`: a text
-    template without its placeholder, ``system_prompt`` without ``chat``, or ``chat`` with a changed text template."""
+    """How prompts and completions are rendered: text templates (default ``问：{question}\\n\\n答：`` + ``{answer}``),
+    ``prompt='raw'`` (as they are) or ``chat`` (the tokenizer's chat template: `encode_prompt`). Raises `ValueError`: a
+    text template without its placeholder, ``system_prompt`` without ``chat``, or ``chat`` with a changed template."""
 
     prompt: str = DEFAULT_PROMPT_TEMPLATE
     completion: str = DEFAULT_COMPLETION_TEMPLATE
@@ -147,10 +146,9 @@ class Template:
 
     def format_prompt(self, question: str, history: list[tuple[str, str]] | None = None,
                       text: str | None = None, system: str | None = None) -> str:
-        """Render the prompt text (text / raw modes). Earlier turns are rendered with the same template, separated by a
-        blank line (raw: concatenated as they are). ``text`` (a prompt carrying its own turns) is returned as is. A
-        ``{system}`` slot in the prompt template takes the system turn (or nothing), once, before the first turn. Raises
-        `ValueError`: in chat mode (chat prompts are token ids: `encode_prompt`)."""
+        """The prompt text (text / raw modes): earlier turns in the same template, blank-line separated (raw: joined
+        as they are), or ``text`` as it is; a ``{system}`` slot takes the system turn once, in the first turn. Raises
+        `ValueError`: in chat mode (`encode_prompt`)."""
         if self.chat:
             raise ValueError("chat-template prompts are rendered by the tokenizer: use encode_prompt")
         if text is not None:
@@ -170,7 +168,7 @@ class Template:
         return self.chat or "{system}" in self.prompt
 
     def format_completion(self, answer: str, raw: bool = False) -> str:
-        """Render the completion text (EOS is appended as a token id by `encode_response`, not as text)."""
+        """The completion text (EOS is appended as a token id by `encode_response`)."""
         plain = raw or self.chat or self.prompt == RAW_TEMPLATE
         return answer if plain else self.completion.replace("{answer}", answer)
 

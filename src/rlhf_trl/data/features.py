@@ -31,9 +31,8 @@ def _require_chat_template(tokenizer) -> None:
 
 
 def _render_chat(tokenizer, messages: list[dict], what: str, **kwargs) -> str:
-    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)``. Raises `ValueError`: the template does not
-    compile or fails to render (a Jinja syntax error, an undefined name, the template's own ``raise_exception``); one
-    line naming the tokenizer and ``what`` was rendered."""
+    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)``. Raises `ValueError` (one line naming the
+    tokenizer and ``what``): the template does not compile or fails to render (also its own ``raise_exception``)."""
     from jinja2 import TemplateError
 
     try:
@@ -48,12 +47,11 @@ _PROBE = "\u2063probe\u2063"
 
 
 def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
-    """The token id the tokenizer's chat template ends an assistant turn with (Qwen: ``<|im_end|>``). Found by rendering
-    a one-exchange conversation and taking the first special token after the assistant's text. It must be the
-    tokenizer's EOS or one of the EOS ids of ``model_dir`` (default: the directory the tokenizer was loaded from;
-    `rlhf_trl.models.eos_token_ids`, from generation_config.json), since rollouts stop there. Raises `ValueError`: no
-    chat template, one that does not compile or render (`_render_chat`), no special token after an assistant turn, or an
-    end-of-turn token that is no EOS id (one line)."""
+    """The token id the tokenizer's chat template ends an assistant turn with (Qwen: ``<|im_end|>``): the first special
+    token after the assistant's text of a rendered exchange. Rollouts stop there, so it must be the tokenizer's EOS or
+    an EOS id of ``model_dir`` (default: the tokenizer's directory; `rlhf_trl.models.eos_token_ids`). Raises
+    `ValueError` (one line): no chat template, one that fails (`_render_chat`), no special token after an assistant
+    turn, or an end-of-turn token that is no EOS id."""
     _require_chat_template(tokenizer)
     cached = _END_OF_TURN.get(id(tokenizer))
     if cached is not None and cached[0]() is tokenizer and model_dir is None:
@@ -92,10 +90,9 @@ def response_eos_id(tokenizer, template: Template) -> int:
 
 def encode_prompt(tokenizer, template: Template, question: str, history=None, system: str | None = None,
                   text: str | None = None) -> list[int]:
-    """Token ids of the rendered prompt, ``[prompt_len]``: text / raw modes, the template's text (or ``text``
-    verbatim) with special-token strings tokenized as text; chat mode, ``apply_chat_template(`Template.messages`,
-    add_generation_prompt=True)`` tokenized as rendered (as TRL does). Raises `ValueError`: chat mode without a chat
-    template, or one that fails on these messages (`_render_chat`)."""
+    """Token ids of the rendered prompt, ``[prompt_len]``: text / raw modes, `Template.format_prompt` (`_encode_text`);
+    chat mode, ``apply_chat_template(`Template.messages`, add_generation_prompt=True)`` tokenized as TRL does. Raises
+    `ValueError`: chat mode without a chat template, or one that fails on these messages (`_render_chat`)."""
     if not template.chat:
         return _encode_text(tokenizer, template.format_prompt(question, history, text, system))
     _require_chat_template(tokenizer)
@@ -158,9 +155,8 @@ def _check_records(records: list[dict], tokenizer, template: Template, source: s
         if any("messages" in r for r in records) and "tools" not in tokenizer.chat_template:
             raise ValueError(f"{source}: tool-calling rows, but the chat template of '{_tokenizer_name(tokenizer)}' "
                              "does not take tools; use a tokenizer whose template renders tools (Qwen2.5's does)")
-    if template.has_system_slot:
-        return
-    dropped = sum(1 for r in records if r.get("system") is not None and r.get("text") is None)
+    dropped = 0 if template.has_system_slot else sum(
+        1 for r in records if r.get("system") is not None and r.get("text") is None)
     if dropped:
         if report is not None:
             report.system_turns_dropped += dropped
@@ -184,18 +180,12 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
                  source: str = "dataset", length_policy: Literal["drop", "truncate_prompt"] = "drop",
                  max_prompt_length: int | None = None, report: DataReport | None = None,
                  split: str = "train") -> dict[str, list]:
-    """Tokenize SFT records into ``input_ids`` and ``completion_mask`` (1 on response tokens incl. EOS) for
-    `trl.SFTTrainer` (pre-tokenized: it skips its own tokenization), each a list of ``[prompt_len + response_len + 1]``
-    lists. Rows longer than ``max_length`` tokens (counted in ``report`` under ``split``, and logged):
-
-    - ``length_policy='drop'``: rows whose prompt alone fills ``max_length`` (no answer token left to learn from) are
-      dropped; longer rows are cut at the end by the trainer;
-    - ``'truncate_prompt'``: the prompt is cut from the left (newest turns kept) so that the whole response fits; if
-      the response alone leaves no room, ``min(max_prompt_length, max_length - 1)`` prompt tokens are kept;
-    - either way, rows whose answer the trainer cuts at ``max_length`` are counted.
-
-    Raises `DataError`: no row is left; `ValueError`: an unknown ``length_policy``, chat mode problems
-    (`chat_end_of_turn_id`)."""
+    """Tokenize SFT records for `trl.SFTTrainer` into ``input_ids`` and ``completion_mask`` (1 on response tokens incl.
+    EOS), each a list of ``[prompt_len + response_len + 1]`` lists. Rows over ``max_length`` tokens (logged, counted in
+    ``report`` under ``split``): ``'drop'`` drops those whose prompt alone fills ``max_length`` (the trainer cuts the
+    others at the end); ``'truncate_prompt'`` cuts the prompt from the left so that the whole response fits (no room:
+    ``min(max_prompt_length, max_length - 1)`` prompt tokens kept). Raises `DataError`: no row is left; `ValueError`: an
+    unknown ``length_policy``, chat mode problems (`chat_end_of_turn_id`)."""
     _check_records(records, tokenizer, template, source, length_policy, report)
     input_ids, masks = [], []
     dropped = truncated = cut = 0
@@ -229,11 +219,10 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
 def pair_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
                   length_policy: Literal["drop", "truncate_prompt"] = "drop",
                   source: str = "dataset", report: DataReport | None = None, split: str = "train") -> dict[str, list]:
-    """Tokenize pairs into ``chosen_ids`` / ``rejected_ids`` (prompt ids + response ids + EOS; an empty answer is the
-    EOS alone) and ``prompt_length`` for `RewardTrainer`. Pairs over ``max_length`` tokens are dropped (``'drop'``) or
-    have their prompt cut from the left so that the longer response fits (``'truncate_prompt'``; dropped if it cannot);
-    counts and token lengths are logged and go into ``report`` under ``split``. Raises `DataError`: no pair is left;
-    `ValueError`: chat mode problems (`chat_end_of_turn_id`)."""
+    """Tokenize pairs for `RewardTrainer` into ``chosen_ids`` / ``rejected_ids`` (prompt + response + EOS ids) and
+    ``prompt_length``. Pairs over ``max_length`` tokens are dropped (``'drop'``) or have their prompt cut from the left
+    so that the longer response fits (``'truncate_prompt'``; else dropped); counted in ``report`` under ``split``.
+    Raises `DataError`: no pair is left; `ValueError`: chat mode problems (`chat_end_of_turn_id`)."""
     _check_records(records, tokenizer, template, source, length_policy, report)
     out = {"chosen_ids": [], "rejected_ids": [], "prompt_length": []}
     dropped = truncated = 0
@@ -265,10 +254,9 @@ def pair_features(records: list[dict], tokenizer, template: Template, max_length
 
 def prompt_features(records: list[dict], tokenizer, template: Template, max_prompt_length: int,
                     source: str = "dataset", report: DataReport | None = None, split: str = "train") -> dict[str, list]:
-    """Tokenize prompts for PPO: ``input_ids`` of ``[<= max_prompt_length]`` tokens (kept from the right; the cut ones
-    counted in ``report``), built by `encode_prompt` as the SFT / RM stages build theirs. The collator pads on the left
-    (``padding_side='left'``). Raises `ValueError`: ``max_prompt_length`` < 1; chat mode problems
-    (`chat_end_of_turn_id`: rollouts must stop at the template's end-of-turn)."""
+    """Tokenize prompts for PPO, as the SFT / RM stages do theirs: ``input_ids`` of ``[<= max_prompt_length]`` tokens
+    (kept from the right; cuts counted in ``report``). Raises `ValueError`: ``max_prompt_length`` < 1; chat mode
+    problems (`chat_end_of_turn_id`)."""
     if max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {max_prompt_length}")
     _check_records(records, tokenizer, template, source, report=report)

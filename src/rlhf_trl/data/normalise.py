@@ -30,16 +30,15 @@ def _is_message_column(schema, key: str) -> bool:
         return False
     struct = kind.value_type
     text = (pa.types.is_string, pa.types.is_large_string)
-    return struct.get_field_index("tool_calls") < 0 and all(
-        struct.get_field_index(name) >= 0 and any(t(struct.field(name).type) for t in text) for name in ("role", "content"))
+    return struct.get_field_index("tool_calls") < 0 and all(struct.get_field_index(name) >= 0 and any(
+        t(struct.field(name).type) for t in text) for name in ("role", "content"))
 
 
 def _message_plan(signature: bytes, end: str) -> tuple | None:
-    """Where a row's record comes from, for rows whose messages have the role codes ``signature`` (all valid):
-    ``(system, start, question, answer)``, indices into the row's message contents (``system`` / ``answer`` None where
-    absent; the history pairs are ``contents[start:question]`` two by two). Found by running `_dialogue` itself on the
-    messages' indices in place of their texts, so the records built from it are the ones `_dialogue` gives. None:
-    `_dialogue` refuses these roles, or its result has another layout; such rows take the plain path."""
+    """``(system, start, question, answer)`` for rows whose messages have the (valid) role codes ``signature``: indices
+    into the row's message contents (None where absent; history pairs: ``contents[start:question]`` two by two), found
+    by running `_dialogue` on the indices in place of the texts. None: `_dialogue` refuses these roles, or gives another
+    layout (such rows take the plain path)."""
     if not signature or 0 in signature:
         return None
     try:
@@ -53,11 +52,10 @@ def _message_plan(signature: bytes, end: str) -> tuple | None:
 
 def _message_records(column, end: str, plans: dict) -> list[dict | None]:
     """SFT records (``end='assistant'``) or prompts (``'user'``; without ``"columns"``) of one Arrow batch of a
-    ``messages`` column (`_is_message_column`), each equal to what `_sft_row` / `_prompt_fields` give for the row, or
-    None for a row those must handle (null / empty list or message, unknown / null role, null / blank content, roles
-    `_dialogue` refuses): the plain path then reads it, with its exact errors. Faster than `RecordBatch.to_pylist`:
-    contents come from the flat child array in one call, roles as a byte per message (`_ROLE_CODES`), and each distinct
-    role sequence is resolved once (`_message_plan`, cached in ``plans``)."""
+    ``messages`` column (`_is_message_column`), each what `_sft_row` / `_prompt_fields` give, or None for a row the
+    plain path must read (nulls, empty or blank content, unknown roles, roles `_dialogue` refuses), with its errors.
+    Faster than `RecordBatch.to_pylist`: contents read in one call, roles as a byte per message (`_ROLE_CODES`), each
+    distinct role sequence resolved once (`_message_plan`, cached in ``plans``)."""
     import numpy as np
     import pyarrow.compute as pc
 
@@ -101,12 +99,10 @@ def _message_records(column, end: str, plans: dict) -> list[dict | None]:
 
 def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
                report: DataReport | None = None) -> list[dict]:
-    """Normalise batches of rows into records of ``kind`` ('sft' / 'pairs' / 'prompts'); row numbers run on across
-    batches. The format is resolved from the first row (``dataset_format: auto``) and checked on every row. A bad row
-    (`DataError` naming its row) stops the read (``on_bad_row: error``; the message says how to skip) or is skipped and
-    counted in ``report`` (``skip``) up to ``max_bad_row_fraction``; rows with nothing for the stage (`SkipRow`) are
-    skipped and counted either way. Raises `DataError`: a bad row under ``error``, too many bad rows, a file-level
-    problem, or no usable row."""
+    """Normalise batches of rows into records of ``kind`` ('sft' / 'pairs' / 'prompts'); the format is resolved from
+    the first row and checked on every row. A bad row stops the read (``on_bad_row: error``) or is skipped and counted
+    in ``report`` (``skip``) up to ``max_bad_row_fraction``; `SkipRow` rows are skipped and counted either way. Raises
+    `DataError`: a bad row under ``error``, too many bad rows, a file-level problem, or no usable row."""
     report = report if report is not None else DataReport(kind)
     if args.dataset_format not in FORMATS:
         raise ValueError(f"dataset_format must be one of {FORMATS}, got {args.dataset_format!r}")
@@ -139,9 +135,8 @@ def _check_bad_rows(report: DataReport, args: DataArguments, source: str) -> Non
 
 
 def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: str, report: DataReport) -> list:
-    """`_normalise`. ``batches``: lists of row dicts, or Arrow record batches (`_arrow_batches`; one source's rows
-    share their columns), converted plainly (`RecordBatch.to_pylist`) or, for the message column of ``messages`` rows
-    read as SFT records or prompts, through `_message_records`."""
+    """`_normalise`. ``batches``: lists of row dicts, or Arrow record batches (one source's rows share their columns),
+    converted by `RecordBatch.to_pylist` or, for ``messages`` rows read as SFT records / prompts, `_message_records`."""
     out: list[dict] = []
     counts = {"deduplicated": 0, "bad": 0, "skipped": {}}
     fmt = None

@@ -25,11 +25,9 @@ def source_name(dataset_name) -> str:
 
 def load_rows(dataset_name, split: str = "train", config: str | None = None) -> list[dict]:
     """Read a source into one list of row dicts (small data; the stages stream `_arrow_batches`). ``dataset_name``: a
-    local file (.json / .jsonl / .csv / .parquet, optionally compressed: `COMPRESSIONS`), a glob, a directory (every
-    data file under it, sorted; one file type), a list of these, or a hub dataset id (read with ``config`` and
-    ``split``; local files ignore both). Raises `DataError`: a file is missing, of an unsupported type, cannot be parsed
-    or decoded, the files mix types, nothing matches a glob, the source holds no rows, or a hub dataset cannot be loaded
-    (offline: the message names ``HF_HUB_OFFLINE``)."""
+    local file (`LOCAL_LOADERS`, optionally `COMPRESSIONS`), a glob, a directory (its data files, sorted; one type), a
+    list of these, or a hub dataset id (``config`` / ``split``: hub only). Raises `DataError`: a missing, unsupported,
+    unparsable or undecodable file, mixed types, an empty glob, no rows, or a hub dataset that cannot be loaded."""
     return [row for batch in _arrow_batches(dataset_name, split, config)
             for row in (batch if batch.__class__ is list else batch.to_pylist())]
 
@@ -37,9 +35,8 @@ def load_rows(dataset_name, split: str = "train", config: str | None = None) -> 
 def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None,
                    encoding: str = "utf-8"):
     """A source's rows (see `load_rows`) as Arrow record batches of plain columns, or lists of row dicts where
-    `datasets` must decode columns or index rows; at most ``batch_rows`` (default `BATCH_ROWS`) rows each. `datasets`
-    caches the parsed rows as Arrow on disk, so only one batch at a time is held as Python objects. ``encoding``: of
-    local json / csv files (`_open_dataset`)."""
+    `datasets` must decode columns or index rows; ``batch_rows`` (default `BATCH_ROWS`) rows each, so only one batch at
+    a time is held as Python objects. ``encoding``: of local json / csv files (`_open_dataset`)."""
     batch_rows = batch_rows or BATCH_ROWS
     with _quiet_datasets():
         ds = _open_dataset(dataset_name, split, config, encoding)
@@ -170,9 +167,8 @@ def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = 
 
 
 def _pairs_of_lists(ds, files: list[str]):
-    """A JSON array of lists (`datasets` reads each list as a column ``text``): ``[prompt, answer]`` lists become
-    ``instruction`` / ``output`` rows; a file with a real ``text`` column is returned as it is. Raises `DataError`: the
-    lists are not all two strings."""
+    """A JSON array of ``[prompt, answer]`` lists (read as a column ``text``) as ``instruction`` / ``output`` rows; a
+    real ``text`` column is returned as it is. Raises `DataError`: the lists are not all two strings."""
     import datasets
     import pyarrow as pa
 
@@ -208,11 +204,9 @@ def _check_encoding(path: str, encoding: str) -> None:
 
 
 def _check_json_file(path: str, kind: str) -> None:
-    """Re-read a JSON / JSON Lines file that `datasets` could not parse, with Python's parser, to say where it breaks. A
-    file starting with ``[`` is one JSON document (the message names line and column); any other is JSON Lines, row
-    ``k`` being the ``k``-th non-blank line (0-based). Returns quietly when the file parses or cannot be re-read here
-    (the caller then reports `datasets`' own error). Raises `DataError`: the file, the row (JSON Lines) and what is
-    wrong with it, or a file without any row."""
+    """Re-read a JSON (starting with ``[``) / JSON Lines file `datasets` could not parse, with Python's parser, to say
+    where it breaks (JSON Lines: row ``k`` is the ``k``-th non-blank line); returns when it parses or cannot be read.
+    Raises `DataError`: the file, the row (JSON Lines) and what is wrong with it, or a file without any row."""
     module = _OPENERS.get(_split_ext(path)[1])
     if module is None:
         return

@@ -15,11 +15,10 @@ EXAMPLES = 5  # row numbers kept per skip reason
 @dataclass
 class DataReport:
     """Counts of one stage's data, filled by `read_records`, `split_records` and the ``*_features`` functions.
-    ``sources``: per file / dataset, ``{name, format, rows_read, records}``; ``skipped``: per reason,
-    ``{count, bad, examples}`` (``bad``: counted against ``max_bad_row_fraction``; ``examples``: up to 5
-    ``"file, row k"``); ``truncated`` / ``dropped``: rows (pairs) cut or dropped for ``max_length`` (tokens);
-    ``token_lengths``: per split and part (prompt / response), the 50th / 90th / 99th percentile and maximum in
-    tokens."""
+    ``sources``: per file / dataset, ``{name, format, rows_read, records}``; ``skipped``: per reason, ``{count, bad,
+    examples}`` (``bad``: counted against ``max_bad_row_fraction``; ``examples``: up to 5 ``"file, row k"``);
+    ``truncated`` / ``dropped``: rows (pairs) cut or dropped for ``max_length``; ``token_lengths``: per split and part
+    (prompt / response), the p50 / p90 / p99 / max tokens."""
 
     stage: str
     template: str = ""

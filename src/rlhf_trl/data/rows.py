@@ -1,7 +1,6 @@
-"""Step 2 of `rlhf_trl.data`: normalise one row of any source format into an SFT record, pairs or a prompt.
-
-A row that is valid but has nothing for the stage (an empty SFT answer, a KTO row labelled false, a pair whose scores
-tie) raises `SkipRow`: skipped and counted whatever ``on_bad_row`` says. A bad row raises `DataError`."""
+"""Step 2 of `rlhf_trl.data`: normalise one row of any source format into an SFT record, pairs or a prompt. A valid
+row with nothing for the stage (an empty SFT answer, a KTO row labelled false, tied pair scores) raises `SkipRow`
+(skipped and counted whatever ``on_bad_row`` says); a bad row raises `DataError`."""
 
 from __future__ import annotations
 
@@ -65,10 +64,9 @@ def _conversation(row: dict, fmt: str, args: DataArguments, source: str, i: int,
 
 
 def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
-    """The prompt part of a row, ``(system, history, question)``: the question column (``question_key`` or the first
-    of `QUESTION_KEYS`) holds a string, a list of user turns (PPO prompts only: turn ``prompt_turn``) or a message
-    list (up to its last user turn); ``input`` is appended on a new line; ``history`` pairs come first. Raises
-    `DataError`: a missing / null / empty / mistyped field."""
+    """``(system, history, question)`` of a row: the question column (``question_key`` or the first of
+    `QUESTION_KEYS`) holds a string, a list of user turns (PPO prompts only: turn ``prompt_turn``) or a message list
+    (up to its last user turn); ``input`` is appended on a new line. Raises `DataError`: a bad or missing field."""
     qkey = args.question_key or _first(row, QUESTION_KEYS) or "instruction"
     value = _column(row, qkey, source, i, "question_key")
     system, history = None, None
@@ -88,12 +86,10 @@ def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
     else:
         question = _string(value, source, i, qkey)
     ikey = _optional_key(args, "input_key", "input")
-    if ikey and ikey != qkey:
-        extra = row.get(ikey)
-        if extra is not None:
-            extra = _string(extra, source, i, ikey, allow_empty=True)
-            if extra.strip():
-                question = f"{question}\n{extra}"
+    if ikey and ikey != qkey and row.get(ikey) is not None:
+        extra = _string(row[ikey], source, i, ikey, allow_empty=True)
+        if extra.strip():
+            question = f"{question}\n{extra}"
     if history is None:
         history = _history(row, args, source, i)
     return system, history, question
@@ -133,10 +129,9 @@ def _answer_text(value: Any, source: str, i: int, key: str) -> str:
 
 def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
     """An implicit-prompt pair: ``chosen`` / ``rejected`` transcripts (strings) or message lists sharing a prompt. Text:
-    the prompt is the shared prefix through the last ``assistant_marker``, kept verbatim as ``text`` and ``question``;
-    the answers are the rest, leading space included (a blank rest: an empty answer). Messages
-    (UltraFeedback-binarized): the shared leading messages, ending with a user turn, then one assistant message each.
-    Raises `DataError`: missing / mistyped or identical sides, or no shared prompt."""
+    the prompt is the shared prefix through the last ``assistant_marker`` (``text`` and ``question``), the answers the
+    rest (leading space kept; blank: empty). Messages (UltraFeedback-binarized): the shared leading messages, ending
+    with a user turn, then one assistant message each. Raises `DataError`: bad or identical sides, no shared prompt."""
     gkey, bkey = args.good_key or "chosen", args.bad_key or "rejected"
     chosen, rejected = row.get(gkey), row.get(bkey)
     both = f"{gkey}/{bkey}"
@@ -232,8 +227,7 @@ def _pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, co
         gkey, bkey = args.good_key or "chosen", args.bad_key or "rejected"
         good, bad = _column(row, gkey, source, i, "good_key"), _column(row, bkey, source, i, "bad_key")
         ranked = [_answer_text(good, source, i, gkey), _answer_text(bad, source, i, bkey)]
-        pairs = [(0, 1)]
-        field_name = f"{gkey}/{bkey}"
+        pairs, field_name = [(0, 1)], f"{gkey}/{bkey}"
     else:
         key = args.answer_key or _first(row, ANSWER_KEYS) or "output"
         answers = row.get(key)

@@ -1,11 +1,9 @@
 """The one turn parser of `rlhf_trl.data`: sharegpt ``[{from, value}]``, OpenAI / TRL ``[{role, content}]`` (content
 parts, ``tool_calls``) and Firefly ``[{human, assistant}]`` turns become ``(role, content)`` pairs with the same roles,
 checks and errors, then a dialogue: ``(system, history, question, answer)``; transcripts (``"\\n\\nHuman: ..."``) too.
-
-Roles: ``system``, ``user``, ``assistant``, and for tool-calling rows ``tool_call`` (an assistant's call: sharegpt
-``function_call``, an assistant message's ``tool_calls``; its content is the call as JSON) and ``tool`` (a result:
-sharegpt ``observation``, role ``tool``). Rows with tool turns or a ``tools`` column render through the tokenizer's
-chat template only (`chat_messages`)."""
+Roles: ``system``, ``user``, ``assistant``, and for tool-calling rows (rendered by the chat template only:
+`chat_messages`) ``tool_call`` (sharegpt ``function_call``, ``tool_calls``; content: the call as JSON) and ``tool``
+(a result: sharegpt ``observation``)."""
 
 from __future__ import annotations
 
@@ -113,9 +111,8 @@ def parse_tools(value, source: str, i: int, key: str = "tools") -> list[dict] | 
 
 
 def chat_messages(turns: list[tuple[str, str]]) -> list[dict]:
-    """``[{role, content}]`` for ``apply_chat_template``: a ``tool_call`` turn becomes an assistant message with
-    ``tool_calls`` (``{type: function, function: {name, arguments}}``, arguments as an object), ``tool`` a tool
-    message."""
+    """``[{role, content}]`` for ``apply_chat_template``; a ``tool_call`` turn becomes an assistant message with
+    ``tool_calls`` (``{type: function, function: {name, arguments}}``, arguments as an object)."""
     out = []
     for role, content in turns:
         if role != "tool_call":
@@ -137,11 +134,10 @@ def _call_arguments(call: dict) -> dict:
 
 
 def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
-    """Split turns without tool roles into ``(system, history, question, answer)``. ``end='assistant'``: cut after the
-    last assistant turn (SFT target: answer); ``end='user'``: cut after the last user turn (answer None). Turns before
-    the cut must alternate user / assistant after an optional system turn. Raises `DataError`: no turn of the kind
-    ``end`` (or no user turn before the last assistant), a system turn that is not first, or turns that do not
-    alternate."""
+    """Split turns without tool roles into ``(system, history, question, answer)``, cut after the last ``end`` turn
+    (``'assistant'``: the answer; ``'user'``: answer None); turns before the cut alternate user / assistant after an
+    optional system turn. Raises `DataError`: no such cut (or no user turn before the last assistant), a system turn
+    that is not first, or turns that do not alternate."""
     system, offset = None, 0
     if turns and turns[0][0] == "system":
         system, turns, offset = turns[0][1], turns[1:], 1
@@ -167,10 +163,9 @@ def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: 
 
 def tool_dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
     """`_dialogue` for turns with tool roles: ``(system, prompt_turns, question, answer_turn)``; the prompt turns
-    (system excluded) run to the cut, the question is the last user turn's text, the answer the turn after the cut
-    (``end='assistant'``: the last assistant or tool-call turn; ``'user'``: None, the cut follows the last user or tool
-    turn). A tool result must follow a call or another result. Raises `DataError`: no turn of the kind ``end``, a first
-    turn that is not the user's, or a misplaced tool result."""
+    (system excluded) run to the cut, the answer is the turn after it (``end='assistant'``: the last assistant or
+    tool-call turn; ``'user'``: None, the cut follows the last user or tool turn). Raises `DataError`: no turn of the
+    kind ``end``, a first turn that is not the user's, or a tool result that follows no call or result."""
     system = turns[0][1] if turns and turns[0][0] == "system" else None
     offset = int(system is not None)
     body = turns[offset:]
@@ -204,10 +199,9 @@ def _marker_pattern(human: str, assistant: str):
 
 def split_transcript(text: str, human_marker: str = DEFAULT_HUMAN_MARKER,
                      assistant_marker: str = DEFAULT_ASSISTANT_MARKER):
-    """Parse a prompt transcript ending with the assistant marker into ``(system, history, question)``. Text before the
-    first marker is the system turn (None if blank); turn texts are stripped; consecutive turns of one speaker are
-    joined by a blank line. Lenient: a transcript without a user turn gives the whole text (minus the final marker) as
-    the question. Used to render implicit-prompt pairs with a chat template."""
+    """Parse a prompt transcript ending with the assistant marker into ``(system, history, question)``: text before the
+    first marker is the system turn (None if blank); turns are stripped, one speaker's consecutive turns joined by a
+    blank line. Without a user turn the whole text (minus the final marker) is the question."""
     pieces = _marker_pattern(human_marker, assistant_marker).split(text)
     system = pieces[0].strip() or None
     turns: list[list[str]] = []
