@@ -1,21 +1,16 @@
 """Test-only fault injection for checkpoint saves, and the fsync helpers that make a published checkpoint durable.
-
 Nothing here is active unless an environment variable asks for it (the tests set them on subprocesses):
 
 - ``RLHF_TRL_FAULT="<save>:<op>[:<action>]"``: in this process's ``<save>``-th checkpoint save (1-based,
-  `checkpoint_save` blocks), at its ``<op>``-th file operation (1-based), do ``<action>``:
-
-  - ``kill`` (default): SIGKILL this process before the operation;
-  - ``torn``: for a write, do it, cut the file to half its bytes, then SIGKILL; other operations: as ``kill``;
-  - ``enospc`` / ``erofs``: raise ``OSError`` (no space left / read-only file system) naming the path instead.
-
-  Only rank 0 (``RANK`` / ``LOCAL_RANK`` unset or 0) acts, unless ``RLHF_TRL_FAULT_RANK`` names another.
+  `checkpoint_save` blocks), at its ``<op>``-th file operation (1-based), do ``<action>``: ``kill`` (default: SIGKILL
+  before the operation), ``torn`` (a write: do it, cut the file to half its bytes, then SIGKILL; else as ``kill``) or
+  ``enospc`` / ``erofs`` (raise that ``OSError``, naming the path). Only rank 0 (``RANK`` / ``LOCAL_RANK`` unset or
+  0) acts, unless ``RLHF_TRL_FAULT_RANK`` names another.
 - ``RLHF_TRL_FAULT_LOG=<file>``: every file operation of every save of every process is appended as one line
   ``<rank> <save> <op> <kind> <path>`` (kinds: ``write``, ``fsync``, ``rename``, ``remove``, ``rotate``).
 
-Counted: ``torch.save``, safetensors' ``serialize_file``, Python ``open()`` for writing, and the operations made
-through `fsync_tree`, `publish` and `file_op`. Writes of native code (the tokenizers library's ``tokenizer.json``)
-are not counted, but are fsynced (counted) before the rename like the rest of the staging directory."""
+Counted: ``torch.save``, safetensors' ``serialize_file``, Python ``open()`` for writing, and the operations of
+`fsync_tree`, `publish` and `file_op`; native writes (``tokenizer.json``) are not, but are fsynced (counted)."""
 
 from __future__ import annotations
 
@@ -67,8 +62,7 @@ def file_op(kind: str, path: str, do=None):
     if not _active:
         return do() if do is not None else None
     _ops += 1
-    log = os.environ.get(FAULT_LOG_ENV)
-    if log:
+    if log := os.environ.get(FAULT_LOG_ENV):
         with _real_open(log, "a", encoding="utf-8") as f:
             f.write(f"{_rank()} {_saves} {_ops} {kind} {path}\n")
     fault = _fault()
@@ -127,8 +121,7 @@ def checkpoint_save():
 
 # -- durability: fsync before publishing ----------------------------------------------------------------------------
 def fsync_path(path: str) -> None:
-    """fsync one file or directory (a counted file operation inside `checkpoint_save`). Raises `OSError`: the file
-    system refused (e.g. EIO), or an injected fault."""
+    """fsync one file or directory (a counted file operation). Raises `OSError`: refused (e.g. EIO) or injected."""
     def do():
         flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0)
         fd = os.open(path, flags)
@@ -150,10 +143,9 @@ def fsync_tree(root: str) -> None:
 
 
 def publish(staged: str, final: str, aside: str | None = None) -> None:
-    """fsync ``staged``, rename it to ``final`` and fsync the parent, so after a crash ``final`` is absent or complete.
-    An existing ``final`` is renamed to ``aside`` (default ``final + ".old"``) only once ``staged`` is synced, put back
-    if the rename of ``staged`` fails, and removed once the new one is in place. Raises `OSError`: a write, fsync or
-    rename failed (full disk, read-only file system, ...)."""
+    """fsync ``staged``, rename it to ``final``, fsync the parent: after a crash ``final`` is absent or complete. An
+    existing ``final`` goes to ``aside`` (default ``final + ".old"``) once ``staged`` is synced, back if the rename of
+    ``staged`` fails, and is removed once the new one is in place. Raises `OSError`: a write, fsync or rename failed."""
     fsync_tree(staged)
     old = None
     if os.path.exists(final):

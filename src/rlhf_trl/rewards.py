@@ -1,29 +1,22 @@
-"""Reward functions for PPO: plain Python scorers of decoded completions, named in the recipe.
-
-Recipe keys::
+"""Reward functions for PPO: plain Python scorers of decoded completions, named in the recipe::
 
     reward_funcs: ["rlhf_trl.demo_task:ground_truth_reward", "my_rewards.py:length_penalty"]
     reward_weights: [1.0, 0.1]      # optional; default 1.0 each
 
-Each entry is ``"package.module:function"`` (imported) or ``"path/to/file.py:function"`` (a local file relative to
-the current directory, not put on ``sys.path``); ``function`` may be dotted (``module:Class.method``).
-
-Calling convention (TRL GRPO's): ``f(prompts=..., completions=..., **columns) -> list[float]``, all by keyword:
-
-- ``prompts``: ``[batch]`` prompt texts; ``completions``: ``[batch]`` decoded responses (no EOS);
-- ``columns``: one ``[batch]`` list per column (`reward_columns`): ``question``, ``system`` and the source rows' extra
-  scalar columns (e.g. ``topic`` or gsm8k's ``answer``); a function without ``**kwargs`` gets only those it names;
-- returns ``[batch]`` finite numbers (a list, tuple, 1-D array or 1-D tensor; bools count as 0 / 1).
-
-A tiny example (in ``my_rewards.py``, used as ``reward_funcs: ["my_rewards.py:mentions_topic"]``)::
+Each entry is ``"package.module:function"`` (imported) or ``"path/to/file.py:function"`` (relative to the current
+directory, not put on ``sys.path``); ``function`` may be dotted (``module:Class.method``). Calling convention (TRL
+GRPO's), all by keyword: ``f(prompts=..., completions=..., **columns)``, ``prompts`` / ``completions`` being ``[batch]``
+prompt texts / decoded responses (no EOS) and ``columns`` one ``[batch]`` list per column (`reward_columns`; a function
+without ``**kwargs`` gets only those it names); it returns ``[batch]`` finite numbers (a list, tuple, 1-D array or
+tensor; bools count as 0 / 1). An example (``reward_funcs: ["my_rewards.py:mentions_topic"]``)::
 
     def mentions_topic(prompts, completions, topic, **kwargs):
         return [1.0 if t in c else 0.0 for c, t in zip(completions, topic)]
 
 Units: reward units. The score of a completion is ``sum_i reward_weights[i] * f_i``, plus ``rm_score -
-reward_baseline`` with a reward model (so weights set how many RM units one unit of each function is worth); PPO's
-reward shaping (missing-EOS penalty, KL penalty) then applies. Errors are one line: `ValueError` while loading
-(naming the recipe key and the entry), `RewardFunctionError` during the run."""
+reward_baseline`` with a reward model (weights: RM units per unit of each function), before PPO's reward shaping.
+Errors are one line: `ValueError` while loading (naming the recipe key and the entry), `RewardFunctionError` during
+the run."""
 
 from __future__ import annotations
 
@@ -55,11 +48,10 @@ class RewardFunctionError(RuntimeError):
 
 class RewardFunctions:
     """Reward functions with one finite weight each (None: 1.0 each); calling it scores a batch of completions.
-    ``specs``: the recipe entries they were loaded from (for messages; default ``module:qualname``). ``names``: unique
-    short names (``_2``, ``_3`` ... on repeats) for ``objective/reward_fn/<name>``; ``last_values``: name -> the last
-    call's unweighted ``[batch]`` float32 values. Raises `ValueError`: no function, a weight count other than the
-    function count, a non-finite weight, or a function that takes no ``prompts`` / ``completions`` (one line, naming the
-    recipe key and the entry)."""
+    ``specs``: the recipe entries (for messages; default ``module:qualname``). ``names``: unique short names (``_2``,
+    ``_3`` ... on repeats) for ``objective/reward_fn/<name>``; ``last_values``: name -> the last call's unweighted
+    ``[batch]`` float32 values. Raises `ValueError` (one line): no function, a weight count other than the function
+    count, a non-finite weight, or a function that takes no ``prompts`` / ``completions``."""
 
     def __init__(self, functions: Sequence[Callable], weights: Sequence[float] | None = None,
                  specs: Sequence[str] | None = None):
@@ -95,12 +87,10 @@ class RewardFunctions:
 
     def compute(self, prompts: list[str], completions: list[str], update: int,
                 **columns) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Score ``[batch]`` prompt texts and completions with ``columns`` (one ``[batch]`` list each,
-        `reward_columns`); ``update`` is for messages. Returns ``(total, values)`` on CPU: ``total`` ``[batch]``
-        float32, ``sum_i weights[i] * f_i`` (summed in float64); ``values`` name -> ``[batch]`` float32, each function's
-        unweighted rewards. Raises `RewardFunctionError`: a function raised (chained), or returned something that is not
-        ``batch`` finite numbers (one line naming the entry and ``update``); `ValueError`: ``prompts``, ``completions``
-        and the columns differ in length (a caller's bug)."""
+        """Score ``[batch]`` prompts and completions with ``columns`` (`reward_columns`); ``update`` is for messages.
+        Returns ``(total, values)`` on CPU: ``total`` ``[batch]`` float32, ``sum_i weights[i] * f_i`` (summed in
+        float64); ``values`` name -> ``[batch]`` float32 unweighted rewards. Raises `RewardFunctionError`: a function
+        raised (chained) or returned no ``batch`` finite numbers; `ValueError`: the arguments differ in length."""
         n = len(completions)
         if len(prompts) != n:
             raise ValueError(f"{len(prompts)} prompts for {n} completions")
@@ -122,12 +112,10 @@ class RewardFunctions:
 
 
 def load_reward_functions(specs: list[str] | None, weights: list[float] | None = None) -> RewardFunctions | None:
-    """Load the recipe's ``reward_funcs`` (entries in either form of the module docstring; a string counts as a list of
-    one) with their ``reward_weights`` (one finite number per entry; None or ``[]``: 1.0 each). Returns
-    `RewardFunctions`, or None when ``specs`` is None / empty (and no weights are given). Raises `ValueError` (one line,
-    naming ``reward_funcs[i]`` / ``reward_weights`` and the entry): an entry in neither form; weights without functions
-    or of another count; a non-finite weight; a module or file that cannot be imported (with the root cause); no such
-    attribute, or not callable; no ``prompts`` / ``completions``."""
+    """The recipe's ``reward_funcs`` (a string counts as a list of one) with their ``reward_weights`` (None or ``[]``:
+    1.0 each) as `RewardFunctions`; None without ``specs``. Raises `ValueError` (one line, naming the recipe key and
+    the entry): an entry in neither form; weights without functions, of another count or not finite; a module or file
+    that cannot be imported (with the root cause); no such callable; no ``prompts`` / ``completions``."""
     specs = [specs] if isinstance(specs, str) else list(specs or [])
     weights = [weights] if isinstance(weights, numbers.Real) else (list(weights) if weights else None)
     if not specs:
@@ -143,11 +131,10 @@ def load_reward_functions(specs: list[str] | None, weights: list[float] | None =
 
 
 def reward_columns(records: list[dict]) -> dict[str, list]:
-    """The keyword columns of reward functions for a batch of prompt records (`rlhf_trl.data.read_records(args,
-    "prompts")`, one record per completion, in order), name -> ``[batch]`` list: ``question`` (the normalised
-    question), ``system`` (the record's system turn, else the row's ``system`` column, else None), then every extra
-    column (``record["columns"]``, in order of first appearance; None where a record lacks one). Extra columns named
-    ``question``, ``prompts`` or ``completions`` are not passed (a warning, once each)."""
+    """The keyword columns of reward functions for prompt records (one per completion), name -> ``[batch]`` list:
+    ``question`` (normalised), ``system`` (the record's system turn, else its ``system`` column, else None), then each
+    extra column (``record["columns"]``, in order of first appearance; None where missing) but ``question``,
+    ``prompts`` and ``completions`` (a warning, once each)."""
     extras = [r.get("columns") or {} for r in records]
     out: dict[str, list] = {"question": [r["question"] for r in records], "system": [
         r["system"] if r.get("system") is not None else e.get("system") for r, e in zip(records, extras)]}
