@@ -1,14 +1,12 @@
 """Baichuan / Baichuan2 remote-code models made usable by TRL on transformers 5 (SFT, reward model, PPO), used by
-`rlhf_trl.models` for ``trust_remote_code: true`` and ``model_type: baichuan``. What it adds:
+`rlhf_trl.models` for ``trust_remote_code: true`` and ``model_type: baichuan``:
 
 - **Tokenizer init order**: the remote ``__init__`` reads ``self.sp_model`` before loading it (`load_tokenizer`).
-- **position_ids**: the remote forwards compute positions from the cache length, so ``position_ids`` (and other
-  keywords they do not name: ``cache_position``, ``logits_to_keep``, ...) are dropped; rotary (7B) and ALiBi (13B)
-  depend only on token distance and pads are masked, so left padding changes nothing.
+- **position_ids** (and other keywords the remote forwards do not name) are dropped: positions come from the cache
+  length, and rotary (7B) / ALiBi (13B) depend only on token distance with pads masked, so left padding is harmless.
 - **generate**: `load_causal_lm` adds `transformers.GenerationMixin`, driving the remote legacy tuple KV cache.
 - **Sequence classifier**: `BaichuanForSequenceClassification`, as TRL's reward and value models expect.
-- **Saving**: ``save_pretrained`` also copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``, so
-  every stage output is again a Baichuan directory.
+- **Saving** also copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``.
 
 LoRA targets: ``W_pack`` (fused q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; ``task_type=SEQ_CLS``
 trains and saves ``score`` as a ``modules_to_save`` copy."""
@@ -126,9 +124,8 @@ def _warn_dropped(owner: str, key: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _tolerant_backbone_class(backbone_cls: type) -> type:
-    """A subclass of the remote ``BaichuanModel`` (same name, no new state) whose forward accepts and drops
-    ``position_ids`` and friends, even where the remote forward names them (Baichuan-7B v1): TRL calls the reward /
-    value backbone with ``position_ids`` (see the module docstring)."""
+    """A subclass of the remote ``BaichuanModel`` (same name, no new state) whose forward drops ``position_ids`` and
+    friends, even where the remote forward names them (Baichuan-7B v1), as TRL passes them to reward / value models."""
     if getattr(backbone_cls, "_rlhf_trl_tolerant", False):
         return backbone_cls
     named = _named_parameters(backbone_cls.forward)
@@ -319,17 +316,15 @@ def causal_lm_class(path: str) -> type:
 
 
 def load_causal_lm(path: str, dtype=None, **kwargs):
-    """The Baichuan causal LM of ``path`` (SFT model, PPO policy): a subclass of the remote ``BaichuanForCausalLM``
-    (same name, weights and module names) that accepts ``position_ids``, has ``generate`` and saves its remote code.
-    ``kwargs`` (``quantization_config``, ``device_map``) go to ``from_pretrained``."""
+    """The Baichuan causal LM of ``path``: a subclass of the remote ``BaichuanForCausalLM`` (same name, weights and
+    module names) that accepts ``position_ids``, has ``generate`` and saves its code (``kwargs``: `from_pretrained`)."""
     return causal_lm_class(path).from_pretrained(path, dtype=dtype, **kwargs)
 
 
 class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
     """Baichuan backbone (``model``, the remote ``BaichuanModel``) + ``score`` = Linear(hidden, 1, bias=False), read
-    at each row's last non-pad token (`forward`); PPO calls ``model.model(...)`` and ``model.score(...)`` directly.
-    Build it with `classifier_class` / `load_sequence_classifier`, or from the ``config`` of a loaded Baichuan model
-    (the backbone is then imported from the module next to the config's)."""
+    at each row's last non-pad token. Build it with `classifier_class` / `load_sequence_classifier`, or from the
+    ``config`` of a loaded Baichuan model (the backbone then comes from the module next to the config's)."""
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -374,9 +369,8 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
         batch = hidden.shape[0]
         last = self.last_token_index(input_ids, hidden.shape[1], hidden.device, batch)
         pooled = logits[torch.arange(batch, device=hidden.device), last]  # [batch, 1]
-        loss = None
-        if labels is not None:
-            loss = nn.functional.mse_loss(pooled.squeeze(-1).float(), labels.to(pooled.device).float().view(-1))
+        loss = None if labels is None else nn.functional.mse_loss(pooled.squeeze(-1).float(),
+                                                                   labels.to(pooled.device).float().view(-1))
         if return_dict is False:
             out = (pooled,) + ((outputs.hidden_states,) if output_hidden_states else ())
             return ((loss,) + out) if loss is not None else out
@@ -433,10 +427,9 @@ def classifier_class(path: str) -> type:
 
 
 def load_sequence_classifier(path: str, dtype=None, **kwargs):
-    """A `BaichuanForSequenceClassification` (``num_labels=1``) from ``path``: a Baichuan causal-LM directory
-    (``lm_head`` ignored, ``score`` newly initialized) or a saved classifier (``score`` restored). ``kwargs``
-    (``quantization_config``, ``device_map``) go to ``from_pretrained``. Raises `ValueError`: weights other than
-    ``score.weight`` are missing."""
+    """A `BaichuanForSequenceClassification` (``num_labels=1``) from ``path``: a Baichuan causal-LM directory (``score``
+    newly initialized) or a saved classifier. ``kwargs``: to ``from_pretrained``. Raises `ValueError`: weights other
+    than ``score.weight`` are missing."""
     cls = classifier_class(path)
     model, info = cls.from_pretrained(path, dtype=dtype, num_labels=1, output_loading_info=True, **kwargs)
     missing = set(info.get("missing_keys") or ())

@@ -55,15 +55,11 @@ DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; 
 
 
 def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | None = None):
-    """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into the given dataclasses (`trl.TrlParser`);
-    ``stage`` (``sft`` / ``rm`` / ``ppo``) names the command in ``--help``. A recipe that sets no ``report_to`` logs to
-    TensorBoard (`DEFAULT_REPORT_TO`) instead of transformers' ``none``. Returns a tuple of dataclass instances, in
-    the order of ``dataclass_types``, followed by the recipe path (or None).
-
-    Raises:
-        RecipeError: the recipe is missing or not a mapping, holds an unknown key (the closest known key suggested),
-            a value has the wrong type or is out of range, or output_dir is a file (`check_values`).
-    """
+    """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into ``dataclass_types`` (`trl.TrlParser`;
+    ``stage`` names the command in ``--help``); a recipe without ``report_to`` logs to `DEFAULT_REPORT_TO`, not
+    ``none``. Returns the dataclass instances, in order, then the recipe path (or None). Raises `RecipeError`: the
+    recipe is missing or not a mapping, an unknown key (the closest known key suggested), a value of the wrong type or
+    out of range, or an output_dir that is a file (`check_values`)."""
     from trl import TrlParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -83,8 +79,7 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
             raise RecipeError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise RecipeError(f"{path}: a recipe must be a YAML mapping of key: value")
-        unknown = sorted(set(data) - known - {"env"})
-        if unknown:
+        if unknown := sorted(set(data) - known - {"env"}):
             raise RecipeError(f"{path}: unknown key(s) {unknown}; {did_you_mean(unknown, known | {'env'}, '`--help`')}")
     if "report_to" in known and "report_to" not in data and not any(a.split("=")[0] == "--report_to" for a in argv):
         argv += ["--report_to", DEFAULT_REPORT_TO]
@@ -138,15 +133,10 @@ _MEETS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v 
 
 
 def check_launch(training_args, path: str | None) -> None:
-    """Refuse what `accelerate launch` set up that cannot run as configured, before anything is read or written.
-    Mixed precision has one source of truth, the recipe's ``bf16`` / ``fp16``: the shipped DeepSpeed / FSDP configs
-    say ``mixed_precision: 'no'`` and transformers turns ``bf16: true`` into DeepSpeed's ``bf16.enabled``.
-
-    Raises:
-        RecipeError: FSDP launched on a machine without GPUs (accelerate would run DDP without a word); a DeepSpeed
-            launch whose accelerate config asks for a ``mixed_precision`` (``ACCELERATE_MIXED_PRECISION``) the recipe
-            does not (transformers would stop at the trainer: "ds bf16.enabled=True vs hf bf16=False").
-    """
+    """Refuse what `accelerate launch` set up that cannot run as configured, before anything is read or written; mixed
+    precision comes from the recipe's ``bf16`` / ``fp16`` alone. Raises `RecipeError`: FSDP launched without GPUs
+    (accelerate would silently run DDP); a DeepSpeed launch whose accelerate config asks for a ``mixed_precision``
+    (``ACCELERATE_MIXED_PRECISION``) the recipe does not (transformers would stop at the trainer)."""
     import torch
 
     def on(name):
@@ -198,9 +188,7 @@ def check_values(configs, argv: list[str], path: str | None) -> None:
 
 def sibling_recipe(path: str | None, stage: str) -> str:
     """The command that produces a stage's output, assuming recipes of one run share a directory."""
-    if path:
-        return f"make {stage} RECIPE={os.path.join(os.path.dirname(path), stage + '.yaml')}"
-    return f"make {stage}"
+    return f"make {stage} RECIPE={os.path.join(os.path.dirname(path), stage + '.yaml')}" if path else f"make {stage}"
 
 
 def save_recipe(output_dir: str, *configs) -> None:

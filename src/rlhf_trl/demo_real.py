@@ -2,8 +2,7 @@
 
 Runs ``recipes/qwen2.5-0.5b-cpu/{sft,rm,ppo}.yaml`` on a stock Qwen2 / Qwen2.5 Instruct directory (``make
 real-model``), then ``rlhf-trl eval``, and writes ``<output_dir>/summary.json``: each stage's wall time (seconds) and
-the figures of ``eval.json`` with side-by-side samples. CPU-scale smoke runs: figures, no targets.
-"""
+the figures of ``eval.json`` with side-by-side samples. CPU-scale smoke runs: figures, no targets."""
 
 from __future__ import annotations
 
@@ -24,21 +23,16 @@ QUALITY_KEYS = ["rm_accuracy", "rm_length_baseline_accuracy", "rm_num_pairs", "s
 def run(model_dir: str, recipes_dir: str = "recipes/qwen2.5-0.5b-cpu", output_dir: str = "outputs/qwen2.5-0.5b-cpu",
         eval_prompts: int = 16) -> dict:
     """SFT -> RM -> PPO -> eval on ``model_dir``; returns the summary (also written to ``summary.json``).
-    ``eval_prompts``: held-out PPO prompts sampled once by each policy for the evaluation.
-
-    Raises:
-        StageInputError: ``model_dir`` is not a model directory. Stage errors as in each stage's ``run``.
-    """
+    ``eval_prompts``: held-out PPO prompts sampled once by each policy. Raises `StageInputError`: ``model_dir`` is not
+    a model directory; stage errors as in each stage's ``run``."""
     from . import evaluate, ppo, rm, sft
 
     require_model_dir(model_dir, "base model", "make real-model")
     seconds: dict[str, float] = {}
-    argv = {
-        "sft": ["--model_name_or_path", model_dir, "--output_dir", f"{output_dir}/sft"],
-        "rm": ["--model_name_or_path", f"{output_dir}/sft/merged", "--output_dir", f"{output_dir}/rm"],
-        "ppo": ["--sft_model_path", f"{output_dir}/sft/merged", "--reward_model_path", f"{output_dir}/rm/merged",
-                "--output_dir", f"{output_dir}/ppo"],
-    }
+    argv = {"sft": ["--model_name_or_path", model_dir, "--output_dir", f"{output_dir}/sft"],
+            "rm": ["--model_name_or_path", f"{output_dir}/sft/merged", "--output_dir", f"{output_dir}/rm"],
+            "ppo": ["--sft_model_path", f"{output_dir}/sft/merged", "--reward_model_path", f"{output_dir}/rm/merged",
+                    "--output_dir", f"{output_dir}/ppo"]}
     results = {}
     for name, module in (("sft", sft), ("rm", rm), ("ppo", ppo)):
         t0 = time.time()
@@ -47,22 +41,16 @@ def run(model_dir: str, recipes_dir: str = "recipes/qwen2.5-0.5b-cpu", output_di
         logger.info("demo-real: %s done in %.0f s", name, seconds[name])
     t0 = time.time()
     trainer = results["ppo"].get("trainer")
-    evaluation = evaluate.main(
-        ["--config", os.path.join(recipes_dir, "ppo.yaml"), *argv["ppo"], "--num_prompts", str(eval_prompts),
-         "--samples_per_prompt", "1"],
-        ppo_logs=trainer.state.log_history if trainer is not None else None,
-    )
+    evaluation = evaluate.main(["--config", os.path.join(recipes_dir, "ppo.yaml"), *argv["ppo"], "--num_prompts",
+                                str(eval_prompts), "--samples_per_prompt", "1"],
+                               ppo_logs=trainer.state.log_history if trainer is not None else None)
     seconds["eval"] = round(time.time() - t0, 1)
     samples = [json.loads(line) for line in open(evaluation["samples"], encoding="utf-8")][:3]
-    summary = {
-        "model": model_dir,
-        "stage_seconds": seconds,
-        "seconds": round(sum(seconds.values()), 1),
-        **{k: evaluation[k] for k in QUALITY_KEYS if k in evaluation},
-        "sft_eval_loss": results["sft"]["metrics"].get("eval_loss"),
-        "examples": [{"question": s["question"], "sft": s["sft"]["text"], "ppo": s["ppo"]["text"]} for s in samples],
-        "report": evaluation["report"],
-    }
+    summary = {"model": model_dir, "stage_seconds": seconds, "seconds": round(sum(seconds.values()), 1),
+               **{k: evaluation[k] for k in QUALITY_KEYS if k in evaluation},
+               "sft_eval_loss": results["sft"]["metrics"].get("eval_loss"),
+               "examples": [{"question": s["question"], "sft": s["sft"]["text"], "ppo": s["ppo"]["text"]}
+                            for s in samples], "report": evaluation["report"]}
     write_json(os.path.join(output_dir, "summary.json"), summary)
     return summary
 

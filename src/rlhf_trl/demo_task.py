@@ -1,17 +1,13 @@
 """The embedded demo task: short Chinese opinions about everyday topics, scored exactly: positive AND on topic.
-
 A question asks about one topic ("你觉得咖啡怎么样？"); an answer is ``{topic}{predicate}，{closer}`` whose predicate
 and closer are both positive or both negative (neutral answers use neither).
 
-Ground truth (`score_response`, in ``[-1, 1]``, exact): an on-topic response (naming exactly the asked topic) scores
-its sentiment, any other -1, as low as an on-topic negative answer.
-
-Preferences follow the ground truth: on-topic positive > neutral > on-topic negative, and on-topic positive >
-neutral > off-topic praise. SFT data mixes on-topic positive and negative answers 50/50 (an on-topic SFT policy
-scores near 0); PPO against a reward model trained on the preferences should move it towards score 1.
-
-Every topic is one token of the demo tokenizer (`rlhf_trl.demo.build_assets`). No topic contains another or occurs
-in a template, phrase, closer or neutral answer, and no phrase contains another, so counting substrings is exact."""
+Ground truth (`score_response`, in ``[-1, 1]``): an on-topic response (naming exactly the asked topic) scores its
+sentiment, any other -1. Preferences follow it: on-topic positive > neutral > on-topic negative or off-topic praise.
+SFT data mixes on-topic positive and negative answers 50/50 (scoring near 0); PPO against a reward model trained on
+the preferences should move the policy towards 1. Every topic is one token of the demo tokenizer
+(`rlhf_trl.demo.build_assets`); no topic contains another or occurs in a template, phrase, closer or neutral answer,
+and no phrase contains another, so counting substrings is exact."""
 
 from __future__ import annotations
 
@@ -66,15 +62,13 @@ def on_topic(question: str, response: str) -> bool:
 
 def score_response(question: str, response: str) -> float:
     """Ground truth of ``response`` to ``question`` in ``[-1, 1]``: its `sentiment` when `on_topic`, else
-    ``OFF_TOPIC_SCORE`` (-1). E.g. 1 for on-topic praise, -1 for on-topic criticism, 0 for an on-topic neutral or
-    mixed answer, -1 for praise of another topic and for an empty response."""
+    ``OFF_TOPIC_SCORE`` (-1, also for an empty response)."""
     return sentiment(response) if on_topic(question, response) else OFF_TOPIC_SCORE
 
 
 def question_of_prompt(prompt: str) -> str:
-    """The last question of a prompt rendered with the default text template ``问：{question}\n\n答：`` (earlier
-    turns, if any, are dropped). A prompt in another shape (e.g. a chat template's rendering) is returned whole:
-    `topic_of` finds the topic in any text naming exactly one."""
+    """The last question of a prompt rendered with the default text template ``问：{question}\n\n答：``; a prompt
+    in another shape (e.g. a chat template's rendering) is returned whole (`topic_of` finds its topic all the same)."""
     from .data import DEFAULT_PROMPT_TEMPLATE
 
     head, tail = DEFAULT_PROMPT_TEMPLATE.split("{question}")
@@ -84,11 +78,9 @@ def question_of_prompt(prompt: str) -> str:
 
 
 def ground_truth_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """The demo's ground truth as a PPO reward function (``reward_funcs: ["rlhf_trl.demo_task:ground_truth_reward"]``):
-    ``[batch]`` prompt texts and decoded completions -> ``[batch]`` floats in ``[-1, 1]``,
-    ``score_response(question, completion)`` with the ``question`` column (`rlhf_trl.rewards.reward_columns`), else
-    the question recovered from the prompt (`question_of_prompt`). Raises `ValueError`: a question that names no topic
-    or several (`topic_of`); lengths that differ."""
+    """The demo's ground truth as a PPO reward function: ``[batch]`` floats ``score_response(question, completion)``,
+    the question from the ``question`` column, else from the prompt (`question_of_prompt`). Raises `ValueError`: a
+    question that names no topic or several (`topic_of`); lengths that differ."""
     questions = columns["question"] if columns.get("question") is not None else [None] * len(prompts)
     if not len(prompts) == len(completions) == len(questions):
         raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(questions)} questions")

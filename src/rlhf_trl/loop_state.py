@@ -22,10 +22,9 @@ def with_loop_state(trainer_cls):
 
 
 class LoopStateMixin:
-    """What `transformers.Trainer`'s checkpoints lack for a resumed run to log exactly what the uninterrupted run
-    logs (the loss sums since the last log and over the run, the last logged step, TRL's running statistics): saved
-    as ``loop_state.json`` (one entry per process), put back when the resumed run starts its first epoch. Needs the
-    Trainer's ``_run_epoch(..., epoch=, resume_from_checkpoint=, epochs_trained=)`` (transformers >= 5)."""
+    """What `transformers.Trainer`'s checkpoints lack for a resumed run to log exactly what the uninterrupted run logs
+    (loss sums, the last logged step, TRL's running statistics): saved as ``loop_state.json`` (one entry per process),
+    put back as the resumed run starts its first epoch (the Trainer's ``_run_epoch``, transformers >= 5)."""
 
     _loop_state_restored = False
 
@@ -81,8 +80,7 @@ class LoopStateMixin:
                 self._metrics[mode] = defaultdict(list, values)
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
-        """The Trainer's log; a resumed run's final ``train_loss`` is the whole run's mean, as without the resume (the
-        Trainer divides by the steps of this call only; the restored total covers the whole run)."""
+        """The Trainer's log; a resumed run's final ``train_loss`` is the whole run's mean, as without the resume."""
         if "train_loss" in logs and getattr(self, "_resumed_loss_total", False):
             logs["train_loss"] = self._total_loss_scalar / max(self.state.global_step, 0.001)
         super().log(logs, start_time)

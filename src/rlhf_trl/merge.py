@@ -2,8 +2,7 @@
 
 The result is a plain `transformers` model directory (safetensors, written atomically) with a tokenizer (the
 adapter's, else the base's) and a ``README.md`` model card: an ``AutoModelForCausalLM`` for ``CAUSAL_LM`` adapters,
-an ``AutoModelForSequenceClassification`` (``num_labels=1``, the trained ``score`` head) for ``SEQ_CLS`` ones.
-"""
+an ``AutoModelForSequenceClassification`` (``num_labels=1``, the trained ``score`` head) for ``SEQ_CLS`` ones."""
 
 from __future__ import annotations
 
@@ -25,13 +24,9 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def read_adapter_config(adapter_dir: str) -> dict:
-    """``adapter_config.json`` of a peft adapter directory, as a dict.
-
-    Raises:
-        StageInputError: ``adapter_dir`` does not exist, holds no ``adapter_config.json`` or no adapter weights
-            (`ADAPTER_WEIGHTS`).
-        ValueError: the file is not valid JSON, or not a JSON object.
-    """
+    """``adapter_config.json`` of a peft adapter directory, as a dict. Raises `StageInputError`: ``adapter_dir`` does
+    not exist, holds no ``adapter_config.json`` or no adapter weights (`ADAPTER_WEIGHTS`); `ValueError`: the file is
+    not a valid JSON object."""
     if not os.path.isdir(adapter_dir):
         raise StageInputError(f"--adapter: no LoRA adapter at '{adapter_dir}' (directory not found)")
     path = os.path.join(adapter_dir, "adapter_config.json")
@@ -54,11 +49,8 @@ def read_adapter_config(adapter_dir: str) -> dict:
 
 def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
     """Refuse an ``--output`` whose replacement would delete an input or unrelated files: the adapter or base
-    directory or one holding either, a file, or a non-empty directory without ``config.json``.
-
-    Raises:
-        RecipeError: one line naming ``--output`` and what it would replace.
-    """
+    directory or one holding either, a file, or a non-empty directory without ``config.json``. Raises `RecipeError`:
+    one line naming ``--output`` and what it would replace."""
     out = os.path.realpath(output_dir)
     for what, path in (("adapter", adapter_dir), ("base model", base)):
         if not os.path.isdir(path):
@@ -78,19 +70,13 @@ def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
 
 def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dtype=None,
                   trust_remote_code: bool = False, allow_pickle: bool = False):
-    """Merge the LoRA adapter in ``adapter_dir`` into its base and save a plain model to ``output_dir``.
-
-    ``output_dir`` (for the merged model, tokenizer and ``README.md``) is a new or empty directory, or an earlier
-    merged model (replaced atomically). ``base``: default the adapter config's ``base_model_name_or_path`` (as given,
-    else relative to ``adapter_dir``). ``dtype``: the base's ``from_pretrained`` dtype. Returns the merged plain
-    `transformers` model (eval mode).
-
-    Raises:
-        StageInputError: the adapter (its config or weights) or the base model is missing.
-        RecipeError: ``output_dir`` would replace the adapter, the base or non-model files (`check_output`).
-        ValueError: an adapter config that is not valid JSON, a task type other than CAUSAL_LM / SEQ_CLS, a
-            non-LoRA adapter, or no base can be determined. Every check runs before anything is loaded or written.
-    """
+    """Merge the LoRA adapter in ``adapter_dir`` into its base and save a plain model (with tokenizer and
+    ``README.md``) to ``output_dir``: a new or empty directory, or an earlier merged model (replaced atomically).
+    ``base``: default the adapter config's ``base_model_name_or_path`` (as given, else relative to ``adapter_dir``).
+    Returns the merged `transformers` model (eval mode). Every check runs before anything is loaded or written. Raises
+    `StageInputError`: the adapter (config or weights) or the base is missing; `RecipeError`: see `check_output`;
+    `ValueError`: an adapter config that is not valid JSON, a task type other than CAUSAL_LM / SEQ_CLS, a non-LoRA
+    adapter, or no base."""
     from peft import PeftModel
 
     config = read_adapter_config(adapter_dir)
@@ -143,7 +129,6 @@ def model_card(adapter_dir: str, base_path: str, task_type: str, tokenizer_src: 
 
 def main(argv: list[str] | None = None) -> dict:
     """``rlhf-trl merge --adapter DIR --output DIR [--base DIR] [--dtype D]``. Returns ``{"output_dir", "merged"}``.
-
     Errors: see `merge_adapter`; a missing or bad argument raises `RecipeError` (``command line: ...``)."""
     p = one_line_arguments(argparse.ArgumentParser(prog="rlhf-trl merge", description=__doc__,
                                                    formatter_class=argparse.RawTextHelpFormatter))

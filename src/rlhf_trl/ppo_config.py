@@ -19,10 +19,9 @@ def _f(default, help: str):
 @dataclass
 class PPOConfig(TrainingArguments):
     """PPO settings: the keys (and defaults) of TRL 1.12's PPOConfig plus ``logits_chunk_size``,
-    ``offload_reward_model`` and ``single_value_forward``. Batch sizes (episodes):
-    ``batch_size = per_device_train_batch_size x gradient_accumulation_steps x processes`` rollouts per update;
-    ``num_total_batches`` updates = ceil(``total_episodes`` / ``batch_size``). Raises `ValueError` on a bad value
-    (`check_config`) when the config is made: a recipe fails before anything is read."""
+    ``offload_reward_model`` and ``single_value_forward``. ``batch_size = per_device_train_batch_size x
+    gradient_accumulation_steps x processes`` rollouts per update; ``num_total_batches`` = ceil(``total_episodes`` /
+    ``batch_size``) updates. Raises `ValueError` (`check_config`) when made: a recipe fails before anything is read."""
 
     # defaults TRL's configs change from TrainingArguments
     learning_rate: float = _f(3e-6, "AdamW learning rate.")
@@ -78,10 +77,9 @@ class PPOConfig(TrainingArguments):
 
 
 def check_config(args: PPOConfig) -> None:
-    """Every check of a `PPOConfig` value that needs no model or data (run once, by ``PPOConfig.__post_init__``). Raises
-    `ValueError` (one line naming the keys): ``num_mini_batches`` < 1 or not dividing each process's rollouts per update
-    (``per_device_train_batch_size x gradient_accumulation_steps``); ``whiten_rewards`` with fewer than 8 rollouts per
-    process mini-batch; ``stop_token`` other than 'eos', or set with ``stop_token_id``; an unknown ``kl_estimator``."""
+    """Every check of a `PPOConfig` value that needs no model or data. Raises `ValueError` (one line naming the keys):
+    ``num_mini_batches`` < 1 or not dividing each process's rollouts per update; ``whiten_rewards`` with fewer than 8
+    rollouts per process mini-batch; ``stop_token`` not 'eos', or with ``stop_token_id``; a bad ``kl_estimator``."""
     if args.num_mini_batches < 1:
         raise ValueError(f"num_mini_batches must be >= 1, got {args.num_mini_batches}")
     local = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -101,9 +99,8 @@ def check_config(args: PPOConfig) -> None:
 
 def sampling_config(args: PPOConfig, eos_ids: list[int] | None, pad_token_id: int,
                     temperature: float | None = None) -> GenerationConfig:
-    """Rollout sampling from ``softmax(logits / temperature)`` alone (`rlhf_trl.models.sampling_generation_config`:
-    every biasing setting neutral), ``response_length`` new tokens, stopping at any of ``eos_ids`` (None: never).
-    The temperature (default the recipe's) is TRL 1.12's ``temperature + 1e-7``."""
+    """Rollout sampling from ``softmax(logits / (temperature + 1e-7))`` alone (TRL 1.12's; default the recipe's
+    temperature), ``response_length`` new tokens, stopping at any of ``eos_ids`` (None: never)."""
     temperature = args.temperature if temperature is None else temperature
     config = sampling_generation_config(temperature + 1e-7, args.response_length, eos_ids or [], pad_token_id)
     if eos_ids is None:

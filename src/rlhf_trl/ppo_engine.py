@@ -1,11 +1,8 @@
-"""The PPO engine: rollouts, rewards, advantages and clipped updates of a policy and a value model.
-
-TRL removed its PPOTrainer in 1.13; this is the project's own loop, written to TRL 1.12's algorithm and held to its
-numbers by `tests/test_ppo_oracle.py`. One update (`PPOEngine.train`): `PPOEngine.rollout` -> `PPOEngine.advantages`
--> `PPOEngine.optimise` -> `PPOEngine.update_metrics`. docs/ppo-engine.md walks through it, with the memory
-measures (``single_value_forward``, split backward) and the deliberate differences from TRL 1.12. Runs in one
-process or under ``accelerate``: DDP, DeepSpeed ZeRO-2/3 or FSDP.
-"""
+"""The PPO engine: rollouts, rewards, advantages and clipped updates of a policy and a value model. TRL removed its
+PPOTrainer in 1.13; this loop is written to TRL 1.12's algorithm and held to its numbers by `tests/test_ppo_oracle.py`.
+One update (`PPOEngine.train`): `rollout` -> `advantages` -> `optimise` -> `update_metrics`; docs/ppo-engine.md walks
+through it, with the memory measures and the deliberate differences from TRL 1.12. Runs in one process or under
+``accelerate``: DDP, DeepSpeed ZeRO-2/3 or FSDP."""
 
 from __future__ import annotations
 
@@ -71,18 +68,12 @@ def _fp32(accelerator):
 class PPOEngine(Trainer):
     """PPO of a policy (a causal LM, or a peft model for LoRA) and a value model (a sequence classifier) against a
     reward model (None: ``reward_functions`` give all the reward) and/or `rlhf_trl.rewards.RewardFunctions` of the
-    decoded prompts and completions (with ``reward_columns(rows)`` as keyword columns).
-
-    A `transformers.Trainer` for its optimizer, scheduler, logging, callbacks and checkpoint writing, whose
-    ``__init__`` is not run (it would wrap a single model): `_set_trainer_machinery` sets what it would.
-    ``ref_model`` None: the peft policy with its adapter disabled, else a frozen copy. Datasets: rows of
-    ``input_ids`` (prompts; an optional ``row`` for ``reward_columns``). ``eos_token_ids``: ids that end a response
-    (default: the tokenizer's EOS; None with ``stop_token`` unset).
-
-    Raises:
-        ValueError: the reference is the policy itself; ``offload_reward_model`` under DeepSpeed / FSDP or with a
-            reward model that shares the value model's weights.
-    """
+    decoded prompts and completions (with ``reward_columns(rows)`` as keyword columns). A `transformers.Trainer` whose
+    ``__init__`` is not run (it would wrap a single model; `_set_trainer_machinery` sets what it would). ``ref_model``
+    None: the peft policy with its adapter disabled, else a frozen copy. Datasets: rows of ``input_ids`` (and an
+    optional ``row``). ``eos_token_ids``: default the tokenizer's EOS (None with ``stop_token`` unset). Raises
+    `ValueError`: the reference is the policy itself; ``offload_reward_model`` under DeepSpeed / FSDP or with a reward
+    model that shares the value model's weights."""
 
     def __init__(self, args: PPOConfig, processing_class, model, ref_model, reward_model, train_dataset,
                  value_model, data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None,
@@ -92,10 +83,8 @@ class PPOEngine(Trainer):
         if ref_model is not None and ref_model is model:
             raise ValueError("the reference must be a copy of the policy (or None with a LoRA policy)")
         self.args, self.processing_class, self.policy_model = args, processing_class, model
-        if args.stop_token == "eos":
-            self.eos_token_ids = list(eos_token_ids or [processing_class.eos_token_id])
-        else:
-            self.eos_token_ids = None if args.stop_token_id is None else [args.stop_token_id]
+        self.eos_token_ids = (list(eos_token_ids or [processing_class.eos_token_id]) if args.stop_token == "eos"
+                              else None if args.stop_token_id is None else [args.stop_token_id])
         model.generation_config.eos_token_id = self.eos_token_ids
         self.is_peft_model = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
         if ref_model is None and not self.is_peft_model:
@@ -199,8 +188,7 @@ class PPOEngine(Trainer):
 
     @contextmanager
     def reference(self):
-        """The reference policy: a frozen copy, or the policy with its adapter disabled (or set to
-        ``ref_adapter_name``)."""
+        """The reference policy: a frozen copy, or the policy with its adapter disabled (or ``ref_adapter_name``)."""
         if self.ref_model is not None:
             yield self.ref_model
             return
@@ -230,14 +218,11 @@ class PPOEngine(Trainer):
     # -- 1. rollout ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def rollout(self, queries: torch.Tensor, rows: torch.Tensor | None, update: int) -> dict:
-        """Sample and score responses to left-padded prompts ``queries [b, Q]``.
-
-        Returns a dict of tensors: ``query_responses [b, T]``, ``responses [b, R]`` (as sampled),
-        ``logprobs / ref_logprobs / values [b, R]`` (unmasked; values None with ``single_value_forward``),
-        ``sequence_lengths [b]`` (index of the last real response token), ``scores [b]`` (reward units: RM score -
-        baseline + reward functions - EOS penalty), ``ended [b]`` (bool: the response holds an EOS id), and
-        ``fn_values`` (per reward function, ``[b]``).
-        """
+        """Sample and score responses to left-padded prompts ``queries [b, Q]``: a dict of ``query_responses [b, T]``,
+        ``responses [b, R]`` (as sampled), ``logprobs / ref_logprobs / values [b, R]`` (unmasked; values None with
+        ``single_value_forward``), ``sequence_lengths [b]`` (index of the last real response token), ``scores [b]``
+        (reward units: RM score - baseline + reward functions - EOS penalty), ``ended [b]`` (bool: the response holds
+        an EOS id) and ``fn_values`` (per reward function, ``[b]``)."""
         args, tok = self.args, self.processing_class
         pad, context, step = tok.pad_token_id, queries.shape[1], args.local_rollout_forward_batch_size
         with self.generation_policy() as policy:
@@ -287,8 +272,7 @@ class PPOEngine(Trainer):
 
     # -- 3. optimise --------------------------------------------------------------------------------------------------
     def micro_batches(self, order: np.ndarray):
-        """The micro-batches (arrays of row indices) of each mini-batch of one epoch's shuffled ``order [b]``:
-        yields ``(mini-batch, micro-batch, rows)``."""
+        """Yields ``(mini-batch, micro-batch, row indices)`` over one epoch's shuffled ``order [b]``."""
         args = self.args
         for mb, start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
             mini = order[start:start + args.local_mini_batch_size]
@@ -299,8 +283,7 @@ class PPOEngine(Trainer):
         """The value model's part of an update with ``single_value_forward`` (docs/ppo-engine.md): per micro-batch
         of ``order``, one forward with gradient gives ``values [micro, R]`` (into ``ro["values"] [b, R]``), their GAE
         returns and the value loss, back-propagated at once (x ``vf_coef``); then AdamW steps the value model alone.
-        Returns each micro-batch's value-loss statistics (`ppo_math.value_loss`).
-        """
+        Returns each micro-batch's value-loss statistics (`ppo_math.value_loss`)."""
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
         context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
         fp32 = _fp32(acc)
@@ -328,9 +311,8 @@ class PPOEngine(Trainer):
 
     def optimise(self, ro: dict, adv: dict, orders: list[np.ndarray], value_stats: list[dict] | None = None) -> dict:
         """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over each epoch's shuffle ``orders[e]`` ``[b]``;
-        returns the per-micro-batch statistics ``[epochs, mini-batches, micro-batches]`` of approxkl, clipfrac,
-        losses, entropy and ratio. ``value_stats``: the value losses `value_step` already back-propagated (then only
-        the policy's forward and backward run here)."""
+        returns the statistics ``[epochs, mini-batches, micro-batches]`` of approxkl, clipfrac, losses, entropy and
+        ratio. ``value_stats``: the value losses `value_step` already back-propagated (only the policy's run here)."""
         args, acc = self.args, self.accelerator
         context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
         shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
@@ -355,9 +337,8 @@ class PPOEngine(Trainer):
     def losses(self, ro: dict, adv: dict, idx, context: int, value: bool = True
                ) -> tuple[dict, dict | None, torch.Tensor]:
         """Forward and backward of one micro-batch ``idx``: the clipped policy loss plus ``vf_coef`` x the clipped
-        value loss (`ppo_math.policy_loss`, `ppo_math.value_loss`); returns their statistics and the entropy
-        ``[b, R]``. ``value`` false (`value_step` did the value model's part): the policy's alone, value stats None.
-        Without a wrapper the two losses are back-propagated one after the other (docs/ppo-engine.md)."""
+        value loss (back-propagated one after the other without a wrapper); returns their statistics and the entropy
+        ``[b, R]``. ``value`` false (`value_step` did the value model's part): the policy's alone, value stats None."""
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
         ids, mask, mask_p1 = ro["query_responses"][idx], adv["padding_mask"][idx], adv["padding_mask_p1"][idx]
 
@@ -397,14 +378,11 @@ class PPOEngine(Trainer):
         kl_sum = adv["kl"].sum(1).mean()
         entropy = ((-adv["logprobs"]) * (~adv["padding_mask"]).float()).sum(1).mean()
         non_score = adv["non_score_reward"].sum(1).mean()
-        metrics = {
-            "eps": int(self.state.episode / max(time.time() - start_time, 1e-9)),
-            "objective/kl": g(kl_sum).mean().item(),
-            "objective/entropy": g(entropy).mean().item(),
-            "objective/non_score_reward": g(non_score).mean().item(),
-            "objective/rlhf_reward": g(non_score + ro["scores"].mean()).mean().item(),
-            "objective/scores": g(ro["scores"].mean()).mean().item(),
-        }
+        metrics = {"eps": int(self.state.episode / max(time.time() - start_time, 1e-9)),
+                   "objective/kl": g(kl_sum).mean().item(), "objective/entropy": g(entropy).mean().item(),
+                   "objective/non_score_reward": g(non_score).mean().item(),
+                   "objective/rlhf_reward": g(non_score + ro["scores"].mean()).mean().item(),
+                   "objective/scores": g(ro["scores"].mean()).mean().item()}
         for name, key in (("policy/approxkl_avg", "approxkl"), ("policy/clipfrac_avg", "pg_clipfrac"),
                           ("loss/policy_avg", "pg_loss"), ("loss/value_avg", "vf_loss"),
                           ("val/clipfrac_avg", "vf_clipfrac"), ("policy/entropy_avg", "entropy"),
@@ -496,9 +474,8 @@ class PPOEngine(Trainer):
         """Sample tables (hook for subclasses; the engine writes none)."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the policy only (adapter or full weights), as the Trainer's checkpoint model files; call on every
-        process. Under DeepSpeed the policy-and-value engine's state dict is gathered (ZeRO-3: every process takes
-        part, ``stage3_gather_16bit_weights_on_model_save``) and its ``policy.`` entries are saved."""
+        """Save the policy only (adapter or full weights) as the Trainer's checkpoint model files; call on every
+        process (DeepSpeed: the engine's state dict is gathered and its ``policy.`` entries saved)."""
         wrapper, self.model = self.model, self.unwrapped.policy
         try:
             if not self.is_deepspeed_enabled:

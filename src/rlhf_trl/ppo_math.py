@@ -1,13 +1,9 @@
-"""The arithmetic of PPO for language models, as small pure functions on tensors.
-
-Shapes: ``batch`` rollouts, ``R`` response positions (tokens), ``V`` vocabulary entries. The formulas are those of
-Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences"), Schulman et al. 2016 (GAE), Schulman
-et al. 2017 (PPO's clipped objectives) and Huang et al. 2024 ("The N+ Implementation Details of RLHF with PPO"),
-in the form TRL 1.12's PPOTrainer (``ppo_trainer.py`` of its experimental PPO package) computes them; the oracle test
-(tests/test_ppo_oracle.py) holds the engine to that trainer's numbers.
-
-Position convention (TRL 1.12's; docs/ppo-engine.md): ``sequence_lengths[i]`` is the index of the last real token
-of response ``i``; log-probs are real through it, values one position further, where the score is added."""
+"""The arithmetic of PPO for language models, as small pure functions on tensors (``batch`` rollouts, ``R`` response
+positions, ``V`` vocabulary entries): Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences"),
+Schulman et al. 2016 (GAE), Schulman et al. 2017 (PPO's clipped objectives) and Huang et al. 2024 ("The N+
+Implementation Details of RLHF with PPO"), as TRL 1.12's experimental PPOTrainer computes them (tests/test_ppo_oracle.py
+holds the engine to its numbers). Positions (docs/ppo-engine.md): ``sequence_lengths[i]`` is the index of the last real
+token of response ``i``; log-probs are real through it, values one position further, where the score is added."""
 
 from __future__ import annotations
 
@@ -19,8 +15,7 @@ INVALID_LOGPROB = 1.0  # written into padded log-prob positions (as TRL); both p
 def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     """Index of the first ``True`` of each row, or the row length if there is none: ``[batch, R] -> [batch]``."""
     width = bools.shape[-1]
-    positions = torch.arange(width, device=bools.device).expand_as(bools)
-    return torch.where(bools, positions, width).min(-1).values
+    return torch.where(bools, torch.arange(width, device=bools.device).expand_as(bools), width).min(-1).values
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -29,8 +24,7 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     loses too much). Same computation as TRL's ``trl.trainer.utils.selective_log_softmax``."""
     if logits.dtype in (torch.float32, torch.float64):
         selected = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
-        lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-        return selected - lse
+        return selected - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
     return torch.stack([torch.log_softmax(row, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
                         for row, ids in zip(logits, index)])
 
@@ -64,8 +58,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 def response_padding_mask(sequence_lengths: torch.Tensor, width: int) -> torch.Tensor:
     """``True`` after each response's last real token: ``[batch] -> [batch, width]`` (log-probs are masked there)."""
-    positions = torch.arange(width, device=sequence_lengths.device)[None, :]
-    return positions > sequence_lengths[:, None]
+    return torch.arange(width, device=sequence_lengths.device)[None, :] > sequence_lengths[:, None]
 
 
 def value_padding_mask(sequence_lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -74,17 +67,15 @@ def value_padding_mask(sequence_lengths: torch.Tensor, width: int) -> torch.Tens
 
 
 def score_positions(sequence_lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Where each score is added: one past the last real token, or the last token if that is the final position:
-    ``[batch] -> [batch]`` (long)."""
+    """Where each score is added: one past the last real token (the last token if final): ``[batch] -> [batch]``."""
     after = sequence_lengths + 1
     return torch.where(after < width, after, sequence_lengths)
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs, nats: ``[b, R] x 2 -> [b, R]``.
-    ``k1``: ``logp - logp_ref`` (unbiased, can be negative per token); ``k3``: ``(r - 1) - log r`` with
-    ``r = p_ref / p`` (unbiased, never negative, lower variance). J. Schulman, "Approximating KL Divergence" (2020).
-    Raises `ValueError`: an unknown estimator."""
+    ``k1``: ``logp - logp_ref`` (can be negative per token); ``k3``: ``(r - 1) - log r``, ``r = p_ref / p`` (never
+    negative, lower variance); J. Schulman, "Approximating KL Divergence" (2020). Raises `ValueError`: unknown."""
     log_ratio = ref_logprobs - logprobs
     if estimator == "k1":
         return -log_ratio
@@ -106,10 +97,9 @@ def shape_rewards(kl: torch.Tensor, scores: torch.Tensor, kl_coef: float,
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized advantage estimation, from the last position backwards (Schulman et al. 2016, eq. 16).
-    ``delta_t = r_t + gamma * V_{t+1} - V_t`` (``V_R = 0``), ``A_t = delta_t + gamma * lam * A_{t+1}``;
-    ``returns = advantages + values``. ``rewards, values [b, R] -> (advantages [b, R], returns [b, R])``; padded
-    positions must hold zero values and rewards."""
+    """Generalized advantage estimation, backwards (Schulman et al. 2016, eq. 16): ``delta_t = r_t + gamma * V_{t+1} -
+    V_t`` (``V_R = 0``), ``A_t = delta_t + gamma * lam * A_{t+1}``, ``returns = A + V``. ``rewards, values [b, R] ->
+    (advantages [b, R], returns [b, R])``; padded positions must hold zero values and rewards."""
     width = rewards.shape[1]
     last = torch.zeros_like(rewards[:, 0])
     reversed_advantages = []
@@ -124,10 +114,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
 
 def policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, cliprange: float) -> dict[str, torch.Tensor]:
-    """PPO's clipped surrogate loss (Schulman et al. 2017, eq. 7), averaged over real tokens:
-    ``new_logprobs, old_logprobs, advantages [b, R]``, ``mask [b, R]`` (true on real tokens) -> dict of scalars:
-    ``loss`` (to minimise), ``clipfrac`` (share of tokens where the clipped term is active), ``ratio`` (mean
-    probability ratio over all positions), ``approxkl`` (``0.5 * mean(log_ratio^2)``)."""
+    """PPO's clipped surrogate loss (Schulman et al. 2017, eq. 7) over real tokens: ``new_logprobs, old_logprobs,
+    advantages, mask [b, R]`` (mask: true on real tokens) -> scalars ``loss``, ``clipfrac`` (share of tokens clipped),
+    ``ratio`` (mean probability ratio, all positions), ``approxkl`` (``0.5 * mean(log_ratio^2)``)."""
     log_ratio = new_logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -143,9 +132,8 @@ def value_loss(new_values: torch.Tensor, old_values: torch.Tensor, returns: torc
                cliprange_value: float) -> dict[str, torch.Tensor]:
     """Clipped value loss ``0.5 * mean(max((V - G)^2, (clip(V, V_old +- c) - G)^2))`` over real positions:
     ``new_values, old_values, returns, mask [b, R]`` -> ``{"loss", "clipfrac"}`` (scalars)."""
-    clipped_values = torch.clamp(new_values, old_values - cliprange_value, old_values + cliprange_value)
     unclipped = (new_values - returns) ** 2
-    clipped = (clipped_values - returns) ** 2
+    clipped = (torch.clamp(new_values, old_values - cliprange_value, old_values + cliprange_value) - returns) ** 2
     loss = 0.5 * masked_mean(torch.max(unclipped, clipped), mask)
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).float(), mask)
@@ -156,13 +144,11 @@ def compute_advantages(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, value
                        sequence_lengths: torch.Tensor, kl_coef: float, kl_estimator: str = "k1", gamma: float = 1.0,
                        lam: float = 0.95, whiten_rewards: bool = False,
                        whiten_advantages: bool = True) -> dict[str, torch.Tensor]:
-    """Step 3 of a PPO update: masks, KL, shaped rewards, GAE advantages and returns, as TRL 1.12's PPOTrainer.
-    ``logprobs, ref_logprobs, values [b, R]`` (unmasked: the sampled tokens' log-probs under the policy and the
-    reference, nats; the value model's estimates, reward units), ``scores [b]`` (reward units), ``sequence_lengths [b]``
-    (index of each response's last real token) -> dict of ``[b, R]`` tensors: ``padding_mask`` (log-probs' padding),
-    ``padding_mask_p1`` (values' padding, one position later), ``logprobs`` and ``values`` masked (`INVALID_LOGPROB`,
-    0), ``kl`` (`kl_estimate`), ``non_score_reward`` (``-kl_coef * kl``), ``advantages`` (`gae`, whitened over the real
-    tokens of the batch unless ``whiten_advantages`` is false) and ``returns`` (advantages + values, before whitening).
+    """Step 3 of a PPO update, as TRL 1.12's PPOTrainer: ``logprobs, ref_logprobs [b, R]`` (nats, unmasked), ``values
+    [b, R]``, ``scores [b]`` (reward units), ``sequence_lengths [b]`` -> dict of ``[b, R]`` tensors: ``padding_mask``
+    (log-probs'), ``padding_mask_p1`` (values', one position later), ``logprobs`` and ``values`` masked
+    (`INVALID_LOGPROB`, 0), ``kl`` (`kl_estimate`), ``non_score_reward`` (``-kl_coef * kl``), ``advantages`` (`gae`,
+    whitened over the batch's real tokens if ``whiten_advantages``) and ``returns`` (before whitening).
     ``whiten_rewards`` whitens the shaped rewards first (without shifting their mean)."""
     width = logprobs.shape[1]
     padding_mask = response_padding_mask(sequence_lengths, width)

@@ -1,8 +1,6 @@
 """The reward model as PPO reads it: its score shifted by the baseline, shared with the value model's weights, or
-kept on disk between rollouts; and the 'auto' baseline's calibration.
-
-Each wrapper keeps what `rlhf_trl.scoring.sequence_scores` reads: ``base_model_prefix`` naming a backbone and a
-``score`` head ``[batch, seq_len, hidden] -> [batch, seq_len, 1]``."""
+kept on disk between rollouts; and the 'auto' baseline's calibration. Each wrapper keeps what
+`rlhf_trl.scoring.sequence_scores` reads: ``base_model_prefix`` naming a backbone and a ``score`` head."""
 
 from __future__ import annotations
 
@@ -72,11 +70,10 @@ def apply_reward_baseline(reward_model, baseline: float):
 
 
 class SharedBaseRewardModel(nn.Module):
-    """The reward model read off the value model's weights (``share_reward_value_base``): the value model's base with
-    its LoRA adapter (and trained value head) off, plus the reward model's own frozen score head. The value model,
-    ``get_peft_model(reward_model, LoRA SEQ_CLS)``, wraps the reward model's modules in place (no second copy) and is
-    not a submodule, so ``.eval()``, ``requires_grad_(False)`` and device moves miss its trainable adapter. Raises
-    `ValueError`: ``value_model`` is not a peft sequence-classification model with a wrapped ``score`` head."""
+    """The reward model read off the value model's weights (``share_reward_value_base``): the value model (a LoRA
+    SEQ_CLS peft model wrapping the reward model in place) with its adapter off, plus the reward model's own frozen
+    score head. The value model is not a submodule, so ``.eval()``, ``requires_grad_(False)`` and device moves miss its
+    adapter. Raises `ValueError`: ``value_model`` is not a peft model with a wrapped ``score`` head."""
 
     base_model_prefix = "backbone"
 
@@ -97,8 +94,7 @@ class SharedBaseRewardModel(nn.Module):
         self.config = inner.config
 
     def backbone(self, **kwargs):
-        """The shared transformer (``input_ids=[batch, seq_len], attention_mask=..., ...``) with the value model's
-        adapter off (``value_model.disable_adapter()``): the reward model's forward."""
+        """The reward model's backbone forward: the shared transformer with the value model's adapter off."""
         with self._value_model.disable_adapter():
             return self._backbone(**kwargs)
 
@@ -110,10 +106,9 @@ class SharedBaseRewardModel(nn.Module):
 
 class OffloadedWeights:
     """A frozen module whose parameters live in a safetensors file between uses (``offload_reward_model``): written
-    once to ``path`` and their storage released (each becomes an empty tensor); inside ``with offloaded.loaded():``
-    read back (``safetensors.torch.load_file``), bit for bit, and released again on exit. Buffers (rotary
-    frequencies, ...) stay in memory. Shared (tied) parameters are stored once. Raises `ValueError`: a parameter that
-    is not a plain floating-point tensor (a quantized model)."""
+    once to ``path`` and released (empty tensors); inside ``with offloaded.loaded():`` read back, bit for bit, and
+    released again on exit. Buffers stay in memory; tied parameters are stored once. Raises `ValueError`: a parameter
+    that is not a plain floating-point tensor (a quantized model)."""
 
     def __init__(self, module: nn.Module, path: str):
         self.module, self.path = module, path
@@ -153,10 +148,8 @@ class OffloadedWeights:
 def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset, args, batches: int,
                               eos_ids: list[int] | None = None) -> float:
     """Mean RM score (reward units) of SFT-policy rollouts on ``batches`` batches of ``per_device_train_batch_size``
-    prompts (``dataset`` rows of ``input_ids``), as PPO would sample them (``reward_baseline: auto``): the engine's
-    rollout (`generate_rollouts`, `sequence_scores`) with the recipe's temperature and ``response_length``, responses
-    cut after their first EOS (any of ``eos_ids``, default the tokenizer's); under `preserved_rng`, seed ``args.seed``.
-    """
+    prompts (``dataset`` rows of ``input_ids``), sampled as PPO would (``reward_baseline: auto``), responses cut after
+    their first EOS (any of ``eos_ids``, default the tokenizer's); under `preserved_rng`, seed ``args.seed``."""
     from transformers import DataCollatorWithPadding
 
     collator = DataCollatorWithPadding(tokenizer)

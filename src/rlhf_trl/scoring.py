@@ -1,9 +1,7 @@
-"""The tensor operations every stage shares, one implementation each, for PPO, ``rlhf-trl eval``, the demo and RM
-evaluation: sampling, log-probs, values and reward-model scores.
-
-Layout: ``query_responses [batch, T]`` holds a left-padded prompt of ``context_length`` tokens, then the response
-(right-padded with ``pad_token_id``, distinct from every EOS id); models see pads masked and positions counted from
-the first real token (`model_inputs`)."""
+"""The tensor operations every stage shares (PPO, ``rlhf-trl eval``, the demo, RM evaluation), one implementation
+each: sampling, log-probs, values and reward-model scores. ``query_responses [batch, T]`` holds a left-padded prompt
+of ``context_length`` tokens, then the response (right-padded with ``pad_token_id``, distinct from every EOS id);
+models see pads masked and positions counted from the first real token (`model_inputs`)."""
 
 from __future__ import annotations
 
@@ -91,10 +89,8 @@ def truncate_at_eos(responses: torch.Tensor, eos_token_ids, pad_token_id: int) -
 def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generation_config,
                       batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one response per left-padded prompt, ``batch`` prompts per ``generate`` call: ``queries [b, Q]`` ->
-    ``(query_responses [b, Q + R], logprobs [b, R])``, prompt then response ids (right-padded with ``pad_token_id``
-    where a call ended early) and each sampled token's log-prob under ``logits / temperature`` (0.0 on padding).
-    TRL 1.12's ``batch_generation``, with one ``[rows, vocab]`` log-softmax per decoding step instead of stacked
-    ``[b, R, vocab]`` logits."""
+    ``(query_responses [b, Q + R], logprobs [b, R])`` (right-padded with ``pad_token_id`` / 0.0; log-probs under
+    ``logits / temperature``). TRL 1.12's ``batch_generation``, with one ``[rows, vocab]`` log-softmax per step."""
     context = queries.shape[1]
     config = copy.deepcopy(generation_config)
     config.return_dict_in_generate, config.output_scores = True, True  # the sampling logits give the log-probs
@@ -109,16 +105,14 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
         pieces.append(torch.cat((query, response), 1))
         del out
     width = max(p.shape[1] for p in pieces)
-    query_responses = torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad_token_id) for p in pieces])
-    logprobs = torch.cat([nn.functional.pad(p, (0, width - context - p.shape[1]), value=0.0) for p in logps])
-    return query_responses, logprobs
+    return (torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad_token_id) for p in pieces]),
+            torch.cat([nn.functional.pad(p, (0, width - context - p.shape[1]), value=0.0) for p in logps]))
 
 
 def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, max_new_tokens: int,
            temperature: float, seed: int, batch_size: int = 64) -> list[tuple[list[int], bool]]:
-    """Sample one response per prompt (``[num_prompts]`` lists of ids) with `generate_rollouts`, as PPO rollouts:
-    softmax(logits / ``temperature``) only (`rlhf_trl.models.sampling_generation_config`), stopping at any of
-    ``eos_token_ids`` (an int or a list), at most ``max_new_tokens`` tokens, the RNG seeded with ``seed`` once.
+    """Sample one response per prompt (lists of ids) as PPO rollouts do (`rlhf_trl.models.sampling_generation_config`),
+    up to any of ``eos_token_ids`` (an int or a list) or ``max_new_tokens``, the RNG seeded with ``seed`` once.
     Returns ``(response ids, ended with EOS)`` per prompt: the ids up to and including the first EOS, else all."""
     eos = list(eos_token_ids) if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids]
     config = sampling_generation_config(temperature, max_new_tokens, eos, pad_token_id)
@@ -132,21 +126,18 @@ def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, ma
 
 
 def response_hidden(backbone, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
-    """A backbone's last hidden states before each response token: ``[b, T] -> [b, R, hidden]``, ``R = T -
-    context_length``, positions ``context_length - 1 .. T - 2`` (what predicts, or values, each response token).
-    The last token is not fed: no read position sees it."""
+    """A backbone's last hidden states before each response token (positions ``context_length - 1 .. T - 2``; the last
+    token is not fed): ``[b, T] -> [b, R, hidden]``, ``R = T - context_length``."""
     hidden = backbone(**model_inputs(query_responses[:, :-1], pad_token_id)).last_hidden_state
     return hidden[:, context_length - 1:]
 
 
 def response_logprobs(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                       temperature: float, chunk_size: int = 0, with_entropy: bool = False):
-    """Log-probs of the response tokens under ``softmax(logits / temperature)``, optionally their entropy:
-    ``query_responses [b, T]`` (a prompt of ``context_length`` tokens, then the response) -> ``logprobs [b, R]``,
-    ``R = T - context_length`` (and ``entropy [b, R]`` in nats, without gradient). Logits are formed for the
-    response positions only, ``chunk_size`` at a time (0: all at once), each chunk checkpointed under autograd (its
-    ``[b, chunk, vocab]`` logits recomputed in the backward pass). The engine passes TRL 1.12's ``temperature + 1e-7``.
-    """
+    """Log-probs of the response tokens under ``softmax(logits / temperature)``: ``query_responses [b, T]`` ->
+    ``logprobs [b, R]`` (and ``entropy [b, R]`` in nats, without gradient). Logits are formed for the response
+    positions only, ``chunk_size`` at a time (0: all at once), each chunk checkpointed under autograd (its
+    ``[b, chunk, vocab]`` logits recomputed in backward). The engine passes TRL 1.12's ``temperature + 1e-7``."""
     backbone, lm_head = _parts(policy, "lm")
     hidden = response_hidden(backbone, query_responses, context_length, pad_token_id)
     response = query_responses[:, context_length:]
@@ -180,9 +171,8 @@ def response_values(model, query_responses: torch.Tensor, context_length: int, p
 
 
 def last_token_index(query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0) -> torch.Tensor:
-    """Index of each row's last real token: the one before the first pad after the prompt's ``context_length`` tokens
-    (the response's EOS when it has one): ``[batch, seq_len] -> [batch]``. Raises `ValueError`: a row holds only pad
-    tokens."""
+    """Index of each row's last real token, before the first pad after ``context_length``: ``[batch, seq_len] ->
+    [batch]``. Raises `ValueError`: a row holds only pad tokens."""
     last = pm.first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     if bool((last < 0).any()):
         raise ValueError("a sequence holds only pad tokens")
@@ -201,9 +191,8 @@ def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, con
 
 @torch.no_grad()
 def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_size: int = 16) -> torch.Tensor:
-    """Reward-model scores of token id sequences (prompt + response + EOS), ``[num_sequences]`` (float32, on CPU):
-    `sequence_scores` on right-padded batches, as PPO reads rewards (``model`` may be a `peft.PeftModel`). Raises
-    `ValueError`: an empty sequence."""
+    """Reward-model scores of token id sequences, ``[num_sequences]`` float32 on CPU: `sequence_scores` on right-padded
+    batches, as PPO reads rewards (``model`` may be a `peft.PeftModel`). Raises `ValueError`: an empty sequence."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

@@ -1,7 +1,6 @@
-"""Small models built locally from a config (random init), for the demo, tests and offline smoke runs.
-
-Run: ``rlhf-trl init-model --tokenizer DIR --output DIR [--hidden_size 64 --num_layers 2]`` builds a Qwen2-architecture
-causal LM whose vocabulary matches the tokenizer, and saves both to ``--output``."""
+"""Small models built locally from a config (random init), for the demo, tests and offline smoke runs. ``rlhf-trl
+init-model --tokenizer DIR --output DIR [--hidden_size 64 --num_layers 2]`` builds a Qwen2-architecture causal LM
+whose vocabulary matches the tokenizer, and saves both to ``--output``."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 
 def train_bpe_tokenizer(texts: list[str], output_dir: str, vocab_size: int = 1000):
-    """Train a byte-level BPE tokenizer with Qwen-style special tokens on ``texts`` and save it: EOS
-    ``<|endoftext|>`` (as in Qwen base models), a distinct pad ``<|pad|>``. Returns the loaded tokenizer."""
+    """Train and save a byte-level BPE tokenizer with Qwen-style special tokens (EOS ``<|endoftext|>``, a distinct pad
+    ``<|pad|>``) on ``texts``. Returns the loaded tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
