@@ -37,12 +37,9 @@ BIASING_GENERATION_KEYS = {
 
 def sampling_generation_config(temperature: float, max_new_tokens: int | None, eos_token_ids: list[int],
                                pad_token_id: int, **extra):
-    """A ``GenerationConfig`` that samples from ``softmax(logits / temperature)`` and nothing else.
-
-    Every setting of `BIASING_GENERATION_KEYS` is set to its neutral value explicitly, or ``generate`` would fill it
-    from ``model.generation_config`` (a stock checkpoint's top_k / top_p ...). Stops at any of ``eos_token_ids``;
-    ``max_new_tokens`` in tokens.
-    """
+    """A ``GenerationConfig`` that samples from ``softmax(logits / temperature)`` and nothing else: every setting of
+    `BIASING_GENERATION_KEYS` set neutral explicitly (else ``generate`` takes it from ``model.generation_config``).
+    Stops at any of ``eos_token_ids`` or after ``max_new_tokens`` tokens."""
     from transformers import GenerationConfig
 
     # min_length is left unset: min_new_tokens=0 takes precedence over it (and setting both makes generate warn)
@@ -60,11 +57,7 @@ class StageInputError(FileNotFoundError):
 def require_model_dir(path: str, what: str, produced_by: str | None = None, allow_pickle: bool = False) -> str:
     """Check that ``path`` is a local model directory with a config and weights, or looks like a hub id
     (``org/name``); returns it. ``what`` names the input (e.g. "SFT model"), ``produced_by`` the command that makes it.
-
-    Raises:
-        StageInputError: the path is local (or clearly meant as a local path) but missing or incomplete, or it
-            holds only pickle weights and ``allow_pickle`` is False.
-    """
+    Raises `StageInputError`: a local path missing or incomplete, or with only pickle weights (not ``allow_pickle``)."""
     looks_local = path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1
     if not looks_local:
         return path  # hub id, resolved by from_pretrained
@@ -85,16 +78,13 @@ def require_model_dir(path: str, what: str, produced_by: str | None = None, allo
 
 
 def _as_id_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+    return [] if value is None else [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
 def eos_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
     """Every token id that ends a response, without repeats: the tokenizer's EOS first, then the EOS ids of the model
     directory's ``generation_config.json`` (Qwen2.5-Instruct: ``[<|im_end|>, <|endoftext|>]``) and ``config.json``,
-    less the tokenizer's pad id. Rollouts stop at any of them and EOS rates / the missing-EOS penalty count any.
-    """
+    less the tokenizer's pad id. Rollouts stop at any of them and EOS rates / the missing-EOS penalty count any."""
     pad = tokenizer.pad_token_id
     ids = _all_eos_ids(tokenizer, model_dir)
     return [i for i in ids if i == ids[0] or i != pad]
@@ -114,12 +104,8 @@ def _all_eos_ids(tokenizer, model_dir: str | None) -> list[int]:
 def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = "right", trust_remote_code=False):
     """Load a tokenizer and make its pad token distinct from every EOS id (`eos_token_ids`: PPO masks pads and
     reads rewards at the last non-pad token). Without ``pad_token``, a missing or EOS pad becomes the first of
-    `PAD_CANDIDATES` in the vocabulary, else an added ``<|pad|>`` (then `resize_for_tokenizer`).
-
-    Raises:
-        StageInputError: the tokenizer cannot be found.
-        ValueError: the tokenizer has no EOS token, or ``pad_token`` is one of the EOS ids.
-    """
+    `PAD_CANDIDATES` in the vocabulary, else an added ``<|pad|>`` (then `resize_for_tokenizer`). Raises
+    `StageInputError`: no tokenizer found; `ValueError`: no EOS token, or ``pad_token`` is one of the EOS ids."""
     from transformers import AutoTokenizer
 
     if os.path.isdir(path):
@@ -210,11 +196,7 @@ def _bnb_cpu_4bit_problem() -> str | None:
 def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> None:
     """Check that a ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) run can quantize here: bitsandbytes installed;
     on the CPU (``use_cpu`` or no CUDA GPU) only ``load_in_4bit``, with a working backend (`_bnb_cpu_4bit_problem`).
-
-    Raises:
-        ValueError: one line naming ``key``, what is missing (the bitsandbytes package, a usable CPU backend, or for
-            8 bits a CUDA GPU) and the fix.
-    """
+    Raises `ValueError`: one line naming ``key``, what is missing and the fix."""
     if not _has_bitsandbytes():
         raise ValueError(f"{key}: true needs the bitsandbytes package, which is not installed here; install it "
                          f"(pip install -e '.[qlora]'), or set {key}: false")
@@ -235,13 +217,8 @@ def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, 
     """The bitsandbytes config a recipe's TRL ``ModelConfig`` asks for (``load_in_4bit`` / ``load_in_8bit``,
     ``bnb_4bit_*``; compute dtype ``dtype``), built by `trl.get_quantization_config`; None when nothing is quantized.
     Only LoRA adapters on quantized weights train (QLoRA): every switch in ``lora`` (recipe key -> value; default
-    ``{"use_peft": model_args.use_peft}``) must be on.
-
-    Raises:
-        ValueError: a ``lora`` switch is off; ``load_in_4bit`` with ``dtype: auto``; bitsandbytes missing, or on the
-            CPU its backend unusable or 8 bits asked for (`require_kbit_support`). Each message is one line naming
-            the recipe key and the fix.
-    """
+    ``{"use_peft": model_args.use_peft}``) must be on. Raises `ValueError` (one line naming the key and the fix): a
+    ``lora`` switch is off; ``load_in_4bit`` with ``dtype: auto``; see `require_kbit_support`."""
     from trl import get_quantization_config
 
     if not (model_args.load_in_4bit or model_args.load_in_8bit):
@@ -270,12 +247,9 @@ def kbit_device_map() -> dict:
 
 
 def fp32_adapters_for_fp32_compute(model, quantization_config) -> int:
-    """Cast the trainable parameters of a QLoRA model back to fp32 when its 4-bit compute dtype is fp32 (in place).
-
-    TRL's SFTTrainer and RewardTrainer cast them to bf16 (the QLoRA paper's choice); with fp32 compute (the CPU
-    recipes) the reward model's ``score`` head then fails on a dtype mismatch and LoRA layers run slow bf16 matmuls.
-    Call after building the trainer, before ``train()``. Returns the number of parameters cast (0 for other compute
-    dtypes)."""
+    """Cast the trainable parameters of a QLoRA model back to fp32 when its 4-bit compute dtype is fp32 (in place):
+    TRL's trainers cast them to bf16, and with fp32 compute (the CPU recipes) the ``score`` head then fails on a dtype
+    mismatch. Call after building the trainer, before ``train()``. Returns the number of parameters cast."""
     if quantization_config is None or getattr(quantization_config, "bnb_4bit_compute_dtype", None) != torch.float32:
         return 0
     cast = 0
@@ -325,29 +299,20 @@ def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow
                    quantization_config=None):
     """A causal LM (policy / SFT model; Baichuan remote code through `rlhf_trl.baichuan`), from safetensors only
     unless ``allow_pickle``; ``quantization_config`` quantizes it onto this process's GPU or the CPU as it loads.
-
-    Raises:
-        ValueError: a remote-code model without ``trust_remote_code``; ``quantization_config`` without bitsandbytes,
-            or on the CPU with an unusable bitsandbytes CPU backend or 8 bits (`require_kbit_support`).
-    """
+    Raises `ValueError`: a remote-code model without ``trust_remote_code``; see `require_kbit_support`."""
     return _load_model("causal_lm", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
 
 def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False,
                              quantization_config=None):
     """A ``num_labels=1`` sequence classifier (reward / value model) with a last-token ``score`` head, loaded as in
-    `load_causal_lm` (the head stays unquantized; Baichuan: `rlhf_trl.baichuan.BaichuanForSequenceClassification`).
-
-    Raises:
-        ValueError: as `load_causal_lm`.
-    """
+    (and raising as) `load_causal_lm`; the head stays unquantized."""
     return _load_model("sequence_classifier", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
 
 def resize_for_tokenizer(model, tokenizer) -> None:
     """Grow the embeddings if the tokenizer gained tokens, and record pad / EOS ids on config and generation config
-    (which keeps its own settings and EOS list, the tokenizer's EOS first, so a saved model deploys as the stock one).
-    """
+    (which keeps its own settings and EOS list, the tokenizer's EOS first: a saved model deploys as the stock one)."""
     embeddings = model.get_input_embeddings()
     # num_embeddings: under DeepSpeed ZeRO-3 ``weight`` is this rank's (possibly empty) partition
     rows = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
@@ -365,9 +330,7 @@ def resize_for_tokenizer(model, tokenizer) -> None:
 
 def torch_dtype(name: str | None):
     """Map a recipe dtype string ('float32', 'bfloat16', 'auto', None) to what from_pretrained takes."""
-    if name in (None, "auto"):
-        return name
-    return getattr(torch, name)
+    return name if name in (None, "auto") else getattr(torch, name)
 
 
 @contextmanager
@@ -401,12 +364,9 @@ def save_pretrained_atomic(model, tokenizer, path: str, files: dict[str, str] | 
 
 
 def merge_and_save(model, tokenizer, path: str):
-    """Merge LoRA adapters into the base weights (if ``model`` is a `peft.PeftModel`) and save the plain model.
-
-    A ``task_type=SEQ_CLS`` adapter's trained ``score`` head is part of the merged model. Returns the merged plain
-    `transformers` model (merged in place: use it afterwards), or ``model`` itself, unchanged, for a quantized base
-    (QLoRA), whose saved adapter is merged into the base loaded again unquantized on the CPU.
-    """
+    """Merge LoRA adapters into the base weights (if ``model`` is a `peft.PeftModel`; a SEQ_CLS adapter's ``score``
+    head included) and save the plain model. Returns the merged model (merged in place: use it afterwards), or for a
+    quantized base (QLoRA) ``model`` itself, unchanged, its adapter merged into the base reloaded unquantized on CPU."""
     from peft import PeftModel
 
     if not (isinstance(model, PeftModel) and is_quantized(model)):
