@@ -7,9 +7,8 @@
 - **generate**: `load_causal_lm` adds `transformers.GenerationMixin`, driving the remote legacy tuple KV cache.
 - **Sequence classifier**: `BaichuanForSequenceClassification`, as TRL's reward and value models expect.
 - **Saving** also copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``.
-
-LoRA targets: ``W_pack`` (fused q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; ``task_type=SEQ_CLS``
-trains and saves ``score`` as a ``modules_to_save`` copy."""
+- **LoRA targets**: ``W_pack`` (fused q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; ``SEQ_CLS``
+  trains and saves ``score`` as a ``modules_to_save`` copy."""
 
 from __future__ import annotations
 
@@ -124,8 +123,7 @@ def _warn_dropped(owner: str, key: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _tolerant_backbone_class(backbone_cls: type) -> type:
-    """A subclass of the remote ``BaichuanModel`` (same name, no new state) whose forward drops ``position_ids`` and
-    friends, even where the remote forward names them (Baichuan-7B v1), as TRL passes them to reward / value models."""
+    """The remote ``BaichuanModel`` subclassed (same name) to drop ``position_ids`` and friends that TRL passes it."""
     if getattr(backbone_cls, "_rlhf_trl_tolerant", False):
         return backbone_cls
     named = _named_parameters(backbone_cls.forward)
@@ -148,8 +146,7 @@ def _tolerant_backbone_class(backbone_cls: type) -> type:
 
 
 def _save_code_and_config(model: PreTrainedModel, save_directory: str, remote_classes: tuple) -> None:
-    """After ``save_pretrained``: copy the remote ``*.py`` next to the weights (from the directory the model was
-    loaded from, else the dynamic-module cache of ``remote_classes``) and keep ``auto_map`` / ``model_type``."""
+    """After ``save_pretrained``: copy the remote ``*.py`` next to the weights; keep ``auto_map`` / ``model_type``."""
     files = _code_files(getattr(model, "_baichuan_code_dir", None))
     if not files:
         dirs = {os.path.dirname(inspect.getfile(c)) for c in (type(model.config), *remote_classes) if c is not None}
@@ -164,8 +161,7 @@ def _save_code_and_config(model: PreTrainedModel, save_directory: str, remote_cl
 
 @functools.lru_cache(maxsize=None)
 def _fixed_tokenizer_class(remote_cls: type) -> type:
-    """Subclass of the remote ``BaichuanTokenizer`` that loads its sentencepiece model BEFORE the remote ``__init__``
-    (which then runs unchanged: its ``super().__init__`` can call ``get_vocab()``)."""
+    """The remote ``BaichuanTokenizer`` subclassed to load its sentencepiece model before the remote ``__init__``."""
 
     def __init__(self, vocab_file, *args, sp_model_kwargs=None, **kwargs):
         import sentencepiece as spm
@@ -201,9 +197,8 @@ def _fixed_tokenizer_class(remote_cls: type) -> type:
 
 
 def load_tokenizer(path: str):
-    """The remote ``BaichuanTokenizer`` of ``path`` (slow, sentencepiece), with the init-order bug worked around. Pad
-    handling is left to `rlhf_trl.models.load_tokenizer`. Raises `ValueError`: the tokenizer has no EOS token;
-    `OSError`: ``path`` lacks ``tokenization_baichuan.py`` or ``tokenizer.model``."""
+    """The remote ``BaichuanTokenizer`` of ``path``, its init-order bug worked around. Raises `ValueError`: no EOS
+    token; `OSError`: no ``tokenization_baichuan.py`` or ``tokenizer.model``."""
     try:
         remote = _remote_class(_auto_ref(path, "AutoTokenizer", TOKENIZER_REF, "tokenizer_config.json"), path)
     except FileNotFoundError as exc:
@@ -280,16 +275,14 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
         return model_inputs
 
     def _get_resized_lm_head(self, old_lm_head, new_num_tokens=None, transposed=False, mean_resizing=True):
-        """Baichuan2's ``NormHead`` is not an ``nn.Linear``: resize its ``weight`` ([vocab, hidden]) in a copy; new
-        rows are the mean of the old ones (``resize_for_tokenizer`` after a recipe adds a pad token)."""
+        """Resize Baichuan2's ``NormHead`` (no ``nn.Linear``) in a copy, new rows the mean of the old ones."""
         if isinstance(old_lm_head, nn.Linear) or new_num_tokens is None:
             return super()._get_resized_lm_head(old_lm_head, new_num_tokens, transposed, mean_resizing)
         old = old_lm_head.weight
         if new_num_tokens == old.shape[0]:
             return old_lm_head
         with torch.no_grad():
-            new = old.new_empty((new_num_tokens, old.shape[1]))
-            keep = min(new_num_tokens, old.shape[0])
+            new, keep = old.new_empty((new_num_tokens, old.shape[1])), min(new_num_tokens, old.shape[0])
             new[:keep] = old[:keep]
             new[keep:] = old.mean(dim=0, keepdim=True)
         head = copy.deepcopy(old_lm_head)
@@ -316,15 +309,13 @@ def causal_lm_class(path: str) -> type:
 
 
 def load_causal_lm(path: str, dtype=None, **kwargs):
-    """The Baichuan causal LM of ``path``: a subclass of the remote ``BaichuanForCausalLM`` (same name, weights and
-    module names) that accepts ``position_ids``, has ``generate`` and saves its code (``kwargs``: `from_pretrained`)."""
+    """The Baichuan causal LM of ``path``, subclassed (same name) to take ``position_ids``, generate, save its code."""
     return causal_lm_class(path).from_pretrained(path, dtype=dtype, **kwargs)
 
 
 class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
-    """Baichuan backbone (``model``, the remote ``BaichuanModel``) + ``score`` = Linear(hidden, 1, bias=False), read
-    at each row's last non-pad token. Build it with `classifier_class` / `load_sequence_classifier`, or from the
-    ``config`` of a loaded Baichuan model (the backbone then comes from the module next to the config's)."""
+    """Baichuan backbone (``model``) + ``score`` = Linear(hidden, 1, bias=False) at each row's last non-pad token; built
+    by `classifier_class`, `load_sequence_classifier` or from a loaded Baichuan model's ``config``."""
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
@@ -336,8 +327,7 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
     def __init__(self, config):
         config.num_labels = 1
         super().__init__(config)
-        backbone_cls = self._backbone_class or _backbone_class_next_to(config)
-        self.model = _tolerant_backbone_class(backbone_cls)(config)
+        self.model = _tolerant_backbone_class(self._backbone_class or _backbone_class_next_to(config))(config)
         self.score = nn.Linear(config.hidden_size, 1, bias=False)
         self.post_init()
 
@@ -358,9 +348,7 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None, **kwargs):
-        """``logits`` ``[batch, 1]``: the score at each row's last non-pad token (``config.pad_token_id``; the last
-        position when it is None or with ``inputs_embeds``); with ``labels`` ``[batch]`` also an MSE ``loss``.
-        ``position_ids`` and the cache are ignored (see the module docstring)."""
+        """``logits [batch, 1]`` at each row's last non-pad token; with ``labels [batch]`` an MSE ``loss``; no cache."""
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                              use_cache=False, output_attentions=bool(output_attentions),
                              output_hidden_states=bool(output_hidden_states), return_dict=True)
@@ -389,8 +377,7 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
 
 
 def _backbone_class_of(causal_cls: type, config) -> type:
-    """The class of the remote causal LM's backbone (``BaichuanModel``; ``Model`` in Baichuan-7B v1), found by
-    building the (adapted) causal LM on the meta device (no memory, no weights)."""
+    """The remote backbone class (``BaichuanModel``; 7B v1: ``Model``) of a causal LM, built on the meta device."""
     adapted = causal_cls if issubclass(causal_cls, _BaichuanCausalLMAdapter) else _causal_lm_class(causal_cls)
     with torch.device("meta"):
         skeleton = adapted(copy.deepcopy(config))
@@ -399,9 +386,7 @@ def _backbone_class_of(causal_cls: type, config) -> type:
 
 
 def _backbone_class_next_to(config) -> type:
-    """Backbone class for a remote config built without `classifier_class`: works for a loaded model's ``model.config``
-    (its class sits next to ``modeling_baichuan``), not for a config read on its own. Raises `TypeError`: no remote
-    model code next to the config's module."""
+    """Backbone class of a loaded model's remote ``config``. Raises `TypeError`: no remote model code next to it."""
     ref = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM", CAUSAL_LM_REF).split("--")[-1]
     module_name, cls_name = ref.rsplit(".", 1)
     package = type(config).__module__.rsplit(".", 1)[0]
@@ -427,9 +412,7 @@ def classifier_class(path: str) -> type:
 
 
 def load_sequence_classifier(path: str, dtype=None, **kwargs):
-    """A `BaichuanForSequenceClassification` (``num_labels=1``) from ``path``: a Baichuan causal-LM directory (``score``
-    newly initialized) or a saved classifier. ``kwargs``: to ``from_pretrained``. Raises `ValueError`: weights other
-    than ``score.weight`` are missing."""
+    """A `BaichuanForSequenceClassification` of ``path``. Raises `ValueError`: weights but ``score.weight`` missing."""
     cls = classifier_class(path)
     model, info = cls.from_pretrained(path, dtype=dtype, num_labels=1, output_loading_info=True, **kwargs)
     missing = set(info.get("missing_keys") or ())

@@ -31,8 +31,7 @@ class RunArguments:
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
-    """Refuse to write over a finished run (its ``run_config.yaml`` and ``merged/`` exist) unless asked to: raises
-    `RecipeError` when the directory holds one and neither ``overwrite_output_dir`` nor resume is set."""
+    """Raise `RecipeError` for a finished run in ``output_dir`` unless ``overwrite_output_dir`` or resuming."""
     finished = (os.path.isfile(os.path.join(output_dir, "run_config.yaml"))
                 and os.path.isdir(os.path.join(output_dir, "merged")))
     if finished and not overwrite and not resuming:
@@ -56,10 +55,9 @@ DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; 
 
 def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | None = None):
     """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into ``dataclass_types`` (`trl.TrlParser`;
-    ``stage`` names the command in ``--help``); a recipe without ``report_to`` logs to `DEFAULT_REPORT_TO`, not
-    ``none``. Returns the dataclass instances, in order, then the recipe path (or None). Raises `RecipeError`: the
-    recipe is missing or not a mapping, an unknown key (the closest known key suggested), a value of the wrong type or
-    out of range, or an output_dir that is a file (`check_values`)."""
+    ``stage`` names the command in ``--help``; no ``report_to``: `DEFAULT_REPORT_TO`). Returns the instances, then the
+    recipe path (or None). Raises `RecipeError`: no recipe or not a mapping, an unknown key (the closest suggested), a
+    value of the wrong type or out of range, or an output_dir that is a file."""
     from trl import TrlParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -67,8 +65,7 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
     if at == len(argv):
         raise RecipeError("--config needs a recipe path")
     path = argv[at] if at else None
-    known = {f.name for t in dataclass_types for f in dataclasses.fields(t)}
-    data = {}
+    known, data = {f.name for t in dataclass_types for f in dataclasses.fields(t)}, {}
     if path is not None:
         if not os.path.isfile(path):
             raise RecipeError(f"recipe not found: {path}")
@@ -154,8 +151,7 @@ def check_launch(training_args, path: str | None) -> None:
 
 
 def did_you_mean(unknown: list[str], known: set[str], manual: str, dashes: str = "") -> str:
-    """``did you mean 'learning_rate'?`` for the known keys closest to ``unknown`` (`difflib`), else ``check the
-    spelling against <manual>``."""
+    """``did you mean 'x'?`` for the known keys closest to ``unknown``, else ``check the spelling against <manual>``."""
     close = [repr(dashes + m) for m in sorted({c for k in unknown for c in difflib.get_close_matches(k, known, 1, .8)})]
     return f"did you mean {', '.join(close)}?" if close else f"check the spelling against {manual}"
 
@@ -167,9 +163,8 @@ def value_source(key: str, argv: list[str], path: str | None) -> str:
 
 
 def check_values(configs, argv: list[str], path: str | None) -> None:
-    """Check the parsed recipe ``configs`` before anything is read or written: `RANGES`, and no file at (or above)
-    ``output_dir``. Raises `RecipeError`: ``<recipe or 'command line'>: <key> must be <condition>, got <value>`` (the
-    command line when ``--key`` was given there), or ``...: output_dir '<dir>' is a file, not a directory; ...``."""
+    """Check the parsed ``configs`` against `RANGES` and for a file at (or above) ``output_dir``. Raises `RecipeError`:
+    ``<recipe or 'command line'>: <key> must be <condition>, got <value>``, or ``...: output_dir ... is a file``."""
     for cfg in configs:
         for rule, keys in RANGES.items():
             for key in keys:

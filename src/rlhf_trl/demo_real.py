@@ -22,9 +22,8 @@ QUALITY_KEYS = ["rm_accuracy", "rm_length_baseline_accuracy", "rm_num_pairs", "s
 
 def run(model_dir: str, recipes_dir: str = "recipes/qwen2.5-0.5b-cpu", output_dir: str = "outputs/qwen2.5-0.5b-cpu",
         eval_prompts: int = 16) -> dict:
-    """SFT -> RM -> PPO -> eval on ``model_dir``; returns the summary (also written to ``summary.json``).
-    ``eval_prompts``: held-out PPO prompts sampled once by each policy. Raises `StageInputError`: ``model_dir`` is not
-    a model directory; stage errors as in each stage's ``run``."""
+    """SFT -> RM -> PPO -> eval (``eval_prompts`` held-out prompts) on ``model_dir``; returns the summary, also written
+    to ``summary.json``. Raises `StageInputError`: ``model_dir`` is not a model directory; stage errors."""
     from . import evaluate, ppo, rm, sft
 
     require_model_dir(model_dir, "base model", "make real-model")
@@ -39,8 +38,7 @@ def run(model_dir: str, recipes_dir: str = "recipes/qwen2.5-0.5b-cpu", output_di
         results[name] = module.main(["--config", os.path.join(recipes_dir, f"{name}.yaml"), *argv[name]])
         seconds[name] = round(time.time() - t0, 1)
         logger.info("demo-real: %s done in %.0f s", name, seconds[name])
-    t0 = time.time()
-    trainer = results["ppo"].get("trainer")
+    t0, trainer = time.time(), results["ppo"].get("trainer")
     evaluation = evaluate.main(["--config", os.path.join(recipes_dir, "ppo.yaml"), *argv["ppo"], "--num_prompts",
                                 str(eval_prompts), "--samples_per_prompt", "1"],
                                ppo_logs=trainer.state.log_history if trainer is not None else None)

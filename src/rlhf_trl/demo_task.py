@@ -40,8 +40,7 @@ def topics_in(text: str) -> list[str]:
 
 
 def topic_of(question: str) -> str:
-    """The one topic that ``question`` asks about (any text naming exactly one topic, e.g. a rendered prompt). Raises
-    `ValueError`: it names no topic or several."""
+    """The one topic that ``question`` (any text) names. Raises `ValueError`: it names no topic or several."""
     named = topics_in(question)
     if len(named) != 1:
         raise ValueError(f"a demo question names exactly one topic; {question!r} names {named}")
@@ -50,8 +49,7 @@ def topic_of(question: str) -> str:
 
 def sentiment(text: str) -> float:
     """Sentiment of ``text`` in ``[-1, 1]``: (pos - neg) / (pos + neg) phrase counts, 0 if it has none."""
-    pos = sum(text.count(p) for p in POSITIVE_PHRASES)
-    neg = sum(text.count(p) for p in NEGATIVE_PHRASES)
+    pos, neg = sum(text.count(p) for p in POSITIVE_PHRASES), sum(text.count(p) for p in NEGATIVE_PHRASES)
     return 0.0 if pos + neg == 0 else (pos - neg) / (pos + neg)
 
 
@@ -61,14 +59,12 @@ def on_topic(question: str, response: str) -> bool:
 
 
 def score_response(question: str, response: str) -> float:
-    """Ground truth of ``response`` to ``question`` in ``[-1, 1]``: its `sentiment` when `on_topic`, else
-    ``OFF_TOPIC_SCORE`` (-1, also for an empty response)."""
+    """Ground truth in ``[-1, 1]``: the response's `sentiment` when `on_topic`, else ``OFF_TOPIC_SCORE`` (-1)."""
     return sentiment(response) if on_topic(question, response) else OFF_TOPIC_SCORE
 
 
 def question_of_prompt(prompt: str) -> str:
-    """The last question of a prompt rendered with the default text template ``问：{question}\n\n答：``; a prompt
-    in another shape (e.g. a chat template's rendering) is returned whole (`topic_of` finds its topic all the same)."""
+    """The last question of a prompt in the default text template; any other prompt is returned whole."""
     from .data import DEFAULT_PROMPT_TEMPLATE
 
     head, tail = DEFAULT_PROMPT_TEMPLATE.split("{question}")
@@ -78,9 +74,8 @@ def question_of_prompt(prompt: str) -> str:
 
 
 def ground_truth_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
-    """The demo's ground truth as a PPO reward function: ``[batch]`` floats ``score_response(question, completion)``,
-    the question from the ``question`` column, else from the prompt (`question_of_prompt`). Raises `ValueError`: a
-    question that names no topic or several (`topic_of`); lengths that differ."""
+    """The demo's ground truth as a PPO reward function: `score_response` of each completion to the ``question`` column
+    (else the prompt's). Raises `ValueError`: a question naming no topic or several; lengths that differ."""
     questions = columns["question"] if columns.get("question") is not None else [None] * len(prompts)
     if not len(prompts) == len(completions) == len(questions):
         raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(questions)} questions")
@@ -124,8 +119,7 @@ def _worse_answers(n: int, seed: int, topics, others):
 
 
 def ranked_rows(n: int, seed: int, topics=TRAIN_TOPICS) -> list[dict]:
-    """Ranked answer lists, best first (3 ordered pairs each), alternating between [on-topic positive, neutral, on-topic
-    negative] and [on-topic positive, neutral, praise of another topic of ``topics``]."""
+    """Ranked lists, best first: [on-topic positive, neutral, alternately on-topic negative or other-topic praise]."""
     return [{"instruction": q, "input": "", "output": [answer(t, 1, rng), answer(t, 0, rng), worse]}
             for t, q, worse, rng in _worse_answers(n, seed, topics, topics)]
 
@@ -138,8 +132,7 @@ def prompt_rows(topics, seed: int, per_topic: int | None = None) -> list[dict]:
 
 
 def pair_rows(n: int, seed: int, topics=HELDOUT_TOPICS) -> list[dict]:
-    """Prompt / chosen / rejected rows; chosen is an on-topic positive answer, rejected alternates between an
-    on-topic negative answer and praise of another topic (any of `TOPICS`)."""
+    """Prompt / chosen (on-topic positive) / rejected (on-topic negative, or praise of any other topic) rows."""
     return [{"prompt": q, "chosen": answer(t, 1, rng), "rejected": worse}
             for t, q, worse, rng in _worse_answers(n, seed, topics, TOPICS)]
 

@@ -42,8 +42,7 @@ def _rank() -> int:
 
 
 def _fault() -> tuple[int, int, str] | None:
-    """The parsed ``RLHF_TRL_FAULT`` for this process, or None. Raises `ValueError` on a malformed value (not
-    ``<save>:<op>[:<action>]`` with positive integers and a known action)."""
+    """The parsed ``RLHF_TRL_FAULT`` for this process, or None. Raises `ValueError`: a malformed value."""
     spec = os.environ.get(FAULT_ENV)
     if not spec or _rank() != int(os.environ.get(FAULT_RANK_ENV, "0")):
         return None
@@ -55,9 +54,8 @@ def _fault() -> tuple[int, int, str] | None:
 
 
 def file_op(kind: str, path: str, do=None):
-    """Count one file operation of a checkpoint save and run ``do()`` (if given), honouring ``RLHF_TRL_FAULT``;
-    outside `checkpoint_save` this only runs ``do()``. Returns what ``do()`` returns. Raises `OSError` for an injected
-    ``enospc`` / ``erofs`` fault at this operation (errno ENOSPC / EROFS, naming ``path``)."""
+    """Count one file operation of a checkpoint save and run ``do()`` (if given), honouring ``RLHF_TRL_FAULT``; returns
+    what ``do()`` returns. Raises `OSError`: an injected ``enospc`` / ``erofs`` fault (naming ``path``)."""
     global _ops
     if not _active:
         return do() if do is not None else None
@@ -91,8 +89,7 @@ def _counting_open(file, mode="r", *args, **kwargs):
 
 @contextmanager
 def checkpoint_save():
-    """Mark one checkpoint save: inside, file operations are counted (and faults injected; see the module docstring).
-    Without ``RLHF_TRL_FAULT`` / ``RLHF_TRL_FAULT_LOG`` in the environment this does nothing."""
+    """Mark one checkpoint save: inside, file operations are counted and faults injected (if the environment asks)."""
     global _saves, _ops, _active
     if not (os.environ.get(FAULT_ENV) or os.environ.get(FAULT_LOG_ENV)) or _active:
         yield
@@ -123,8 +120,7 @@ def checkpoint_save():
 def fsync_path(path: str) -> None:
     """fsync one file or directory (a counted file operation). Raises `OSError`: refused (e.g. EIO) or injected."""
     def do():
-        flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0)
-        fd = os.open(path, flags)
+        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0))
         try:
             os.fsync(fd)
         finally:
@@ -134,8 +130,7 @@ def fsync_path(path: str) -> None:
 
 
 def fsync_tree(root: str) -> None:
-    """fsync every file under ``root``, then every directory bottom-up (``root`` last), so that a rename that
-    publishes ``root`` afterwards never exposes data still only in the page cache."""
+    """fsync every file under ``root``, then each directory bottom-up, so that renaming ``root`` publishes it whole."""
     for folder, _dirs, files in sorted(os.walk(root, topdown=False)):
         for name in sorted(files):
             fsync_path(os.path.join(folder, name))
@@ -165,8 +160,7 @@ def publish(staged: str, final: str, aside: str | None = None) -> None:
 
 
 class CheckpointWriteError(OSError):
-    """Writing ``checkpoint-N`` failed (full disk, read-only ``output_dir``, ...): nothing was published, the earlier
-    checkpoints are untouched. One-line message naming the refused path and the newest complete checkpoint."""
+    """Writing ``checkpoint-N`` failed, nothing published; one line naming the path and the newest good checkpoint."""
 
     def __init__(self, name: str, root: str, cause: OSError, newest: str | None = None):
         where = cause.filename or root

@@ -16,8 +16,7 @@ LOOP_STATE_NAME = "loop_state.json"
 
 
 def with_loop_state(trainer_cls):
-    """``trainer_cls`` (a `transformers.Trainer` subclass with `rlhf_trl.checkpoints.AtomicCheckpointMixin`, e.g.
-    ``with_atomic_checkpoints(trl.SFTTrainer)``) with `LoopStateMixin` mixed in before it."""
+    """``trainer_cls`` (a Trainer with `AtomicCheckpointMixin`) with `LoopStateMixin` mixed in before it."""
     return type(trainer_cls.__name__, (LoopStateMixin, trainer_cls), {})
 
 
@@ -54,8 +53,7 @@ class LoopStateMixin:
         return super()._run_epoch(*args, **kwargs)
 
     def _restore_loop_state(self, ckpt: str) -> None:
-        """Put back this process's entry of ``ckpt/loop_state.json`` (none: a warning). Raises `ValueError`: the file
-        holds another number of processes than this run has."""
+        """Put back this process's entry of ``ckpt/loop_state.json``. Raises `ValueError`: another process count."""
         self._loop_state_restored = True
         path = os.path.join(ckpt, LOOP_STATE_NAME)
         if not os.path.exists(path):

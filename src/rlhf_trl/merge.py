@@ -24,9 +24,8 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def read_adapter_config(adapter_dir: str) -> dict:
-    """``adapter_config.json`` of a peft adapter directory, as a dict. Raises `StageInputError`: ``adapter_dir`` does
-    not exist, holds no ``adapter_config.json`` or no adapter weights (`ADAPTER_WEIGHTS`); `ValueError`: the file is
-    not a valid JSON object."""
+    """``adapter_config.json`` of a peft adapter directory, as a dict. Raises `StageInputError`: no directory, config or
+    weights (`ADAPTER_WEIGHTS`); `ValueError`: not a valid JSON object."""
     if not os.path.isdir(adapter_dir):
         raise StageInputError(f"--adapter: no LoRA adapter at '{adapter_dir}' (directory not found)")
     path = os.path.join(adapter_dir, "adapter_config.json")
@@ -48,9 +47,8 @@ def read_adapter_config(adapter_dir: str) -> dict:
 
 
 def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
-    """Refuse an ``--output`` whose replacement would delete an input or unrelated files: the adapter or base
-    directory or one holding either, a file, or a non-empty directory without ``config.json``. Raises `RecipeError`:
-    one line naming ``--output`` and what it would replace."""
+    """Refuse an ``--output`` whose replacement would delete inputs or other files (the adapter or base directory or one
+    holding either, a file, a non-empty directory without ``config.json``): `RecipeError`, one line."""
     out = os.path.realpath(output_dir)
     for what, path in (("adapter", adapter_dir), ("base model", base)):
         if not os.path.isdir(path):
@@ -70,13 +68,12 @@ def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
 
 def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dtype=None,
                   trust_remote_code: bool = False, allow_pickle: bool = False):
-    """Merge the LoRA adapter in ``adapter_dir`` into its base and save a plain model (with tokenizer and
-    ``README.md``) to ``output_dir``: a new or empty directory, or an earlier merged model (replaced atomically).
-    ``base``: default the adapter config's ``base_model_name_or_path`` (as given, else relative to ``adapter_dir``).
-    Returns the merged `transformers` model (eval mode). Every check runs before anything is loaded or written. Raises
-    `StageInputError`: the adapter (config or weights) or the base is missing; `RecipeError`: see `check_output`;
-    `ValueError`: an adapter config that is not valid JSON, a task type other than CAUSAL_LM / SEQ_CLS, a non-LoRA
-    adapter, or no base."""
+    """Merge the LoRA adapter in ``adapter_dir`` into its base and save a plain model (with tokenizer and ``README.md``)
+    to ``output_dir``: a new or empty directory, or an earlier merged model (replaced atomically). ``base``: default the
+    adapter's ``base_model_name_or_path`` (as given, else relative to ``adapter_dir``). Returns the merged model (eval
+    mode). Every check runs before anything is loaded or written. Raises `StageInputError`: the adapter or the base is
+    missing; `RecipeError`: see `check_output`; `ValueError`: bad JSON, a task type other than CAUSAL_LM / SEQ_CLS, a
+    non-LoRA adapter, or no base."""
     from peft import PeftModel
 
     config = read_adapter_config(adapter_dir)
@@ -114,17 +111,15 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
 def model_card(adapter_dir: str, base_path: str, task_type: str, tokenizer_src: str, config: dict) -> str:
     """The text of the merged model's ``README.md``: base model, task type, adapter and how it was made."""
     auto = "AutoModelForCausalLM" if task_type == "CAUSAL_LM" else "AutoModelForSequenceClassification"
-    return (
-        "# Merged model (rlhf_trl)\n\n"
-        f"- base model: `{base_path}`\n"
-        f"- task type: `{task_type}` — load with `transformers.{auto}.from_pretrained(<this dir>)`"
-        + (" (num_labels=1, trained `score` head included)\n" if task_type == "SEQ_CLS" else "\n")
-        + f"- LoRA adapter merged in: `{os.path.abspath(adapter_dir)}` (r={config.get('r')}, "
-        f"lora_alpha={config.get('lora_alpha')}, target_modules={config.get('target_modules')}, "
-        f"modules_to_save={config.get('modules_to_save')})\n"
-        f"- tokenizer from: `{tokenizer_src}`\n"
-        f"- made by: `rlhf-trl merge --adapter {adapter_dir} --output <this dir>` (peft `merge_and_unload`)\n"
-    )
+    return ("# Merged model (rlhf_trl)\n\n"
+            f"- base model: `{base_path}`\n"
+            f"- task type: `{task_type}` — load with `transformers.{auto}.from_pretrained(<this dir>)`"
+            + (" (num_labels=1, trained `score` head included)\n" if task_type == "SEQ_CLS" else "\n")
+            + f"- LoRA adapter merged in: `{os.path.abspath(adapter_dir)}` (r={config.get('r')}, "
+            f"lora_alpha={config.get('lora_alpha')}, target_modules={config.get('target_modules')}, "
+            f"modules_to_save={config.get('modules_to_save')})\n"
+            f"- tokenizer from: `{tokenizer_src}`\n"
+            f"- made by: `rlhf-trl merge --adapter {adapter_dir} --output <this dir>` (peft `merge_and_unload`)\n")
 
 
 def main(argv: list[str] | None = None) -> dict:

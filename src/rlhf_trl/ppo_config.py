@@ -99,8 +99,7 @@ def check_config(args: PPOConfig) -> None:
 
 def sampling_config(args: PPOConfig, eos_ids: list[int] | None, pad_token_id: int,
                     temperature: float | None = None) -> GenerationConfig:
-    """Rollout sampling from ``softmax(logits / (temperature + 1e-7))`` alone (TRL 1.12's; default the recipe's
-    temperature), ``response_length`` new tokens, stopping at any of ``eos_ids`` (None: never)."""
+    """Rollout sampling of ``softmax(logits / (temperature + 1e-7))`` alone (TRL 1.12's) to ``eos_ids`` (None: none)."""
     temperature = args.temperature if temperature is None else temperature
     config = sampling_generation_config(temperature + 1e-7, args.response_length, eos_ids or [], pad_token_id)
     if eos_ids is None:

@@ -42,8 +42,7 @@ class OnlineTrainerState(TrainerState):
 
 
 class PolicyAndValue(nn.Module):
-    """Policy and value model as one module, so that one ``accelerator.prepare`` (DDP, DeepSpeed, FSDP) covers both
-    and one forward pass (through the wrapper, as DDP needs) trains both."""
+    """Policy and value model as one module: one ``accelerator.prepare`` and one forward (the wrapper's) for both."""
 
     def __init__(self, policy, value_model):
         super().__init__()
@@ -52,12 +51,10 @@ class PolicyAndValue(nn.Module):
 
     def forward(self, query_responses: torch.Tensor, context_length: int, pad_token_id: int, temperature: float,
                 chunk_size: int):
-        """``[b, T]`` ids -> ``(logprobs [b, R], entropy [b, R], values [b, R])``: policy log-probs of the response
-        tokens, their entropy (no gradient) and the value model's estimate at each response position's context."""
+        """``[b, T]`` ids -> ``(logprobs, entropy, values)``, each ``[b, R]`` (entropy without gradient)."""
         logprobs, entropy = response_logprobs(self.policy, query_responses, context_length, pad_token_id,
                                               temperature, chunk_size, with_entropy=True)
-        values = response_values(self.value_model, query_responses, context_length, pad_token_id)
-        return logprobs, entropy, values
+        return logprobs, entropy, response_values(self.value_model, query_responses, context_length, pad_token_id)
 
 
 def _fp32(accelerator):
@@ -66,14 +63,12 @@ def _fp32(accelerator):
 
 
 class PPOEngine(Trainer):
-    """PPO of a policy (a causal LM, or a peft model for LoRA) and a value model (a sequence classifier) against a
-    reward model (None: ``reward_functions`` give all the reward) and/or `rlhf_trl.rewards.RewardFunctions` of the
-    decoded prompts and completions (with ``reward_columns(rows)`` as keyword columns). A `transformers.Trainer` whose
-    ``__init__`` is not run (it would wrap a single model; `_set_trainer_machinery` sets what it would). ``ref_model``
-    None: the peft policy with its adapter disabled, else a frozen copy. Datasets: rows of ``input_ids`` (and an
-    optional ``row``). ``eos_token_ids``: default the tokenizer's EOS (None with ``stop_token`` unset). Raises
-    `ValueError`: the reference is the policy itself; ``offload_reward_model`` under DeepSpeed / FSDP or with a reward
-    model that shares the value model's weights."""
+    """PPO of a policy (a causal LM, or a peft model for LoRA) and a value model against a reward model (None:
+    ``reward_functions`` give all the reward) and/or `rlhf_trl.rewards.RewardFunctions` of the decoded prompts and
+    completions (with ``reward_columns(rows)`` as keyword columns). A `transformers.Trainer` whose ``__init__`` is not
+    run (`_set_trainer_machinery` sets what it would). ``ref_model`` None: the peft policy with its adapter disabled,
+    else a frozen copy. ``eos_token_ids``: default the tokenizer's EOS. Raises `ValueError`: the reference is the policy
+    itself; ``offload_reward_model`` under DeepSpeed / FSDP or with shared reward / value weights."""
 
     def __init__(self, args: PPOConfig, processing_class, model, ref_model, reward_model, train_dataset,
                  value_model, data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None,
@@ -91,8 +86,7 @@ class PPOEngine(Trainer):
             ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.ref_model, self.reward_model, self.value_model = ref_model, reward_model, value_model
         self.reward_functions, self.reward_columns = reward_functions, reward_columns
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.train_dataset_len = len(train_dataset)
+        self.train_dataset, self.eval_dataset, self.train_dataset_len = train_dataset, eval_dataset, len(train_dataset)
         self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = None
@@ -144,8 +138,7 @@ class PPOEngine(Trainer):
             os.makedirs(args.output_dir, exist_ok=True)
 
     def _prepare(self) -> None:
-        """Data loaders and ``accelerator.prepare``: the shuffle is drawn from ``seed`` on every process, then each
-        process reseeds for its own sampling; reward model and reference prepared for inference."""
+        """Data loaders (one shuffle on all processes, then a seed each) and ``accelerator.prepare`` of the models."""
         args, acc = self.args, self.accelerator
         self.dataloader = DataLoader(self.train_dataset, batch_size=args.local_batch_size, shuffle=True,
                                      collate_fn=self.data_collator, drop_last=True)
@@ -219,10 +212,9 @@ class PPOEngine(Trainer):
     @torch.no_grad()
     def rollout(self, queries: torch.Tensor, rows: torch.Tensor | None, update: int) -> dict:
         """Sample and score responses to left-padded prompts ``queries [b, Q]``: a dict of ``query_responses [b, T]``,
-        ``responses [b, R]`` (as sampled), ``logprobs / ref_logprobs / values [b, R]`` (unmasked; values None with
-        ``single_value_forward``), ``sequence_lengths [b]`` (index of the last real response token), ``scores [b]``
-        (reward units: RM score - baseline + reward functions - EOS penalty), ``ended [b]`` (bool: the response holds
-        an EOS id) and ``fn_values`` (per reward function, ``[b]``)."""
+        ``responses [b, R]``, ``logprobs / ref_logprobs / values [b, R]`` (unmasked; values None with
+        ``single_value_forward``), ``sequence_lengths [b]`` (last real response token), ``scores [b]`` (reward units: RM
+        score - baseline + reward functions - EOS penalty), ``ended [b]`` and ``fn_values`` (per function)."""
         args, tok = self.args, self.processing_class
         pad, context, step = tok.pad_token_id, queries.shape[1], args.local_rollout_forward_batch_size
         with self.generation_policy() as policy:
@@ -280,13 +272,11 @@ class PPOEngine(Trainer):
                 yield mb, k, mini[micro_start:micro_start + args.per_device_train_batch_size]
 
     def value_step(self, ro: dict, order: np.ndarray) -> list[dict]:
-        """The value model's part of an update with ``single_value_forward`` (docs/ppo-engine.md): per micro-batch
-        of ``order``, one forward with gradient gives ``values [micro, R]`` (into ``ro["values"] [b, R]``), their GAE
-        returns and the value loss, back-propagated at once (x ``vf_coef``); then AdamW steps the value model alone.
-        Returns each micro-batch's value-loss statistics (`ppo_math.value_loss`)."""
+        """The value model's part of an update with ``single_value_forward`` (docs/ppo-engine.md): per micro-batch of
+        ``order``, one forward with gradient gives ``values [micro, R]`` (into ``ro["values"]``) and the value loss,
+        back-propagated at once; then AdamW steps the value model alone. Returns the value-loss statistics."""
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
-        context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
-        fp32 = _fp32(acc)
+        context, fp32 = ro["query_responses"].shape[1] - ro["responses"].shape[1], _fp32(acc)
         values, stats = None, []
         self.model.train()
         for _, _, idx in self.micro_batches(order):
@@ -375,8 +365,7 @@ class PPOEngine(Trainer):
     def update_metrics(self, ro: dict, adv: dict, stats: dict, start_time: float) -> dict:
         """The logged statistics of one update (TRL 1.12's names), averaged over processes."""
         g = self.accelerator.gather_for_metrics
-        kl_sum = adv["kl"].sum(1).mean()
-        entropy = ((-adv["logprobs"]) * (~adv["padding_mask"]).float()).sum(1).mean()
+        kl_sum, entropy = adv["kl"].sum(1).mean(), ((-adv["logprobs"]) * (~adv["padding_mask"]).float()).sum(1).mean()
         non_score = adv["non_score_reward"].sum(1).mean()
         metrics = {"eps": int(self.state.episode / max(time.time() - start_time, 1e-9)),
                    "objective/kl": g(kl_sum).mean().item(), "objective/entropy": g(entropy).mean().item(),
@@ -409,8 +398,7 @@ class PPOEngine(Trainer):
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped = self.model
-        batches = self.batches()
-        start_time = time.time()
+        batches, start_time = self.batches(), time.time()
         for update in range(done + 1, args.num_total_batches + 1):
             self.state.episode += args.batch_size
             data = next(batches)
@@ -474,8 +462,7 @@ class PPOEngine(Trainer):
         """Sample tables (hook for subclasses; the engine writes none)."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the policy only (adapter or full weights) as the Trainer's checkpoint model files; call on every
-        process (DeepSpeed: the engine's state dict is gathered and its ``policy.`` entries saved)."""
+        """Save the policy only as the checkpoint's model files; call on every process (DeepSpeed gathers the state)."""
         wrapper, self.model = self.model, self.unwrapped.policy
         try:
             if not self.is_deepspeed_enabled:

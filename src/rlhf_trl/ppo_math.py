@@ -19,9 +19,8 @@ def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits)[..., index]`` without a second ``[..., V]`` tensor: ``[b, R, V], [b, R] -> [b, R]``.
-    fp32 / fp64: gathered logit minus a per-row logsumexp; lower precisions: a per-row log_softmax (logsumexp in bf16
-    loses too much). Same computation as TRL's ``trl.trainer.utils.selective_log_softmax``."""
+    """``log_softmax(logits)[..., index]`` without a second ``[..., V]`` tensor, ``[b, R, V], [b, R] -> [b, R]``, as
+    TRL's ``selective_log_softmax`` (fp32 / fp64: logit minus logsumexp; else a per-row log_softmax)."""
     if logits.dtype in (torch.float32, torch.float64):
         selected = torch.gather(logits, -1, index.unsqueeze(-1)).squeeze(-1)
         return selected - torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
@@ -31,8 +30,7 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` per position, in nats: ``[b, R, V] -> [b, R]``."""
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -41,8 +39,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Variance of ``values`` where ``mask`` is true, Bessel-corrected. Raises `ValueError`: the mask selects nothing (a
-    mini-batch of one empty response)."""
+    """Bessel-corrected variance of ``values`` where ``mask`` is true. Raises `ValueError`: the mask selects nothing."""
     count = mask.sum()
     if count == 0:
         raise ValueError("whitening over an empty mask: raise the mini-batch size")
@@ -100,9 +97,7 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
     """Generalized advantage estimation, backwards (Schulman et al. 2016, eq. 16): ``delta_t = r_t + gamma * V_{t+1} -
     V_t`` (``V_R = 0``), ``A_t = delta_t + gamma * lam * A_{t+1}``, ``returns = A + V``. ``rewards, values [b, R] ->
     (advantages [b, R], returns [b, R])``; padded positions must hold zero values and rewards."""
-    width = rewards.shape[1]
-    last = torch.zeros_like(rewards[:, 0])
-    reversed_advantages = []
+    width, last, reversed_advantages = rewards.shape[1], torch.zeros_like(rewards[:, 0]), []
     for t in reversed(range(width)):
         next_value = values[:, t + 1] if t < width - 1 else 0.0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
@@ -119,12 +114,10 @@ def policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
     ``ratio`` (mean probability ratio, all positions), ``approxkl`` (``0.5 * mean(log_ratio^2)``)."""
     log_ratio = new_logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    unclipped, clipped = -advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     loss = masked_mean(torch.max(unclipped, clipped), mask)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).float(), mask)
-        approxkl = 0.5 * (log_ratio ** 2).mean()
+        clipfrac, approxkl = masked_mean((clipped > unclipped).float(), mask), 0.5 * (log_ratio ** 2).mean()
     return {"loss": loss, "clipfrac": clipfrac, "ratio": ratio.mean().detach(), "approxkl": approxkl}
 
 
@@ -146,10 +139,9 @@ def compute_advantages(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, value
                        whiten_advantages: bool = True) -> dict[str, torch.Tensor]:
     """Step 3 of a PPO update, as TRL 1.12's PPOTrainer: ``logprobs, ref_logprobs [b, R]`` (nats, unmasked), ``values
     [b, R]``, ``scores [b]`` (reward units), ``sequence_lengths [b]`` -> dict of ``[b, R]`` tensors: ``padding_mask``
-    (log-probs'), ``padding_mask_p1`` (values', one position later), ``logprobs`` and ``values`` masked
-    (`INVALID_LOGPROB`, 0), ``kl`` (`kl_estimate`), ``non_score_reward`` (``-kl_coef * kl``), ``advantages`` (`gae`,
-    whitened over the batch's real tokens if ``whiten_advantages``) and ``returns`` (before whitening).
-    ``whiten_rewards`` whitens the shaped rewards first (without shifting their mean)."""
+    (log-probs'), ``padding_mask_p1`` (values'), ``logprobs`` and ``values`` masked (`INVALID_LOGPROB`, 0), ``kl``,
+    ``non_score_reward`` (``-kl_coef * kl``), ``advantages`` (`gae`; whitened over real tokens if ``whiten_advantages``)
+    and ``returns``. ``whiten_rewards`` whitens the shaped rewards first (without shifting their mean)."""
     width = logprobs.shape[1]
     padding_mask = response_padding_mask(sequence_lengths, width)
     padding_mask_p1 = value_padding_mask(sequence_lengths, width)

@@ -42,16 +42,14 @@ _warned: set[str] = set()
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function failed during PPO: it raised, or returned something that is not ``[batch]`` finite numbers.
-    The one-line message names the function's entry and the update."""
+    """A reward function raised or returned no ``[batch]`` finite numbers (one line: the entry and the update)."""
 
 
 class RewardFunctions:
     """Reward functions with one finite weight each (None: 1.0 each); calling it scores a batch of completions.
-    ``specs``: the recipe entries (for messages; default ``module:qualname``). ``names``: unique short names (``_2``,
-    ``_3`` ... on repeats) for ``objective/reward_fn/<name>``; ``last_values``: name -> the last call's unweighted
-    ``[batch]`` float32 values. Raises `ValueError` (one line): no function, a weight count other than the function
-    count, a non-finite weight, or a function that takes no ``prompts`` / ``completions``."""
+    ``specs``: the recipe entries (default ``module:qualname``); ``names``: unique short names for
+    ``objective/reward_fn/<name>``; ``last_values``: name -> the last call's unweighted ``[batch]`` float32 values.
+    Raises `ValueError` (one line): no function, bad weights, a function without ``prompts`` / ``completions``."""
 
     def __init__(self, functions: Sequence[Callable], weights: Sequence[float] | None = None,
                  specs: Sequence[str] | None = None):
@@ -112,10 +110,9 @@ class RewardFunctions:
 
 
 def load_reward_functions(specs: list[str] | None, weights: list[float] | None = None) -> RewardFunctions | None:
-    """The recipe's ``reward_funcs`` (a string counts as a list of one) with their ``reward_weights`` (None or ``[]``:
-    1.0 each) as `RewardFunctions`; None without ``specs``. Raises `ValueError` (one line, naming the recipe key and
-    the entry): an entry in neither form; weights without functions, of another count or not finite; a module or file
-    that cannot be imported (with the root cause); no such callable; no ``prompts`` / ``completions``."""
+    """The recipe's ``reward_funcs`` (a string: a list of one) and ``reward_weights`` (None or ``[]``: 1.0 each) as
+    `RewardFunctions`; None without ``specs``. Raises `ValueError` (one line, naming the key and the entry): a bad entry
+    or weights, a failed import (with the root cause), no such callable, no ``prompts`` / ``completions``."""
     specs = [specs] if isinstance(specs, str) else list(specs or [])
     weights = [weights] if isinstance(weights, numbers.Real) else (list(weights) if weights else None)
     if not specs:
@@ -132,9 +129,8 @@ def load_reward_functions(specs: list[str] | None, weights: list[float] | None =
 
 def reward_columns(records: list[dict]) -> dict[str, list]:
     """The keyword columns of reward functions for prompt records (one per completion), name -> ``[batch]`` list:
-    ``question`` (normalised), ``system`` (the record's system turn, else its ``system`` column, else None), then each
-    extra column (``record["columns"]``, in order of first appearance; None where missing) but ``question``,
-    ``prompts`` and ``completions`` (a warning, once each)."""
+    ``question``, ``system`` (the record's, else its ``system`` column, else None), then each extra column (in order of
+    first appearance; None where missing) but ``question``, ``prompts`` and ``completions`` (a warning, once each)."""
     extras = [r.get("columns") or {} for r in records]
     out: dict[str, list] = {"question": [r["question"] for r in records], "system": [
         r["system"] if r.get("system") is not None else e.get("system") for r, e in zip(records, extras)]}
@@ -178,8 +174,7 @@ def _check_weights(weights, specs: Sequence[str]) -> list[float]:
 def _resolve(i: int, spec: str, module_name: str, attr: str) -> Callable:
     where = f"reward_funcs[{i}] {spec!r}"
     if module_name.endswith(".py"):
-        module = _import_file(where, module_name)
-        owner = f"file {module_name!r}"
+        module, owner = _import_file(where, module_name), f"file {module_name!r}"
     else:
         try:
             module = importlib.import_module(module_name)
@@ -225,9 +220,8 @@ def _keywords(fn: Callable) -> frozenset[str] | None:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return None if any(p.kind is p.VAR_KEYWORD for p in params) else frozenset(
+        p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def _unique_names(specs: Sequence[str]) -> list[str]:
@@ -257,8 +251,7 @@ def _short(value) -> str:
 
 def _check_output(out, n: int, spec: str, update: int) -> list[float]:
     """``out`` as ``n`` floats; RewardFunctionError for anything but a 1-D sequence of ``n`` finite numbers."""
-    head = f"reward function {spec} at update {update}: returned"
-    kind = "None" if out is None else type(out).__name__
+    head, kind = f"reward function {spec} at update {update}: returned", "None" if out is None else type(out).__name__
     if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):  # torch / numpy arrays and scalars
         if getattr(out, "ndim", 1) != 1:
             raise RewardFunctionError(f"{head} a {kind} of shape {tuple(out.shape)}, not a list of numbers")

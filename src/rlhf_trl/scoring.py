@@ -64,25 +64,22 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
 
 
 def _parts(model, head: str):
-    """``(backbone, head)`` of a causal LM (``head="lm"``) or sequence classifier (``"score"``), a peft model on
-    one, or `rlhf_trl.reward_models.SharedBaseRewardModel`."""
+    """``(backbone, head)`` of a (peft) causal LM (``head="lm"``), classifier or shared-base RM (``"score"``)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return getattr(base, base.base_model_prefix), (base.get_output_embeddings() if head == "lm" else base.score)
 
 
 def eos_mask(tokens: torch.Tensor, eos_token_ids) -> torch.Tensor:
     """``True`` where a token is any of ``eos_token_ids`` (an int or a list): ``[batch, seq_len]`` -> the same."""
-    ids = torch.as_tensor(eos_token_ids if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids],
-                          device=tokens.device, dtype=tokens.dtype)
-    return torch.isin(tokens, ids)
+    ids = eos_token_ids if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids]
+    return torch.isin(tokens, torch.as_tensor(ids, device=tokens.device, dtype=tokens.dtype))
 
 
 def truncate_at_eos(responses: torch.Tensor, eos_token_ids, pad_token_id: int) -> torch.Tensor:
-    """Replace every token after the first EOS (any of ``eos_token_ids``, kept) of each row by ``pad_token_id``:
-    ``[batch, response_len]`` -> the same. TRL 1.12's ``truncate_response`` for a list of EOS ids."""
+    """Pad every token after each row's first EOS (kept): ``[b, R] -> [b, R]``; TRL 1.12's ``truncate_response``."""
     first = pm.first_true_indices(eos_mask(responses, eos_token_ids))  # [batch]
-    after = torch.arange(responses.shape[1], device=responses.device)[None, :] > first[:, None]
-    return responses.masked_fill(after, pad_token_id)
+    return responses.masked_fill(torch.arange(responses.shape[1], device=responses.device)[None, :] > first[:, None],
+                                 pad_token_id)
 
 
 @torch.no_grad()
@@ -91,8 +88,7 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
     """Sample one response per left-padded prompt, ``batch`` prompts per ``generate`` call: ``queries [b, Q]`` ->
     ``(query_responses [b, Q + R], logprobs [b, R])`` (right-padded with ``pad_token_id`` / 0.0; log-probs under
     ``logits / temperature``). TRL 1.12's ``batch_generation``, with one ``[rows, vocab]`` log-softmax per step."""
-    context = queries.shape[1]
-    config = copy.deepcopy(generation_config)
+    context, config = queries.shape[1], copy.deepcopy(generation_config)
     config.return_dict_in_generate, config.output_scores = True, True  # the sampling logits give the log-probs
     pieces, logps = [], []
     for i in range(0, queries.shape[0], batch):
@@ -111,9 +107,7 @@ def generate_rollouts(policy, queries: torch.Tensor, pad_token_id: int, generati
 
 def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, max_new_tokens: int,
            temperature: float, seed: int, batch_size: int = 64) -> list[tuple[list[int], bool]]:
-    """Sample one response per prompt (lists of ids) as PPO rollouts do (`rlhf_trl.models.sampling_generation_config`),
-    up to any of ``eos_token_ids`` (an int or a list) or ``max_new_tokens``, the RNG seeded with ``seed`` once.
-    Returns ``(response ids, ended with EOS)`` per prompt: the ids up to and including the first EOS, else all."""
+    """PPO's sampling of one response per prompt: ``(ids through the first EOS, ended with EOS)`` each, seeded once."""
     eos = list(eos_token_ids) if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids]
     config = sampling_generation_config(temperature, max_new_tokens, eos, pad_token_id)
     model.eval()
@@ -126,18 +120,15 @@ def sample(model, prompts: list[list[int]], pad_token_id: int, eos_token_ids, ma
 
 
 def response_hidden(backbone, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
-    """A backbone's last hidden states before each response token (positions ``context_length - 1 .. T - 2``; the last
-    token is not fed): ``[b, T] -> [b, R, hidden]``, ``R = T - context_length``."""
-    hidden = backbone(**model_inputs(query_responses[:, :-1], pad_token_id)).last_hidden_state
-    return hidden[:, context_length - 1:]
+    """A backbone's last hidden states before each response token (last token not fed): ``[b, T] -> [b, R, hidden]``."""
+    return backbone(**model_inputs(query_responses[:, :-1], pad_token_id)).last_hidden_state[:, context_length - 1:]
 
 
 def response_logprobs(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                       temperature: float, chunk_size: int = 0, with_entropy: bool = False):
     """Log-probs of the response tokens under ``softmax(logits / temperature)``: ``query_responses [b, T]`` ->
-    ``logprobs [b, R]`` (and ``entropy [b, R]`` in nats, without gradient). Logits are formed for the response
-    positions only, ``chunk_size`` at a time (0: all at once), each chunk checkpointed under autograd (its
-    ``[b, chunk, vocab]`` logits recomputed in backward). The engine passes TRL 1.12's ``temperature + 1e-7``."""
+    ``logprobs [b, R]`` (and ``entropy [b, R]``, nats, no gradient). Logits are formed ``chunk_size`` response positions
+    at a time (0: all), each chunk checkpointed under autograd. The engine passes TRL 1.12's ``temperature + 1e-7``."""
     backbone, lm_head = _parts(policy, "lm")
     hidden = response_hidden(backbone, query_responses, context_length, pad_token_id)
     response = query_responses[:, context_length:]
@@ -164,15 +155,13 @@ def response_logprobs(policy, query_responses: torch.Tensor, context_length: int
 
 
 def response_values(model, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
-    """A value model's estimates before each response token: ``[b, T] -> [b, R]`` (reward units): the score head on
-    `response_hidden`, TRL 1.12's ``values[:, context_length - 1 : -1]``."""
+    """The score head on `response_hidden`: value estimates (reward units), ``[b, T] -> [b, R]``, as TRL 1.12's."""
     backbone, head = _parts(model, "score")
     return head(response_hidden(backbone, query_responses, context_length, pad_token_id)).squeeze(-1)
 
 
 def last_token_index(query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0) -> torch.Tensor:
-    """Index of each row's last real token, before the first pad after ``context_length``: ``[batch, seq_len] ->
-    [batch]``. Raises `ValueError`: a row holds only pad tokens."""
+    """Each row's last real token after ``context_length``: ``[b, T] -> [b]``. Raises `ValueError`: only pads."""
     last = pm.first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     if bool((last < 0).any()):
         raise ValueError("a sequence holds only pad tokens")
@@ -180,9 +169,8 @@ def last_token_index(query_responses: torch.Tensor, pad_token_id: int, context_l
 
 
 def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
-    """The reward model's score of each sequence, read at its last non-pad response token: ``[b, T] -> [b]`` (reward
-    units). TRL 1.12's ``get_reward`` (``[1]`` of its result), fed the tokens up to the latest such token. Raises
-    `ValueError`: a row has no real token to score (`last_token_index`)."""
+    """The reward model's score at each sequence's last non-pad response token, ``[b, T] -> [b]`` (reward units): TRL
+    1.12's ``get_reward``. Raises `ValueError`: a row has no real token to score (`last_token_index`)."""
     last = last_token_index(query_responses, pad_token_id, context_length)
     backbone, head = _parts(model, "score")
     hidden = backbone(**model_inputs(query_responses[:, :int(last.max()) + 1], pad_token_id)).last_hidden_state
@@ -191,12 +179,10 @@ def sequence_scores(model, query_responses: torch.Tensor, pad_token_id: int, con
 
 @torch.no_grad()
 def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_size: int = 16) -> torch.Tensor:
-    """Reward-model scores of token id sequences, ``[num_sequences]`` float32 on CPU: `sequence_scores` on right-padded
-    batches, as PPO reads rewards (``model`` may be a `peft.PeftModel`). Raises `ValueError`: an empty sequence."""
+    """RM scores ``[num_sequences]`` (float32, CPU) of id sequences, as PPO reads them. Raises `ValueError`: empty."""
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    scores = []
+    device, scores = next(model.parameters()).device, []
     for i in range(0, len(sequences), batch_size):
         ids = pad_right(sequences[i: i + batch_size], pad_token_id).to(device)
         scores.append(sequence_scores(model, ids, pad_token_id, 0).float().cpu())
@@ -205,8 +191,7 @@ def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_
 
 
 def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, rejected_len) -> dict:
-    """Pairwise accuracy, mean margin and the length-only baseline ("the longer response wins", ties count half)
-    for ``[num_pairs]`` score tensors."""
+    """Pairwise accuracy, mean margin and length-only baseline (longer wins, ties half) of ``[num_pairs]`` scores."""
     chosen_len, rejected_len = (torch.as_tensor(n, dtype=torch.float) for n in (chosen_len, rejected_len))
     longer = (chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()
     return {"accuracy": float((chosen > rejected).float().mean()), "margin": float((chosen - rejected).mean()),

@@ -16,8 +16,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 
 def train_bpe_tokenizer(texts: list[str], output_dir: str, vocab_size: int = 1000):
-    """Train and save a byte-level BPE tokenizer with Qwen-style special tokens (EOS ``<|endoftext|>``, a distinct pad
-    ``<|pad|>``) on ``texts``. Returns the loaded tokenizer."""
+    """Train and save a byte-level BPE tokenizer on ``texts`` (EOS ``<|endoftext|>``, pad ``<|pad|>``); returns it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -38,9 +37,7 @@ def train_bpe_tokenizer(texts: list[str], output_dir: str, vocab_size: int = 100
 def build_tiny_qwen2(tokenizer, output_dir: str, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                      intermediate_size: int | None = None, max_position_embeddings: int = 512, seed: int = 0,
                      **config_overrides):
-    """Build a randomly initialized `Qwen2ForCausalLM` sized to ``tokenizer``, save it with the tokenizer and return it.
-    ``config_overrides`` replace `Qwen2Config` fields, e.g. ``vocab_size`` or ``num_key_value_heads``. Raises
-    `ValueError`: ``vocab_size`` is smaller than ``len(tokenizer)``."""
+    """A random-init `Qwen2ForCausalLM` sized to ``tokenizer``, saved with it. Raises `ValueError`: too few tokens."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

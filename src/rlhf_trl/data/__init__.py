@@ -1,4 +1,5 @@
-"""The one data formatter shared by SFT, reward-model and PPO stages, in three steps:
+"""The one data formatter shared by SFT, reward-model and PPO stages (errors name the file, the row and the field:
+`DataError`), in three steps:
 
 1. **read** (`.read`) local files (also compressed), globs, shard directories or a hub dataset, in Arrow batches;
 2. **normalise** (`.normalise`, `.rows`, `.turns`) each row, whatever its format (`FORMATS`), into records: SFT
@@ -7,9 +8,7 @@
    ``on_bad_row``, every skip counted in a `DataReport`;
 3. **tokenize** (`.features`) every stage alike: ``prompt_ids + response_ids + [eos]``, each part tokenized on its own,
    as PPO joins prompt and generated ids, so the reward model scores the very ids it was trained on (joined strings
-   would merge tokens across the ``"答："`` boundary).
-
-Errors name the file, the row and the field (`DataError`)."""
+   would merge tokens across the ``"答："`` boundary)."""
 
 from __future__ import annotations
 
@@ -40,14 +39,12 @@ def sft_records(rows: list[dict], args: DataArguments, source: str) -> list[dict
 
 
 def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """In-memory rows as pairs. Ranked answer lists (best first) give all ordered pairs (``n*(n-1)/2``;
-    ``ranked_pairs='all'``) or the ``n-1`` adjacent ones, ``n`` counting distinct answers. Raises `DataError`."""
+    """In-memory rows as pairs (ranked lists: all ordered or adjacent pairs, `ranked_pairs`). Raises `DataError`."""
     return _normalise("pairs", [rows], args, source)
 
 
 def prompt_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
-    """In-memory rows as prompts: a list of user turns gives turn ``prompt_turn``, a message list everything up to its
-    last user turn; extra scalar columns go to ``"columns"`` (`prompt_columns`). Raises `DataError`."""
+    """In-memory rows as prompts (lists of user turns: ``prompt_turn``; extras: ``"columns"``). Raises `DataError`."""
     return _normalise("prompts", [rows], args, source)
 
 
@@ -102,8 +99,7 @@ def describe_sources(args: DataArguments) -> str:
 
 def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts"],
                  report: DataReport | None = None) -> list[dict]:
-    """Read every source of the recipe (`sources`) into records of ``kind``, streamed in Arrow batches
-    (`.read._arrow_batches`); ``max_samples`` stops reading early. Raises `DataError`."""
+    """Read every source of the recipe (`sources`) into records of ``kind``, in Arrow batches. Raises `DataError`."""
     records = []
     if report is not None:
         report.template = Template.from_args(args).mode

@@ -88,9 +88,8 @@ class DataArguments:
                                  "gb18030, big5, ...); UTF-8 files may start with a BOM.")
 
     def __post_init__(self):
-        choices = {"dataset_format": FORMATS, "ranked_pairs": ("all", "adjacent"),
-                   "length_policy": ("drop", "truncate_prompt"), "on_bad_row": ("error", "skip")}
-        for key, allowed in choices.items():
+        for key, allowed in {"dataset_format": FORMATS, "ranked_pairs": ("all", "adjacent"),
+                             "length_policy": ("drop", "truncate_prompt"), "on_bad_row": ("error", "skip")}.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} must be one of {list(allowed)}, got {getattr(self, key)!r}")
         ranges = {"eval_split_size": (self.eval_split_size, 0, "a fraction < 1 or a row count >= 1, not negative"),
@@ -174,8 +173,7 @@ class Template:
 
     def messages(self, question: str, history: list[tuple[str, str]] | None = None,
                  system: str | None = None) -> list[dict]:
-        """The chat messages ``[{role, content}]`` of a prompt: system turn (the row's, else ``system_prompt``),
-        earlier turns, then the question as the last user turn."""
+        """Chat messages ``[{role, content}]``: system turn (the row's, else ``system_prompt``), history, question."""
         system = system if system is not None else self.system_prompt
         out = [{"role": "system", "content": system}] if system is not None else []
         for q, a in history or []:

@@ -64,8 +64,7 @@ def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
     special = set(tokenizer.all_special_ids) | {
         i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
     ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
-    eot = next((i for i in ids if i in special), None)
-    name = _tokenizer_name(tokenizer)
+    eot, name = next((i for i in ids if i in special), None), _tokenizer_name(tokenizer)
     if eot is None:
         raise ValueError(f"the chat template of '{name}' ends an assistant turn with {tail!r}, which holds no special "
                          "token to end responses with; use a template that closes turns with an EOS token")
@@ -83,8 +82,7 @@ def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
 
 
 def response_eos_id(tokenizer, template: Template) -> int:
-    """The id that ends every response: the chat template's end-of-turn token in chat mode, else the tokenizer's EOS.
-    Raises `ValueError`: see `chat_end_of_turn_id`."""
+    """The id ending every response: EOS, or in chat mode `chat_end_of_turn_id` (raising as it does)."""
     return chat_end_of_turn_id(tokenizer) if template.chat else tokenizer.eos_token_id
 
 
@@ -97,22 +95,19 @@ def encode_prompt(tokenizer, template: Template, question: str, history=None, sy
         return _encode_text(tokenizer, template.format_prompt(question, history, text, system))
     _require_chat_template(tokenizer)
     short = question if len(question) <= 40 else question[:37] + "..."
-    rendered = _render_chat(tokenizer, template.messages(question, history, system), f"the prompt {short!r}",
-                            add_generation_prompt=True)
-    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    return tokenizer(_render_chat(tokenizer, template.messages(question, history, system), f"the prompt {short!r}",
+                                  add_generation_prompt=True), add_special_tokens=False)["input_ids"]
 
 
 def encode_response(tokenizer, template: Template, answer: str, raw: bool = False) -> list[int]:
-    """Token ids of the rendered completion followed by the response EOS (`response_eos_id`), ``[response_len + 1]``;
-    tokenized on its own. ``raw``: the answer verbatim (no completion template)."""
+    """Token ids ``[response_len + 1]``: the completion (``raw``: the answer as is), tokenized alone, then the EOS."""
     return _encode_text(tokenizer, template.format_completion(answer, raw)) + [response_eos_id(tokenizer, template)]
 
 
 def _prompt_ids(tokenizer, template: Template, record: dict) -> list[int]:
     if "messages" in record:  # a tool-calling conversation (chat mode only: `rlhf_trl.data.rows._conversation`)
-        what = f"the tool-calling prompt {record['question'][:30]!r}"
-        rendered = _render_chat(tokenizer, record["messages"], what, tools=record.get("tools"),
-                                add_generation_prompt=True)
+        rendered = _render_chat(tokenizer, record["messages"], f"the tool-calling prompt {record['question'][:30]!r}",
+                                tools=record.get("tools"), add_generation_prompt=True)
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     if template.chat and record.get("text") is not None:  # a transcript: render its turns with the chat template
         markers = record.get("markers", _markers(DEFAULT_HUMAN_MARKER, DEFAULT_ASSISTANT_MARKER))
@@ -133,8 +128,7 @@ def _response_ids(tokenizer, template: Template, record: dict, key: str) -> list
 
 def _rendered_target(tokenizer, record: dict) -> str:
     """The text the chat template renders for ``record["target"]`` after the prompt, cut before its end-of-turn."""
-    kwargs = {"tools": record.get("tools")}
-    what = f"the tool call answering {record['question'][:30]!r}"
+    kwargs, what = {"tools": record.get("tools")}, f"the tool call answering {record['question'][:30]!r}"
     prompt = _render_chat(tokenizer, record["messages"], what, add_generation_prompt=True, **kwargs)
     full = _render_chat(tokenizer, record["messages"] + [record["target"]], what, **kwargs)
     end = tokenizer.convert_ids_to_tokens(chat_end_of_turn_id(tokenizer))
@@ -146,8 +140,7 @@ def _rendered_target(tokenizer, record: dict) -> str:
 
 def _check_records(records: list[dict], tokenizer, template: Template, source: str, length_policy: str = "drop",
                    report: DataReport | None = None):
-    """Check ``length_policy``, chat mode (`chat_end_of_turn_id`) and, for tool-calling rows, a chat template that
-    takes tools; count the system turns a text template without ``{system}`` drops."""
+    """Check ``length_policy``, chat mode, tool support; count system turns dropped (no ``{system}`` slot)."""
     if length_policy not in ("drop", "truncate_prompt"):
         raise ValueError(f"length_policy must be 'drop' or 'truncate_prompt', got {length_policy!r}")
     if template.chat:
@@ -166,8 +159,7 @@ def _check_records(records: list[dict], tokenizer, template: Template, source: s
 
 
 def _tally(report: DataReport, source: str, split: str, total: int, limit: int | None, counts: tuple, **lengths):
-    """Log each non-zero count (``source: n of total <what>=<limit> tokens``) and add it, and the token lengths
-    (``lengths``: part -> tokens per row), to ``report`` under ``split``."""
+    """Log each non-zero count and add it, and the token ``lengths`` per part, to ``report`` under ``split``."""
     for kind, what, n in counts:
         if n:
             logger.warning("%s: %d of %d %s=%s tokens", source, n, total, what, limit)
@@ -190,8 +182,7 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
     input_ids, masks = [], []
     dropped = truncated = cut = 0
     for r in records:
-        p = _prompt_ids(tokenizer, template, r)
-        c = _response_ids(tokenizer, template, r, "answer")
+        p, c = _prompt_ids(tokenizer, template, r), _response_ids(tokenizer, template, r, "answer")
         if max_length is not None and len(p) + len(c) > max_length:
             if length_policy == "truncate_prompt":
                 room = max_length - len(c)
@@ -228,8 +219,7 @@ def pair_features(records: list[dict], tokenizer, template: Template, max_length
     dropped = truncated = 0
     for r in records:
         p = _prompt_ids(tokenizer, template, r)
-        c = _response_ids(tokenizer, template, r, "chosen")
-        j = _response_ids(tokenizer, template, r, "rejected")
+        c, j = _response_ids(tokenizer, template, r, "chosen"), _response_ids(tokenizer, template, r, "rejected")
         longest = max(len(c), len(j))
         if max_length is not None and len(p) + longest > max_length:
             room = max_length - longest

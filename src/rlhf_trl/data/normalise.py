@@ -135,13 +135,10 @@ def _check_bad_rows(report: DataReport, args: DataArguments, source: str) -> Non
 
 
 def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: str, report: DataReport) -> list:
-    """`_normalise`. ``batches``: lists of row dicts, or Arrow record batches (one source's rows share their columns),
-    converted by `RecordBatch.to_pylist` or, for ``messages`` rows read as SFT records / prompts, `_message_records`."""
+    """`_normalise` of lists of row dicts or Arrow batches (``messages`` SFT / prompt rows: `_message_records`)."""
     out: list[dict] = []
     counts = {"deduplicated": 0, "bad": 0, "skipped": {}}
-    fmt = None
-    auto = args.dataset_format == "auto"
-    i = 0
+    fmt, auto, i = None, args.dataset_format == "auto", 0
     for batch in batches:
         arrow = batch.__class__ is not list
         if fmt is None and len(batch):

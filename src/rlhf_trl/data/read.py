@@ -82,15 +82,13 @@ def _is_local(name: str) -> bool:
 
 
 def _local_files(dataset_name) -> list[str] | None:
-    """The data files of a local source, or None for a hub id. Raises `DataError`: missing file, empty glob or
-    directory, unsupported type, or mixed file types."""
+    """A local source's data files (None: a hub id). Raises `DataError`: missing, empty, unsupported or mixed files."""
     names = list(dataset_name) if isinstance(dataset_name, (list, tuple)) else [dataset_name]
     if not names:
         raise DataError("dataset_name", "an empty list of files")
     if len(names) == 1 and not _is_local(str(names[0])):
         return None
-    kinds = "/".join(LOCAL_LOADERS) + ", optionally " + "/".join(COMPRESSIONS)
-    files = []
+    kinds, files = "/".join(LOCAL_LOADERS) + ", optionally " + "/".join(COMPRESSIONS), []
     for name in names:
         name = os.path.expanduser(str(name))
         if any(c in name for c in "*?["):
@@ -157,8 +155,7 @@ def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = 
     try:
         return datasets.load_dataset(dataset_name, config, split=split)
     except Exception as exc:
-        cause = _root_cause(exc)
-        flag = _offline_flag()
+        cause, flag = _root_cause(exc), _offline_flag()
         if flag and any(w in f"{exc} {cause}".lower() for w in ("offline", "couldn't reach", "connection")):
             raise DataError(dataset_name, f"a hub dataset, not in the local cache, and {flag}=1 forbids downloading "
                                           f"it; unset {flag} once to download it, or pass a local file") from None
@@ -184,8 +181,7 @@ def _pairs_of_lists(ds, files: list[str]):
 
 
 def _check_encoding(path: str, encoding: str) -> None:
-    """Decode ``path`` with ``encoding`` to find the first byte it cannot decode. Raises `DataError`: the file, the line
-    and the byte offset, and the fix (``dataset_encoding``)."""
+    """Raise `DataError` at the first byte of ``path`` not valid in ``encoding``: its line, offset and the fix."""
     module = _OPENERS.get(_split_ext(path)[1])
     if module is None:
         return

@@ -112,8 +112,7 @@ def _history(row: dict, args: DataArguments, source: str, i: int) -> list[tuple[
 
 
 def _answer_text(value: Any, source: str, i: int, key: str) -> str:
-    """An answer (may be empty: the response is then the EOS alone): a string, a ``{from, value}`` /
-    ``{role, content}`` object, or a list of one assistant message."""
+    """An answer (may be empty): a string, a ``{from, value}`` / ``{role, content}`` object or one assistant message."""
     if isinstance(value, list) and value and all(isinstance(t, dict) for t in value):
         turns = _turns(value, source, i, key)
         if len(turns) != 1 or turns[0][0] != "assistant":
@@ -155,8 +154,7 @@ def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
         if _column(row, key, source, i, "good_key" if key == gkey else "bad_key") is None:
             raise DataError(source, "is null or missing in this row", i, key)
     if not (_is_messages(chosen) and _is_messages(rejected)):
-        raise DataError(source, "chosen and rejected must both be transcripts (strings) or both message lists",
-                        i, both)
+        raise DataError(source, "chosen and rejected must both be transcripts (strings) or both message lists", i, both)
     c, r = _turns(chosen, source, i, gkey), _turns(rejected, source, i, bkey)
     if c == r:
         raise DataError(source, "chosen and rejected answers are identical", i, both)
@@ -167,8 +165,7 @@ def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
         raise DataError(source, "chosen and rejected share no leading messages ending with a user turn", i, both)
     for key, rest in ((gkey, c[n:]), (bkey, r[n:])):
         if len(rest) != 1 or rest[0][0] != "assistant":
-            raise DataError(source, f"after the shared prompt must hold one assistant message, got {len(rest)}",
-                            i, key)
+            raise DataError(source, f"after the shared prompt must hold one assistant message, got {len(rest)}", i, key)
     system, history, question, _ = _dialogue(c[:n], source, i, gkey, "user")
     return _record(system, history, question, chosen=c[n][1], rejected=r[n][1])
 
@@ -190,8 +187,7 @@ def _sft_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> d
         answer = rec.pop("chosen")
         del rec["rejected"]
     elif fmt == "pairwise":
-        rec = _record(*_prompt(row, args, source, i, "sft"))
-        key = args.good_key or "chosen"
+        rec, key = _record(*_prompt(row, args, source, i, "sft")), args.good_key or "chosen"
         answer = _answer_text(row.get(key), source, i, key)
     else:
         rec = _record(*_prompt(row, args, source, i, "sft"))
@@ -252,8 +248,7 @@ def _pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, co
 
 
 def _check_scores(row: dict, args: DataArguments, source: str, i: int) -> None:
-    """Pairs with ``score_chosen`` / ``score_rejected``: tied scores, a lower chosen score, or a margin below
-    ``min_score_margin`` skip the row (`SkipRow`)."""
+    """`SkipRow` for pairs whose ``score_chosen`` is not above ``score_rejected`` (by ``min_score_margin``, if set)."""
     good, bad = row.get("score_chosen"), row.get("score_rejected")
     if not isinstance(good, (int, float)) or not isinstance(bad, (int, float)):
         return

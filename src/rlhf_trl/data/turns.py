@@ -94,8 +94,7 @@ def _checked_turn(role: str, content, source: str, i: int, key: str, j: int) -> 
 
 
 def parse_tools(value, source: str, i: int, key: str = "tools") -> list[dict] | None:
-    """A row's ``tools`` column: a list of function schemas, or its JSON text; None when absent or empty. Raises
-    `DataError`: not a list of objects (nor JSON text of one)."""
+    """A row's ``tools`` (function schemas, or their JSON); None if empty. Raises `DataError`: not a list of objects."""
     if isinstance(value, str):
         if not value.strip():
             return None
@@ -111,8 +110,7 @@ def parse_tools(value, source: str, i: int, key: str = "tools") -> list[dict] | 
 
 
 def chat_messages(turns: list[tuple[str, str]]) -> list[dict]:
-    """``[{role, content}]`` for ``apply_chat_template``; a ``tool_call`` turn becomes an assistant message with
-    ``tool_calls`` (``{type: function, function: {name, arguments}}``, arguments as an object)."""
+    """``[{role, content}]`` for ``apply_chat_template``; a ``tool_call`` turn becomes an assistant's ``tool_calls``."""
     out = []
     for role, content in turns:
         if role != "tool_call":
@@ -168,8 +166,7 @@ def tool_dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, e
     kind ``end``, a first turn that is not the user's, or a tool result that follows no call or result."""
     system = turns[0][1] if turns and turns[0][0] == "system" else None
     offset = int(system is not None)
-    body = turns[offset:]
-    ends = ("assistant", "tool_call") if end == "assistant" else ("user", "tool")
+    body, ends = turns[offset:], ("assistant", "tool_call") if end == "assistant" else ("user", "tool")
     last = max((k for k, (role, _) in enumerate(body) if role in ends), default=-1)
     if last < (1 if end == "assistant" else 0):
         need = "a user turn followed by an assistant turn" if end == "assistant" else "a user turn"
@@ -218,5 +215,4 @@ def split_transcript(text: str, human_marker: str = DEFAULT_HUMAN_MARKER,
         return None, [], body.strip() or text
     if turns[0][0] == "assistant":
         turns = turns[1:]
-    history = [(turns[k][1], turns[k + 1][1]) for k in range(0, len(turns) - 1, 2)]
-    return system, history, turns[-1][1]
+    return system, [(turns[k][1], turns[k + 1][1]) for k in range(0, len(turns) - 1, 2)], turns[-1][1]
