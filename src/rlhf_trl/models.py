@@ -31,15 +31,13 @@ BIASING_GENERATION_KEYS = {
     "top_p": (None, 1.0), "typical_p": (None, 1.0), "min_p": (None, 0.0), "epsilon_cutoff": (None, 0.0),
     "eta_cutoff": (None, 0.0), "bad_words_ids": (None,), "suppress_tokens": (None,),
     "begin_suppress_tokens": (None,), "sequence_bias": (None,), "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,), "exponential_decay_length_penalty": (None,), "num_beams": (None, 1),
-}
+    "forced_eos_token_id": (None,), "exponential_decay_length_penalty": (None,), "num_beams": (None, 1)}
 
 
 def sampling_generation_config(temperature: float, max_new_tokens: int | None, eos_token_ids: list[int],
                                pad_token_id: int, **extra):
-    """A ``GenerationConfig`` that samples from ``softmax(logits / temperature)`` and nothing else: every setting of
-    `BIASING_GENERATION_KEYS` set neutral explicitly (else ``generate`` takes it from ``model.generation_config``).
-    Stops at any of ``eos_token_ids`` or after ``max_new_tokens`` tokens."""
+    """A ``GenerationConfig`` sampling from ``softmax(logits / temperature)`` alone (every `BIASING_GENERATION_KEYS` set
+    neutral), up to any of ``eos_token_ids`` or ``max_new_tokens`` tokens."""
     from transformers import GenerationConfig
 
     # min_length is left unset: min_new_tokens=0 takes precedence over it (and setting both makes generate warn)
@@ -55,11 +53,9 @@ class StageInputError(FileNotFoundError):
 
 
 def require_model_dir(path: str, what: str, produced_by: str | None = None, allow_pickle: bool = False) -> str:
-    """Check that ``path`` is a local model directory with a config and weights, or looks like a hub id
-    (``org/name``); returns it. ``what`` names the input (e.g. "SFT model"), ``produced_by`` the command that makes it.
-    Raises `StageInputError`: a local path missing or incomplete, or with only pickle weights (not ``allow_pickle``)."""
-    looks_local = path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1
-    if not looks_local:
+    """``path``, checked to be a model directory with config and weights or a hub id (``org/name``); ``what`` names it,
+    ``produced_by`` makes it. Raises `StageInputError`: missing, incomplete, or pickle-only without ``allow_pickle``."""
+    if not (path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1):
         return path  # hub id, resolved by from_pretrained
     hint = f"; run `{produced_by}` first" if produced_by else ""
     if not os.path.isdir(path):
@@ -85,8 +81,7 @@ def eos_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
     """Every token id that ends a response, without repeats: the tokenizer's EOS first, then the EOS ids of the model
     directory's ``generation_config.json`` (Qwen2.5-Instruct: ``[<|im_end|>, <|endoftext|>]``) and ``config.json``,
     less the tokenizer's pad id. Rollouts stop at any of them and EOS rates / the missing-EOS penalty count any."""
-    pad = tokenizer.pad_token_id
-    ids = _all_eos_ids(tokenizer, model_dir)
+    pad, ids = tokenizer.pad_token_id, _all_eos_ids(tokenizer, model_dir)
     return [i for i in ids if i == ids[0] or i != pad]
 
 
@@ -102,10 +97,9 @@ def _all_eos_ids(tokenizer, model_dir: str | None) -> list[int]:
 
 
 def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = "right", trust_remote_code=False):
-    """Load a tokenizer and make its pad token distinct from every EOS id (`eos_token_ids`: PPO masks pads and
-    reads rewards at the last non-pad token). Without ``pad_token``, a missing or EOS pad becomes the first of
-    `PAD_CANDIDATES` in the vocabulary, else an added ``<|pad|>`` (then `resize_for_tokenizer`). Raises
-    `StageInputError`: no tokenizer found; `ValueError`: no EOS token, or ``pad_token`` is one of the EOS ids."""
+    """Load a tokenizer whose pad token is no EOS id (`eos_token_ids`): ``pad_token`` if given, else a missing or EOS
+    pad becomes the first of `PAD_CANDIDATES` in the vocabulary or an added ``<|pad|>`` (then `resize_for_tokenizer`).
+    Raises `StageInputError`: no tokenizer found; `ValueError`: no EOS token, or ``pad_token`` is an EOS id."""
     from transformers import AutoTokenizer
 
     if os.path.isdir(path):
@@ -121,8 +115,7 @@ def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = 
         raise StageInputError(f"cannot load a tokenizer from '{path}': {exc}") from None
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at '{path}' has no EOS token; set eos_token in its tokenizer_config.json")
-    pad_id = tok.pad_token_id
-    eos = _all_eos_ids(tok, path if os.path.isdir(path) else None)
+    pad_id, eos = tok.pad_token_id, _all_eos_ids(tok, path if os.path.isdir(path) else None)
     vocab = tok.get_vocab()
     if pad_token is not None:
         if vocab.get(pad_token) in eos:
@@ -182,8 +175,7 @@ def _bnb_cpu_4bit_problem() -> str | None:
 
         x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
         packed, state = quantize_4bit(x, blocksize=64, quant_type="nf4")
-        back = dequantize_4bit(packed, state).float()
-        err = float((back - x).abs().max())
+        err = float((dequantize_4bit(packed, state).float() - x).abs().max())
         if packed.device.type != "cpu" or not err < 1.0:  # also catches NaN
             return f"bitsandbytes {bitsandbytes.__version__} CPU round trip is wrong (max error {err:.3g})"
     except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"; the reason goes into the message
@@ -194,9 +186,8 @@ def _bnb_cpu_4bit_problem() -> str | None:
 
 
 def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> None:
-    """Check that a ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) run can quantize here: bitsandbytes installed;
-    on the CPU (``use_cpu`` or no CUDA GPU) only ``load_in_4bit``, with a working backend (`_bnb_cpu_4bit_problem`).
-    Raises `ValueError`: one line naming ``key``, what is missing and the fix."""
+    """Check that ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) can quantize here: bitsandbytes, and on the CPU 4
+    bits with a working backend. Raises `ValueError`: one line naming ``key``, what is missing and the fix."""
     if not _has_bitsandbytes():
         raise ValueError(f"{key}: true needs the bitsandbytes package, which is not installed here; install it "
                          f"(pip install -e '.[qlora]'), or set {key}: false")
@@ -214,11 +205,10 @@ def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> No
 
 
 def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, use_cpu: bool = False):
-    """The bitsandbytes config a recipe's TRL ``ModelConfig`` asks for (``load_in_4bit`` / ``load_in_8bit``,
-    ``bnb_4bit_*``; compute dtype ``dtype``), built by `trl.get_quantization_config`; None when nothing is quantized.
-    Only LoRA adapters on quantized weights train (QLoRA): every switch in ``lora`` (recipe key -> value; default
-    ``{"use_peft": model_args.use_peft}``) must be on. Raises `ValueError` (one line naming the key and the fix): a
-    ``lora`` switch is off; ``load_in_4bit`` with ``dtype: auto``; see `require_kbit_support`."""
+    """The bitsandbytes config a recipe's TRL ``ModelConfig`` asks for (`trl.get_quantization_config`; compute dtype
+    ``dtype``), or None. Only LoRA adapters on quantized weights train: every switch in ``lora`` (recipe key -> value;
+    default ``{"use_peft": model_args.use_peft}``) must be on. Raises `ValueError` (one line naming the key and the
+    fix): a ``lora`` switch is off; ``load_in_4bit`` with ``dtype: auto``; see `require_kbit_support`."""
     from trl import get_quantization_config
 
     if not (model_args.load_in_4bit or model_args.load_in_8bit):
@@ -238,8 +228,7 @@ def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, 
 
 
 def kbit_device_map() -> dict:
-    """Where this process loads a quantized model whole: ``{"": local process index}`` (its own GPU) when the
-    `accelerate.PartialState` device is a CUDA GPU, ``{"": "cpu"}`` when it is the CPU."""
+    """Where this process loads a quantized model whole: ``{"": local process index}`` (its GPU), or ``{"": "cpu"}``."""
     from accelerate import PartialState
 
     state = PartialState()
@@ -247,9 +236,8 @@ def kbit_device_map() -> dict:
 
 
 def fp32_adapters_for_fp32_compute(model, quantization_config) -> int:
-    """Cast the trainable parameters of a QLoRA model back to fp32 when its 4-bit compute dtype is fp32 (in place):
-    TRL's trainers cast them to bf16, and with fp32 compute (the CPU recipes) the ``score`` head then fails on a dtype
-    mismatch. Call after building the trainer, before ``train()``. Returns the number of parameters cast."""
+    """Cast a QLoRA model's trainable parameters back to fp32 when its compute dtype is fp32 (TRL's trainers make them
+    bf16, which the ``score`` head fails on); call before ``train()``. Returns the number cast."""
     if quantization_config is None or getattr(quantization_config, "bnb_4bit_compute_dtype", None) != torch.float32:
         return 0
     cast = 0
@@ -297,16 +285,14 @@ def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pick
 
 def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False,
                    quantization_config=None):
-    """A causal LM (policy / SFT model; Baichuan remote code through `rlhf_trl.baichuan`), from safetensors only
-    unless ``allow_pickle``; ``quantization_config`` quantizes it onto this process's GPU or the CPU as it loads.
-    Raises `ValueError`: a remote-code model without ``trust_remote_code``; see `require_kbit_support`."""
+    """A causal LM (Baichuan: `rlhf_trl.baichuan`), safetensors only unless ``allow_pickle``, quantized by
+    ``quantization_config``. Raises `ValueError`: remote code, no ``trust_remote_code``; see `require_kbit_support`."""
     return _load_model("causal_lm", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
 
 def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False,
                              quantization_config=None):
-    """A ``num_labels=1`` sequence classifier (reward / value model) with a last-token ``score`` head, loaded as in
-    (and raising as) `load_causal_lm`; the head stays unquantized."""
+    """A ``num_labels=1`` classifier (reward / value model; ``score`` head unquantized), loaded as `load_causal_lm`."""
     return _load_model("sequence_classifier", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
 
@@ -315,8 +301,7 @@ def resize_for_tokenizer(model, tokenizer) -> None:
     (which keeps its own settings and EOS list, the tokenizer's EOS first: a saved model deploys as the stock one)."""
     embeddings = model.get_input_embeddings()
     # num_embeddings: under DeepSpeed ZeRO-3 ``weight`` is this rank's (possibly empty) partition
-    rows = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
-    if len(tokenizer) > rows:
+    if len(tokenizer) > (getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]):
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.eos_token_id = tokenizer.eos_token_id
@@ -335,8 +320,7 @@ def torch_dtype(name: str | None):
 
 @contextmanager
 def atomic_dir(final_path: str):
-    """Write a directory under a temporary name next to ``final_path`` and rename it into place on success
-    (`faults.publish`: fsynced first; an existing ``final_path`` is replaced only once the new one is complete)."""
+    """Write a directory under a temporary name, published as ``final_path`` on success (`faults.publish`)."""
     parent = os.path.dirname(os.path.abspath(final_path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.tmp-", dir=parent)
@@ -352,8 +336,7 @@ def atomic_dir(final_path: str):
 
 
 def save_pretrained_atomic(model, tokenizer, path: str, files: dict[str, str] | None = None) -> str:
-    """Save a model (safetensors), its tokenizer and ``files`` (name -> text, e.g. a model card) to ``path``
-    atomically (`atomic_dir`): an existing ``path`` is replaced only once all of it is written."""
+    """Save a model (safetensors), its tokenizer and ``files`` (name -> text) to ``path`` atomically (`atomic_dir`)."""
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
