@@ -25,9 +25,8 @@ OFFLOAD_PREFIX = ".tmp-offload-"
 
 
 def require_reward_model(path: str, train_hint: str | None = None) -> None:
-    """Check, from ``config.json`` and the safetensors headers (hub ids and pickle weights: not read), that the model
-    directory ``path`` is a sequence classifier with a trained ``score`` head. Raises `StageInputError` (one line naming
-    ``path`` and ``train_hint``): a causal LM, or no ``score.weight`` (transformers would initialise it at random)."""
+    """Check (``config.json``, safetensors headers) that local ``path`` is a classifier with a trained ``score`` head.
+    Raises `StageInputError` (one line naming ``path``, ``train_hint``): a causal LM, no ``score``."""
     if not os.path.isdir(path):
         return
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -47,8 +46,7 @@ def require_reward_model(path: str, train_hint: str | None = None) -> None:
 
 
 class BaselineShiftedScore(nn.Module):
-    """A reward model's ``score`` head (``[batch, seq_len, hidden] -> [batch, seq_len, 1]``) minus ``baseline``: the
-    engine reads rewards off ``reward_model.score`` (`rlhf_trl.scoring.sequence_scores`), so the baseline goes there."""
+    """A reward model's ``score`` head, ``[b, T, hidden] -> [b, T, 1]``, minus ``baseline`` (read there by PPO)."""
 
     def __init__(self, score: nn.Module, baseline: float):
         super().__init__()
@@ -70,10 +68,9 @@ def apply_reward_baseline(reward_model, baseline: float):
 
 
 class SharedBaseRewardModel(nn.Module):
-    """The reward model read off the value model's weights (``share_reward_value_base``): the value model (a LoRA
-    SEQ_CLS peft model wrapping the reward model in place) with its adapter off, plus the reward model's own frozen
-    score head. The value model is not a submodule, so ``.eval()``, ``requires_grad_(False)`` and device moves miss its
-    adapter. Raises `ValueError`: ``value_model`` is not a peft model with a wrapped ``score`` head."""
+    """The reward model read off the value model's weights (``share_reward_value_base``): the value model (LoRA SEQ_CLS
+    on the reward model, in place) with its adapter off, plus the reward model's frozen score head; not a submodule, so
+    ``.eval()`` and device moves miss the adapter. Raises `ValueError`: no peft value model with a wrapped ``score``."""
 
     base_model_prefix = "backbone"
 
@@ -100,15 +97,13 @@ class SharedBaseRewardModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Per-token reward logits ``[batch, seq_len, 1]`` (the score at the last real token is the reward)."""
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-        return self.score(hidden)
+        return self.score(self.backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state)
 
 
 class OffloadedWeights:
-    """A frozen module whose parameters live in a safetensors file between uses (``offload_reward_model``): written
-    once to ``path`` and released (empty tensors); inside ``with offloaded.loaded():`` read back, bit for bit, and
-    released again on exit. Buffers stay in memory; tied parameters are stored once. Raises `ValueError`: a parameter
-    that is not a plain floating-point tensor (a quantized model)."""
+    """A frozen module whose parameters wait in a safetensors file (``path``) between uses (``offload_reward_model``),
+    read back bit for bit inside ``with offloaded.loaded():``; buffers stay. Raises `ValueError`: a quantized
+    parameter."""
 
     def __init__(self, module: nn.Module, path: str):
         self.module, self.path = module, path
@@ -147,16 +142,14 @@ class OffloadedWeights:
 @torch.no_grad()
 def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset, args, batches: int,
                               eos_ids: list[int] | None = None) -> float:
-    """Mean RM score (reward units) of SFT-policy rollouts on ``batches`` batches of ``per_device_train_batch_size``
-    prompts (``dataset`` rows of ``input_ids``), sampled as PPO would (``reward_baseline: auto``), responses cut after
-    their first EOS (any of ``eos_ids``, default the tokenizer's); under `preserved_rng`, seed ``args.seed``."""
+    """Mean RM score (reward units) of SFT-policy rollouts on ``batches`` batches of prompts, sampled as PPO does
+    (``eos_ids``: default EOS), under `preserved_rng` seeded with ``args.seed``."""
     from transformers import DataCollatorWithPadding
 
     collator = DataCollatorWithPadding(tokenizer)
     eos_ids = eos_ids or [tokenizer.eos_token_id]
     gen = sampling_config(args, eos_ids, tokenizer.pad_token_id)
-    size = args.per_device_train_batch_size
-    scores = []
+    size, scores = args.per_device_train_batch_size, []
     with preserved_rng():
         torch.manual_seed(args.seed)
         for b in range(batches):
