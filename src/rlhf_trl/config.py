@@ -54,10 +54,9 @@ DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; 
 
 
 def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | None = None):
-    """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into ``dataclass_types`` (`trl.TrlParser`;
-    ``stage`` names the command in ``--help``; no ``report_to``: `DEFAULT_REPORT_TO`). Returns the instances, then the
-    recipe path (or None). Raises `RecipeError`: no recipe or not a mapping, an unknown key (the closest suggested), a
-    value of the wrong type or out of range, or an output_dir that is a file."""
+    """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into ``dataclass_types`` (`trl.TrlParser`; no
+    ``report_to``: `DEFAULT_REPORT_TO`); returns their instances, then the recipe path (or None). Raises `RecipeError`:
+    no recipe or not a mapping, an unknown key (the closest suggested), a bad value, or an output_dir that is a file."""
     from trl import TrlParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -130,10 +129,9 @@ _MEETS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v 
 
 
 def check_launch(training_args, path: str | None) -> None:
-    """Refuse what `accelerate launch` set up that cannot run as configured, before anything is read or written; mixed
-    precision comes from the recipe's ``bf16`` / ``fp16`` alone. Raises `RecipeError`: FSDP launched without GPUs
-    (accelerate would silently run DDP); a DeepSpeed launch whose accelerate config asks for a ``mixed_precision``
-    (``ACCELERATE_MIXED_PRECISION``) the recipe does not (transformers would stop at the trainer)."""
+    """Refuse an `accelerate launch` set-up that cannot run as configured (precision comes from the recipe). Raises
+    `RecipeError`: FSDP without GPUs (accelerate would run DDP); a DeepSpeed config whose ``mixed_precision``
+    (``ACCELERATE_MIXED_PRECISION``) the recipe does not ask for (transformers would stop later)."""
     import torch
 
     def on(name):

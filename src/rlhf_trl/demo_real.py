@@ -1,5 +1,4 @@
 """Real weights end to end: ``make demo-real`` (or ``rlhf-trl demo-real --model DIR``).
-
 Runs ``recipes/qwen2.5-0.5b-cpu/{sft,rm,ppo}.yaml`` on a stock Qwen2 / Qwen2.5 Instruct directory (``make
 real-model``), then ``rlhf-trl eval``, and writes ``<output_dir>/summary.json``: each stage's wall time (seconds) and
 the figures of ``eval.json`` with side-by-side samples. CPU-scale smoke runs: figures, no targets."""

@@ -1,5 +1,4 @@
 """Merge a LoRA adapter into its base model: ``rlhf-trl merge --adapter DIR --output DIR [--base DIR]``.
-
 The result is a plain `transformers` model directory (safetensors, written atomically) with a tokenizer (the
 adapter's, else the base's) and a ``README.md`` model card: an ``AutoModelForCausalLM`` for ``CAUSAL_LM`` adapters,
 an ``AutoModelForSequenceClassification`` (``num_labels=1``, the trained ``score`` head) for ``SEQ_CLS`` ones."""
@@ -71,9 +70,8 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
     """Merge the LoRA adapter in ``adapter_dir`` into its base and save a plain model (with tokenizer and ``README.md``)
     to ``output_dir``: a new or empty directory, or an earlier merged model (replaced atomically). ``base``: default the
     adapter's ``base_model_name_or_path`` (as given, else relative to ``adapter_dir``). Returns the merged model (eval
-    mode). Every check runs before anything is loaded or written. Raises `StageInputError`: the adapter or the base is
-    missing; `RecipeError`: see `check_output`; `ValueError`: bad JSON, a task type other than CAUSAL_LM / SEQ_CLS, a
-    non-LoRA adapter, or no base."""
+    mode). All checks run before anything is loaded or written: `StageInputError` (no adapter or base), `RecipeError`
+    (`check_output`), `ValueError` (bad JSON, a task type other than CAUSAL_LM / SEQ_CLS, not LoRA, no base)."""
     from peft import PeftModel
 
     config = read_adapter_config(adapter_dir)

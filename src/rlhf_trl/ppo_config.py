@@ -18,10 +18,9 @@ def _f(default, help: str):
 
 @dataclass
 class PPOConfig(TrainingArguments):
-    """PPO settings: the keys (and defaults) of TRL 1.12's PPOConfig plus ``logits_chunk_size``,
-    ``offload_reward_model`` and ``single_value_forward``. ``batch_size = per_device_train_batch_size x
-    gradient_accumulation_steps x processes`` rollouts per update; ``num_total_batches`` = ceil(``total_episodes`` /
-    ``batch_size``) updates. Raises `ValueError` (`check_config`) when made: a recipe fails before anything is read."""
+    """PPO settings: TRL 1.12's PPOConfig keys (and defaults) plus ``logits_chunk_size``, ``offload_reward_model``,
+    ``single_value_forward``. ``batch_size = per_device_train_batch_size x gradient_accumulation_steps x processes``
+    rollouts per update, ``ceil(total_episodes / batch_size)`` updates. Raises `ValueError`: `check_config`."""
 
     # defaults TRL's configs change from TrainingArguments
     learning_rate: float = _f(3e-6, "AdamW learning rate.")

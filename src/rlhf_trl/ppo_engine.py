@@ -1,8 +1,7 @@
-"""The PPO engine: rollouts, rewards, advantages and clipped updates of a policy and a value model. TRL removed its
-PPOTrainer in 1.13; this loop is written to TRL 1.12's algorithm and held to its numbers by `tests/test_ppo_oracle.py`.
-One update (`PPOEngine.train`): `rollout` -> `advantages` -> `optimise` -> `update_metrics`; docs/ppo-engine.md walks
-through it, with the memory measures and the deliberate differences from TRL 1.12. Runs in one process or under
-``accelerate``: DDP, DeepSpeed ZeRO-2/3 or FSDP."""
+"""PPO: rollouts, rewards, advantages and clipped updates of a policy and a value model. TRL removed its PPOTrainer in
+1.13; this loop follows TRL 1.12's algorithm, held to its numbers by `tests/test_ppo_oracle.py`. One update
+(`PPOEngine.train`): `rollout` -> `advantages` -> `optimise` -> `update_metrics` (docs/ppo-engine.md, with the memory
+measures and the differences from TRL 1.12). Runs in one process or under ``accelerate``: DDP, ZeRO-2/3 or FSDP."""
 
 from __future__ import annotations
 

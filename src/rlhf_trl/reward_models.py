@@ -102,8 +102,7 @@ class SharedBaseRewardModel(nn.Module):
 
 class OffloadedWeights:
     """A frozen module whose parameters wait in a safetensors file (``path``) between uses (``offload_reward_model``),
-    read back bit for bit inside ``with offloaded.loaded():``; buffers stay. Raises `ValueError`: a quantized
-    parameter."""
+    read back bit for bit inside ``with offloaded.loaded():``. Raises `ValueError`: a quantized parameter."""
 
     def __init__(self, module: nn.Module, path: str):
         self.module, self.path = module, path

@@ -15,8 +15,7 @@ tensor; bools count as 0 / 1). An example (``reward_funcs: ["my_rewards.py:menti
 
 Units: reward units. The score of a completion is ``sum_i reward_weights[i] * f_i``, plus ``rm_score -
 reward_baseline`` with a reward model (weights: RM units per unit of each function), before PPO's reward shaping.
-Errors are one line: `ValueError` while loading (naming the recipe key and the entry), `RewardFunctionError` during
-the run."""
+Errors are one line: `ValueError` while loading (naming the recipe key and entry), `RewardFunctionError` in the run."""
 
 from __future__ import annotations
 
@@ -85,10 +84,9 @@ class RewardFunctions:
 
     def compute(self, prompts: list[str], completions: list[str], update: int,
                 **columns) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Score ``[batch]`` prompts and completions with ``columns`` (`reward_columns`); ``update`` is for messages.
-        Returns ``(total, values)`` on CPU: ``total`` ``[batch]`` float32, ``sum_i weights[i] * f_i`` (summed in
-        float64); ``values`` name -> ``[batch]`` float32 unweighted rewards. Raises `RewardFunctionError`: a function
-        raised (chained) or returned no ``batch`` finite numbers; `ValueError`: the arguments differ in length."""
+        """Score ``[batch]`` prompts and completions with ``columns`` (`reward_columns`): ``(total, values)`` on CPU,
+        ``total`` ``[batch]`` float32 ``sum_i weights[i] * f_i`` (float64 sum), ``values`` name -> unweighted float32.
+        Raises `RewardFunctionError`: a function raised or returned bad values; `ValueError`: lengths differ."""
         n = len(completions)
         if len(prompts) != n:
             raise ValueError(f"{len(prompts)} prompts for {n} completions")

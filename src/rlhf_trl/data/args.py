@@ -145,9 +145,8 @@ class Template:
 
     def format_prompt(self, question: str, history: list[tuple[str, str]] | None = None,
                       text: str | None = None, system: str | None = None) -> str:
-        """The prompt text (text / raw modes): earlier turns in the same template, blank-line separated (raw: joined
-        as they are), or ``text`` as it is; a ``{system}`` slot takes the system turn once, in the first turn. Raises
-        `ValueError`: in chat mode (`encode_prompt`)."""
+        """The prompt text (text / raw modes): earlier turns in the same template, blank-line separated (raw: joined as
+        they are), or ``text`` as is; a ``{system}`` slot takes the system turn once. Raises `ValueError`: chat mode."""
         if self.chat:
             raise ValueError("chat-template prompts are rendered by the tokenizer: use encode_prompt")
         if text is not None:

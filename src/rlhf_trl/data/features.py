@@ -49,9 +49,8 @@ _PROBE = "\u2063probe\u2063"
 def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
     """The token id the tokenizer's chat template ends an assistant turn with (Qwen: ``<|im_end|>``): the first special
     token after the assistant's text of a rendered exchange. Rollouts stop there, so it must be the tokenizer's EOS or
-    an EOS id of ``model_dir`` (default: the tokenizer's directory; `rlhf_trl.models.eos_token_ids`). Raises
-    `ValueError` (one line): no chat template, one that fails (`_render_chat`), no special token after an assistant
-    turn, or an end-of-turn token that is no EOS id."""
+    an EOS id of ``model_dir`` (default: the tokenizer's; `rlhf_trl.models.eos_token_ids`). Raises `ValueError` (one
+    line): no chat template, one that fails, no special token after an assistant turn, or one that is no EOS id."""
     _require_chat_template(tokenizer)
     cached = _END_OF_TURN.get(id(tokenizer))
     if cached is not None and cached[0]() is tokenizer and model_dir is None:
@@ -210,10 +209,9 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
 def pair_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
                   length_policy: Literal["drop", "truncate_prompt"] = "drop",
                   source: str = "dataset", report: DataReport | None = None, split: str = "train") -> dict[str, list]:
-    """Tokenize pairs for `RewardTrainer` into ``chosen_ids`` / ``rejected_ids`` (prompt + response + EOS ids) and
-    ``prompt_length``. Pairs over ``max_length`` tokens are dropped (``'drop'``) or have their prompt cut from the left
-    so that the longer response fits (``'truncate_prompt'``; else dropped); counted in ``report`` under ``split``.
-    Raises `DataError`: no pair is left; `ValueError`: chat mode problems (`chat_end_of_turn_id`)."""
+    """Tokenize pairs for `RewardTrainer`: ``chosen_ids`` / ``rejected_ids`` (prompt + response + EOS),
+    ``prompt_length``. Pairs over ``max_length`` are dropped (``'drop'``) or their prompt cut from the left to fit
+    (``'truncate_prompt'``; else dropped), counted. Raises `DataError`: no pair left; `ValueError`: chat mode."""
     _check_records(records, tokenizer, template, source, length_policy, report)
     out = {"chosen_ids": [], "rejected_ids": [], "prompt_length": []}
     dropped = truncated = 0
@@ -244,9 +242,8 @@ def pair_features(records: list[dict], tokenizer, template: Template, max_length
 
 def prompt_features(records: list[dict], tokenizer, template: Template, max_prompt_length: int,
                     source: str = "dataset", report: DataReport | None = None, split: str = "train") -> dict[str, list]:
-    """Tokenize prompts for PPO, as the SFT / RM stages do theirs: ``input_ids`` of ``[<= max_prompt_length]`` tokens
-    (kept from the right; cuts counted in ``report``). Raises `ValueError`: ``max_prompt_length`` < 1; chat mode
-    problems (`chat_end_of_turn_id`)."""
+    """Tokenize prompts for PPO as the SFT / RM stages do: ``input_ids`` of ``[<= max_prompt_length]`` tokens (kept from
+    the right; cuts counted in ``report``). Raises `ValueError`: ``max_prompt_length`` < 1; chat mode problems."""
     if max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {max_prompt_length}")
     _check_records(records, tokenizer, template, source, report=report)

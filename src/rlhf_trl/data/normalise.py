@@ -35,10 +35,9 @@ def _is_message_column(schema, key: str) -> bool:
 
 
 def _message_plan(signature: bytes, end: str) -> tuple | None:
-    """``(system, start, question, answer)`` for rows whose messages have the (valid) role codes ``signature``: indices
-    into the row's message contents (None where absent; history pairs: ``contents[start:question]`` two by two), found
-    by running `_dialogue` on the indices in place of the texts. None: `_dialogue` refuses these roles, or gives another
-    layout (such rows take the plain path)."""
+    """``(system, start, question, answer)`` for rows with the (valid) role codes ``signature``: indices into the row's
+    contents (None where absent; history: ``contents[start:question]`` in pairs), from `_dialogue` run on the indices.
+    None: `_dialogue` refuses these roles or gives another layout (the plain path reads such rows)."""
     if not signature or 0 in signature:
         return None
     try:
@@ -99,10 +98,9 @@ def _message_records(column, end: str, plans: dict) -> list[dict | None]:
 
 def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
                report: DataReport | None = None) -> list[dict]:
-    """Normalise batches of rows into records of ``kind`` ('sft' / 'pairs' / 'prompts'); the format is resolved from
-    the first row and checked on every row. A bad row stops the read (``on_bad_row: error``) or is skipped and counted
-    in ``report`` (``skip``) up to ``max_bad_row_fraction``; `SkipRow` rows are skipped and counted either way. Raises
-    `DataError`: a bad row under ``error``, too many bad rows, a file-level problem, or no usable row."""
+    """Normalise batches of rows into records of ``kind`` ('sft' / 'pairs' / 'prompts'), in the first row's format. A
+    bad row stops the read (``on_bad_row: error``) or is skipped and counted (up to ``max_bad_row_fraction``); `SkipRow`
+    rows are skipped either way. Raises `DataError`: bad rows, a file-level problem, no usable row."""
     report = report if report is not None else DataReport(kind)
     if args.dataset_format not in FORMATS:
         raise ValueError(f"dataset_format must be one of {FORMATS}, got {args.dataset_format!r}")

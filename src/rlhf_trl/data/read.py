@@ -24,10 +24,9 @@ def source_name(dataset_name) -> str:
 
 
 def load_rows(dataset_name, split: str = "train", config: str | None = None) -> list[dict]:
-    """Read a source into one list of row dicts (small data; the stages stream `_arrow_batches`). ``dataset_name``: a
-    local file (`LOCAL_LOADERS`, optionally `COMPRESSIONS`), a glob, a directory (its data files, sorted; one type), a
-    list of these, or a hub dataset id (``config`` / ``split``: hub only). Raises `DataError`: a missing, unsupported,
-    unparsable or undecodable file, mixed types, an empty glob, no rows, or a hub dataset that cannot be loaded."""
+    """Read a source into one list of row dicts (small data; stages stream `_arrow_batches`): a local file
+    (`LOCAL_LOADERS`, `COMPRESSIONS`), a glob, a directory (its data files, one type), a list of these, or a hub dataset
+    id (``config`` / ``split``). Raises `DataError`: a bad or missing file, mixed types, no rows, a failed hub load."""
     return [row for batch in _arrow_batches(dataset_name, split, config)
             for row in (batch if batch.__class__ is list else batch.to_pylist())]
 
@@ -123,9 +122,8 @@ def _offline_flag() -> str | None:
 
 
 def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = "utf-8"):
-    """The `datasets.Dataset` of a source. Local json / csv files are decoded with ``encoding`` (UTF-8: checked, since
-    Arrow keeps invalid bytes until they are read; `_check_encoding`); a JSON array of ``[prompt, answer]`` lists
-    becomes ``instruction`` / ``output`` rows (`_pairs_of_lists`)."""
+    """A source's `datasets.Dataset`; local json / csv decoded with ``encoding`` (UTF-8: checked), a JSON array of
+    ``[prompt, answer]`` lists read as ``instruction`` / ``output`` rows."""
     import datasets
 
     files = _local_files(dataset_name)

@@ -14,11 +14,10 @@ EXAMPLES = 5  # row numbers kept per skip reason
 
 @dataclass
 class DataReport:
-    """Counts of one stage's data, filled by `read_records`, `split_records` and the ``*_features`` functions.
-    ``sources``: per file / dataset, ``{name, format, rows_read, records}``; ``skipped``: per reason, ``{count, bad,
-    examples}`` (``bad``: counted against ``max_bad_row_fraction``; ``examples``: up to 5 ``"file, row k"``);
-    ``truncated`` / ``dropped``: rows (pairs) cut or dropped for ``max_length``; ``token_lengths``: per split and part
-    (prompt / response), the p50 / p90 / p99 / max tokens."""
+    """Counts of one stage's data (`read_records`, `split_records`, ``*_features``): ``sources``, per file / dataset,
+    ``{name, format, rows_read, records}``; ``skipped``, per reason, ``{count, bad, examples}`` (``bad``: counted
+    against ``max_bad_row_fraction``; up to 5 ``"file, row k"``); ``truncated`` / ``dropped`` for ``max_length``;
+    ``token_lengths``, per split and part, the p50 / p90 / p99 / max tokens."""
 
     stage: str
     template: str = ""

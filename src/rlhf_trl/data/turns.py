@@ -1,9 +1,8 @@
 """The one turn parser of `rlhf_trl.data`: sharegpt ``[{from, value}]``, OpenAI / TRL ``[{role, content}]`` (content
 parts, ``tool_calls``) and Firefly ``[{human, assistant}]`` turns become ``(role, content)`` pairs with the same roles,
 checks and errors, then a dialogue: ``(system, history, question, answer)``; transcripts (``"\\n\\nHuman: ..."``) too.
-Roles: ``system``, ``user``, ``assistant``, and for tool-calling rows (rendered by the chat template only:
-`chat_messages`) ``tool_call`` (sharegpt ``function_call``, ``tool_calls``; content: the call as JSON) and ``tool``
-(a result: sharegpt ``observation``)."""
+Roles: ``system``, ``user``, ``assistant``, and for tool-calling rows (chat template only: `chat_messages`)
+``tool_call`` (sharegpt ``function_call``; content: the call as JSON) and ``tool`` (sharegpt ``observation``)."""
 
 from __future__ import annotations
 
