@@ -234,3 +234,30 @@ def configs(assets, zygote, tmp_path_factory):
     from exactness import small_models, stage_configs
 
     return stage_configs(assets, *small_models(zygote, assets, tmp_path_factory.mktemp("small_models")))
+
+
+# -- the multi-process runs (tests/test_multiprocess.py): session fixtures, so that tests/test_zero.py compares its
+# ZeRO-2 / ZeRO-3 runs with the same 2-process DDP runs instead of repeating them ---------------------------------
+
+@pytest.fixture(scope="session")
+def sft_runs(assets, tmp_path_factory):
+    """Demo SFT as 1 process and as 2 (DDP): ``{nproc: (output_dir, CompletedProcess)}``."""
+    from test_multiprocess import run_both, sft_args
+
+    return run_both(tmp_path_factory, "sft", sft_args(assets))
+
+
+@pytest.fixture(scope="session")
+def rm_runs(assets, sft_runs, tmp_path_factory):
+    """Demo RM on the 1-process SFT model, as 1 process and as 2 (DDP)."""
+    from test_multiprocess import rm_args, run_both
+
+    return run_both(tmp_path_factory, "rm", rm_args(assets, sft_runs))
+
+
+@pytest.fixture(scope="session")
+def ppo_runs(assets, sft_runs, rm_runs, tmp_path_factory):
+    """Demo PPO on the 1-process SFT and RM models, as 1 process and as 2 (DDP)."""
+    from test_multiprocess import ppo_args, run_both
+
+    return run_both(tmp_path_factory, "ppo", ppo_args(assets, sft_runs, rm_runs))

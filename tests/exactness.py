@@ -50,6 +50,8 @@ WALL_TIME_FIELDS = frozenset({
     "eps",  # PPO: episodes per second since the start of this process's training
     "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_tokens_per_second",
     "eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_tokens_per_second",
+    "peak_memory_mb",  # the process's peak memory: a resumed process has a different history
+    "step_time",  # GRPO / RLOO: seconds per step
 })
 # recipe keys naming where a run writes (differ between the runs compared)
 PATH_KEYS = frozenset({"output_dir", "logging_dir", "resume_from_checkpoint"})
@@ -214,7 +216,7 @@ class StageConfig:
 
 
 def stage_configs(assets: dict, sft_merged: str, rm_merged: str) -> dict[str, StageConfig]:
-    """The seven configurations: tiny runs of the demo assets, three checkpoints each, the second in the middle of
+    """The ten configurations: tiny runs of the demo assets, three checkpoints each, the second in the middle of
     the run. SFT / RM: 8 steps of 2 accumulated micro-batches, 2 passes over the data, checkpoints between two
     logging steps (so the loop's running loss sums matter). PPO: 3 updates, adaptive KL control, a sample table
     every update, the 2nd checkpoint at the end of a pass over the prompts (2 processes: in the second pass)."""
@@ -240,6 +242,17 @@ def stage_configs(assets: dict, sft_merged: str, rm_merged: str) -> dict[str, St
     ppo2[ppo2.index("--total_episodes") + 1] = "48"
     # 2 processes: 16 prompts / 16 = 1 update a pass, 3 updates: checkpoint-2 is in the second pass (the sampler's
     # generator, shared by the processes, has moved on)
+    dpo = ["--config", f"{RECIPES}/dpo.yaml", "--dataset_name", assets["rm"], "--model_name_or_path", sft_merged,
+           "--max_samples", "12", "--eval_split_size", "4", "--num_train_epochs", "2", "--per_device_train_batch_size",
+           "4", "--gradient_accumulation_steps", "2", "--save_steps", "3", "--logging_steps", "2", *common]
+    # 36 pairs - 4 held out = 32 / 8 = 4 steps a pass, 8 steps (as RM)
+    grpo = ["--config", f"{RECIPES}/grpo.yaml", "--dataset_name", assets["prompts"], "--model_name_or_path",
+            sft_merged, "--reward_model_path", rm_merged, "--max_samples", "16", "--eval_split_size", "4",
+            "--per_device_train_batch_size", "8", "--num_generations", "4", "--max_completion_length", "8",
+            "--max_steps", "6", "--save_steps", "2", "--logging_steps", "1", *common]
+    # 2 prompts x 4 completions a step; 12 training prompts / 2 = 6 steps: one pass
+    rloo = [*grpo]
+    rloo[rloo.index(f"{RECIPES}/grpo.yaml")] = f"{RECIPES}/rloo.yaml"
     lora_value = ["--value_use_peft", "true", "--value_lora_r", "4"]
     configs = [
         StageConfig("sft", "sft", sft, [3, 6, 8]),
@@ -250,6 +263,9 @@ def stage_configs(assets: dict, sft_merged: str, rm_merged: str) -> dict[str, St
         StageConfig("ppo_baseline_auto", "ppo", [*ppo, "--reward_baseline", "auto", "--reward_baseline_batches", "1"],
                     [1, 2, 3]),
         StageConfig("ppo_2proc", "ppo", ppo2, [1, 2, 3], nproc=2),
+        StageConfig("dpo", "dpo", dpo, [3, 6, 8]),
+        StageConfig("grpo", "grpo", grpo, [2, 4, 6]),
+        StageConfig("rloo", "rloo", rloo, [2, 4, 6]),
     ]
     return {c.name: c for c in configs}
 

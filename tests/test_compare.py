@@ -127,8 +127,12 @@ def test_verdict_names_the_winner_and_its_kl():
     methods = {"sft": {"reward": 0.1, "kl_per_token": 0.0},
                "dpo": {"reward": 0.5, "reward_diff": 0.4, "reward_ci": [0.2, 0.6], "kl_per_token": 0.0312}}
     assert compare.verdict(methods, "sft", False) == (
-        "dpo won on mean RM reward: 0.500 vs 0.100 for sft (difference +0.400, 95% CI [+0.200, +0.600], which "
-        "excludes 0), at a KL of 0.0312 nats per token to sft.")
+        "dpo scored highest on mean RM reward: 0.500 vs 0.100 for sft (difference +0.400, 95% CI [+0.200, +0.600], "
+        "which excludes 0), at a KL of 0.0312 nats per token to sft.")
+    methods["grpo"] = {"reward": 0.45, "reward_diff": 0.35, "reward_ci": [0.1, 0.6], "kl_per_token": 0.05}
+    assert compare.verdict(methods, "sft", False).endswith(
+        "to sft. grpo (0.450) lies within that interval: not told apart at this sample size.")
+    del methods["grpo"]
     methods["dpo"]["reward_ci"] = [-0.1, 0.9]
     assert "95% CI [-0.100, +0.900], which includes 0: not clearly better at this sample size)" in compare.verdict(
         methods, "sft", False)

@@ -2,7 +2,7 @@
 uninterrupted run's weights, optimizer and scheduler state, RNG states, data position, KL coefficient, reward
 baseline, loop sums and log history (`exactness.assert_runs_equal`: ``torch.equal`` / ``==``, wall-time fields
 aside), for SFT, RM and PPO (plain, LoRA value model, shared reward / value base, ``reward_baseline: auto``, and two
-processes).
+processes), and for TRL's DPO, GRPO and RLOO trainers as the project runs them.
 
 The kill: ``RLHF_TRL_FAULT="<s>:1"`` (`rlhf_trl.faults`) SIGKILLs the run at the first file operation of its s-th
 checkpoint save, so checkpoint s-1 is the newest on disk, with everything the run wrote after it (PPO's sample table
@@ -24,9 +24,9 @@ from exactness import (
 
 pytestmark = pytest.mark.slow
 
-ONE_PROCESS = ["sft", "rm", "ppo", "ppo_value_lora", "ppo_shared_base", "ppo_baseline_auto"]
+ONE_PROCESS = ["sft", "rm", "ppo", "ppo_value_lora", "ppo_shared_base", "ppo_baseline_auto", "dpo", "grpo", "rloo"]
 RESUME_AFTER = {"sft": 1, "rm": 2, "ppo": 1, "ppo_value_lora": 2, "ppo_shared_base": 1, "ppo_baseline_auto": 2,
-                "ppo_2proc": 2}  # resume from the n-th checkpoint (PPO's 2nd: the end of a pass over the prompts; 2
+                "ppo_2proc": 2, "dpo": 1, "grpo": 1, "rloo": 2}  # resume from the n-th checkpoint (PPO's 2nd: the end of a pass over the prompts; 2
 # processes: in the second pass)
 
 

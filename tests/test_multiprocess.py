@@ -38,9 +38,10 @@ def free_port() -> int:
 
 
 def launch(stage: str, args: list[str], nproc: int, config: str = MULTI_CPU, use_cpu_env: bool = True,
-           check: bool = True) -> subprocess.CompletedProcess:
-    """``rlhf-trl <stage> ARGS`` as one process, or under ``accelerate launch --num_processes nproc``."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+           check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``rlhf-trl <stage> ARGS`` as one process, or under ``accelerate launch --num_processes nproc``; ``env``: more
+    environment variables (e.g. a fault to inject)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV} | (env or {})
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                RLHF_TRL_DEBUG="1", PYTHONUNBUFFERED="1")
     if nproc == 1:
@@ -139,7 +140,7 @@ def metrics(out: str) -> dict:
     return json.load(open(os.path.join(out, "metrics.json"), encoding="utf-8"))
 
 
-# -- the runs (module scope: each stage's single-process output is the next stage's input) ----------------------
+# -- the runs' arguments (each stage's single-process output is the next stage's input) ------------------------
 
 def common(save_steps: int) -> list[str]:
     return ["--per_device_train_batch_size", str(PER_DEVICE), "--gradient_accumulation_steps", str(GRAD_ACCUM),
@@ -152,32 +153,33 @@ RM_SAVE = 2
 PPO_EPISODES, PPO_SAVE = 32, 2
 
 
-@pytest.fixture(scope="module")
-def sft_runs(assets, tmp_path_factory):
+def sft_args(assets) -> list[str]:
     # 60 rows - 8 held out = 52 training rows: 7 steps / epoch on 1 process, 4 on 2 (the last batch is short)
-    return run_both(tmp_path_factory, "sft", [
-        "--config", f"{RECIPES}/sft.yaml", "--dataset_name", assets["sft"], "--model_name_or_path",
-        assets["base_model"], "--max_samples", "60", "--eval_split_size", "8", "--num_train_epochs", str(SFT_EPOCHS),
-        "--warmup_steps", "0", *common(SFT_SAVE)])
+    return ["--config", f"{RECIPES}/sft.yaml", "--dataset_name", assets["sft"], "--model_name_or_path",
+            assets["base_model"], "--max_samples", "60", "--eval_split_size", "8", "--num_train_epochs",
+            str(SFT_EPOCHS), "--warmup_steps", "0", *common(SFT_SAVE)]
 
 
-@pytest.fixture(scope="module")
-def rm_runs(assets, sft_runs, tmp_path_factory):
-    return run_both(tmp_path_factory, "rm", [
-        "--config", f"{RECIPES}/rm.yaml", "--dataset_name", assets["rm"], "--model_name_or_path",
-        os.path.join(sft_runs[1][0], "merged"), "--max_samples", "24", "--eval_split_size", "4",
-        "--num_train_epochs", "1", *common(RM_SAVE)])
+def rm_args(assets, sft_runs) -> list[str]:
+    return ["--config", f"{RECIPES}/rm.yaml", "--dataset_name", assets["rm"], "--model_name_or_path",
+            os.path.join(sft_runs[1][0], "merged"), "--max_samples", "24", "--eval_split_size", "4",
+            "--num_train_epochs", "1", *common(RM_SAVE)]
 
 
-@pytest.fixture(scope="module")
-def ppo_runs(assets, sft_runs, rm_runs, tmp_path_factory):
-    return run_both(tmp_path_factory, "ppo", [
-        "--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
-        "--sft_model_path", os.path.join(sft_runs[1][0], "merged"),
-        "--reward_model_path", os.path.join(rm_runs[1][0], "merged"),
-        "--max_samples", "64", "--total_episodes", str(PPO_EPISODES), "--num_ppo_epochs", "1",
-        "--local_rollout_forward_batch_size", "8", "--log_samples_every", "1",
-        "--reward_baseline", "auto", "--reward_baseline_batches", "1", *common(PPO_SAVE)])
+def ppo_args(assets, sft_runs, rm_runs, episodes: int = PPO_EPISODES, samples_every: int = 1) -> list[str]:
+    """The demo PPO recipe on the single-process SFT and RM outputs; ``samples_every`` 1 also calibrates the reward
+    baseline on one batch (``reward_baseline auto``)."""
+    extra = ["--reward_baseline", "auto", "--reward_baseline_batches", "1"] if samples_every else []
+    return ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
+            "--sft_model_path", os.path.join(sft_runs[1][0], "merged"),
+            "--reward_model_path", os.path.join(rm_runs[1][0], "merged"),
+            "--max_samples", "64", "--total_episodes", str(episodes), "--num_ppo_epochs", "1",
+            "--local_rollout_forward_batch_size", "8", "--log_samples_every", str(samples_every), *extra,
+            *common(PPO_SAVE)]
+
+
+# the runs themselves (`sft_runs`, `rm_runs`, `ppo_runs`) are session fixtures in conftest.py: tests/test_zero.py
+# compares its ZeRO runs with the same DDP runs
 
 
 # -- SFT -----------------------------------------------------------------------------------------------------------
@@ -265,11 +267,7 @@ def test_ppo_two_processes_resume_exactly(assets, sft_runs, rm_runs, tmp_path):
     process restores its own data position and RNG state (data_state.pt, data_state_rank1.pt)."""
     from safetensors.torch import load_file
 
-    args = ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
-            "--sft_model_path", os.path.join(sft_runs[1][0], "merged"),
-            "--reward_model_path", os.path.join(rm_runs[1][0], "merged"),
-            "--max_samples", "64", "--total_episodes", "64", "--num_ppo_epochs", "1",
-            "--local_rollout_forward_batch_size", "8", "--log_samples_every", "0", *common(2)]
+    args = ppo_args(assets, sft_runs, rm_runs, episodes=64, samples_every=0)
     straight = str(tmp_path / "straight")
     launch("ppo", [*args, "--output_dir", straight], NPROC)
     assert checkpoints(straight) == [2, 4]

@@ -219,3 +219,39 @@ def test_eval_writes_report_for_the_real_run(real_model, real_rm, real_ppo):
     pngs = os.listdir(os.path.join(out, "report"))
     assert any(p.endswith(".png") for p in pngs), pngs
 
+
+
+# -- stage 3 beyond PPO on real weights: the CPU recipes, cut to smoke size ----------------------------------------
+
+def test_dpo_on_real_pairs(real_sft, module_tmp):
+    """DPO (LoRA; the reference is the adapter-disabled SFT model) on the RM stage's human-ranked pairs: the adapter
+    trains, the merged policy reloads as a plain causal LM, held-out implicit-reward accuracy is reported."""
+    from safetensors.torch import load_file
+
+    from rlhf_trl import dpo
+
+    out = module_tmp("real_dpo")
+    result = dpo.main(["--config", str(RECIPES / "dpo.yaml"), "--model_name_or_path", real_sft["merged"],
+                       "--output_dir", str(out), "--max_steps", "2", "--max_length", "160",
+                       "--gradient_accumulation_steps", "1", "--per_device_train_batch_size", "1",
+                       "--per_device_eval_batch_size", "2", "--eval_split_size", "4", "--report_to", "none"])
+    m = result["metrics"]
+    assert m["global_step"] == 2 and m["num_eval_pairs"] >= 1 and 0 <= m["eval_rewards/accuracies"] <= 1
+    lora = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert any(float(v.abs().max()) > 0 for k, v in lora.items() if "lora_B" in k)  # B starts at 0: it trained
+    assert json.load(open(out / "merged" / "config.json"))["architectures"] == ["Qwen2ForCausalLM"]
+
+
+def test_grpo_on_real_prompts(real_sft, real_rm, module_tmp):
+    """GRPO (LoRA) against the real reward model on the real prompts: 2 completions per prompt, both EOS ids end a
+    completion, the reward model's rewards are logged."""
+    from rlhf_trl import grpo
+
+    out = module_tmp("real_grpo")
+    grpo.main(["--config", str(RECIPES / "grpo.yaml"), "--model_name_or_path", real_sft["merged"],
+               "--reward_model_path", real_rm["merged"], "--output_dir", str(out), "--max_steps", "1",
+               "--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "8",
+               "--eval_split_size", "4", "--report_to", "none"])
+    logged = [h for h in json.load(open(out / "log_history.json"))["log_history"] if "rewards/reward_model/mean" in h]
+    assert len(logged) == 1 and abs(logged[0]["rewards/reward_model/mean"]) < 100
+    assert os.path.isfile(out / "merged" / "model.safetensors") and os.path.isdir(out / "adapter")

@@ -8,14 +8,19 @@ import pytest
 import torch
 from conftest import import_ppo
 
-from rlhf_trl import rm, sft
+from types import SimpleNamespace
+
+from rlhf_trl import dpo, grpo, rm, sft
 from rlhf_trl.config import parse_recipe
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 STAGES = {"sft": lambda: sft, "rm": lambda: rm, "ppo": import_ppo}  # stage -> its module (PPO: imported when used)
+STAGE3 = {"dpo": lambda: dpo, "grpo": lambda: grpo,  # the other stage-3 methods: demo, CPU and 7B recipes
+          "rloo": lambda: SimpleNamespace(recipe_types=lambda: grpo.recipe_types("rloo"))}
+PARSERS = {**STAGES, **STAGE3}
 RECIPES = sorted(
     p for p in glob.glob(os.path.join(ROOT, "recipes", "**", "*.yaml"), recursive=True)
-    if os.path.basename(p)[:-5] in STAGES
+    if os.path.basename(p)[:-5] in PARSERS
 )
 
 
@@ -27,6 +32,9 @@ def test_there_are_recipes_for_every_stage():
         for stage in STAGES:
             assert os.path.isfile(os.path.join(ROOT, "recipes", run, f"{stage}.yaml")), (run, stage)
     assert os.path.isfile(os.path.join(ROOT, "recipes", "qwen2.5-7b-full", "sft.yaml"))  # full-parameter, ZeRO-3
+    for run, methods in (("demo", STAGE3), ("qwen2.5-0.5b-cpu", ("dpo", "grpo")), ("qwen2.5-7b", ("dpo", "grpo"))):
+        for method in methods:
+            assert os.path.isfile(os.path.join(ROOT, "recipes", run, f"{method}.yaml")), (run, method)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: os.path.relpath(p, ROOT))
@@ -37,7 +45,7 @@ def test_recipe_parses(path):
     if not torch.cuda.is_available() and "bf16: true" in text:
         # TrainingArguments refuses bf16 without a GPU at parse time; every other key and type is still checked
         extra = ["--bf16", "false", "--use_cpu", "true"]
-    parsed = parse_recipe(STAGES[stage]().recipe_types(), ["--config", path, *extra])
+    parsed = parse_recipe(PARSERS[stage]().recipe_types(), ["--config", path, *extra])
     assert parsed[-1] == path
     assert parsed[0].dataset_name, "every recipe names its data"
     assert text.lstrip().startswith("#")

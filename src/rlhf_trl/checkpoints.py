@@ -17,7 +17,8 @@ from . import faults
 from .config import RecipeError, RunArguments, check_output_dir, save_recipe
 from .faults import CheckpointWriteError
 from .merge import merge_adapter
-from .models import StageInputError, load_causal_lm, load_sequence_classifier, merge_and_save, write_json
+from .models import (StageInputError, load_causal_lm, load_sequence_classifier, merge_and_save, peak_memory_mb,
+                     write_json)
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,8 @@ def start_run(training_args, run_args=None):
     `begin_writing`. Puts back an earlier run that a killed run had set aside (`restore_earlier_run`), resolves
     ``resume_from_checkpoint`` (`resolve_resume`), refuses (unless ``overwrite_output_dir``) to overwrite a finished
     run or to start afresh next to an unfinished run's checkpoints, and removes a killed run's ``.tmp-checkpoint-*``
-    (never complete checkpoints) and ``.tmp-offload-*`` (``offload_reward_model``) leftovers.
+    (never complete checkpoints) and ``.tmp-offload-*`` (``offload_reward_model``) leftovers. Seeds every RNG with
+    ``training_args.seed`` first: new weights (LoRA, a reward model's score head) are made before TRL's trainers seed.
 
     Returns ``(run_args, resume)``: the run arguments (defaults if None) and the checkpoint to resume from, or None.
 
@@ -90,6 +92,9 @@ def start_run(training_args, run_args=None):
         StageInputError: resume requested but no checkpoint, no intact one, or the named one damaged; RecipeError: a
         finished run, or an unfinished run's checkpoints (damaged or not), in the way.
     """
+    from transformers import set_seed
+
+    set_seed(training_args.seed)
     run_args = run_args or RunArguments()
     state = distributed_state(training_args)
     out = training_args.output_dir
@@ -253,6 +258,8 @@ def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, bas
         trainer.save_model(staging)
         if main:
             tokenizer.save_pretrained(staging)
+            if os.path.exists(args_file := os.path.join(staging, "training_args.bin")):
+                os.remove(args_file)  # Trainer._save's copy of the arguments: not part of a model directory
             if os.path.exists(path):
                 shutil.rmtree(path)
             os.rename(staging, path)
@@ -298,6 +305,7 @@ def save_stage_outputs(trainer, tokenizer, model_path: str, kind: str, metrics: 
     model = save_final_model(trainer, tokenizer, merged, adapter, model_path, kind)  # gathers ZeRO-3 / FSDP shards
     if trainer.is_world_process_zero():
         save_recipe(out, *configs)
+        metrics["peak_memory_mb"] = peak_memory_mb()  # training's peak (before evaluate loads another model)
         if evaluate is not None:
             metrics.update(evaluate(model))
         write_json(os.path.join(out, "metrics.json"), metrics)

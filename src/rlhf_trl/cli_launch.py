@@ -12,7 +12,7 @@ import os
 import sys
 import warnings
 
-MODULES = {"init-model": "tiny", "eval": "evaluate", "demo-real": "demo_real"}
+MODULES = {"init-model": "tiny", "eval": "evaluate", "demo-real": "demo_real", "rloo": "grpo"}
 
 
 def setup_logging() -> None:
@@ -69,7 +69,7 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     user_errors = (RecipeError, DataError, StageInputError, ValueError, FileNotFoundError, RewardFunctionError,
                    CheckpointWriteError)
     try:
-        result = module.main(sys.argv[1:] if argv is None else argv)
+        result = module.main(sys.argv[1:] if argv is None else argv, **({"method": "rloo"} if stage == "rloo" else {}))
     except BaseException as exc:
         from tqdm import tqdm
 
@@ -111,28 +111,31 @@ def end_process_group() -> None:
 
 
 def print_demo_summary(summary: dict, path: str) -> None:
-    t = summary["targets"]
+    t, methods = summary["targets"], summary.get("methods", ["ppo"])
     rows = [
         ("rm_accuracy (held-out topics)", summary["rm_accuracy"], ""),
         ("  rejected: on-topic negative", summary["rm_accuracy_vs_negative"], f">= {t['rm_accuracy_vs_negative']}"),
         ("  rejected: praise of another topic", summary["rm_accuracy_vs_off_topic"], "(reported, no target)"),
         ("rm length-only baseline", summary["rm_length_baseline_accuracy"], ""),
         ("sft_score (ground truth, [-1, 1])", summary["sft_score"], ""),
-        ("ppo_score (ground truth, [-1, 1])", summary["ppo_score"], f">= sft_score + {t['ppo_minus_sft']}"),
+        *((f"{m}_score (ground truth, [-1, 1])", summary[f"{m}_score"], f">= sft_score + {t['ppo_minus_sft']}")
+          for m in methods),
         ("sft_on_topic_rate ([0, 1])", summary["sft_on_topic_rate"], ""),
-        ("ppo_on_topic_rate ([0, 1])", summary["ppo_on_topic_rate"], f">= {t['ppo_on_topic_rate']}"),
+        *((f"{m}_on_topic_rate ([0, 1])", summary[f"{m}_on_topic_rate"], f">= {t['ppo_on_topic_rate']}")
+          for m in methods),
+        *((f"{m} seconds (training stage)", summary["stage_seconds"][m], "(reported, not gated)") for m in methods),
         ("seconds (whole demo)", summary["seconds"], "(reported, not gated)"),
     ]
     print("\nrlhf-trl demo summary (topics held out of the RM data and PPO prompts; the eval report uses the recipes' "
           "own splits)")
     for name, value, target in rows:
         print(f"  {name:36s} {value:8.3f}  {target}")
-    for name in ("sft", "ppo"):
+    for name in ("sft", *methods):
         ex = summary["examples"][name][0]
         print(f"  {name} sample: {ex['prompt']} -> {ex['response']}")
     print(f"  targets met: {summary['targets_met']}\n  written to {path}")
     if summary.get("report"):
-        print(f"  report (SFT vs PPO, training curves): {summary['report']}")
+        print(f"  report ({' vs '.join(m.upper() for m in ('sft', *methods))}): {summary['report']}")
 
 
 def print_real_summary(summary: dict, path: str) -> None:

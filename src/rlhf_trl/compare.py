@@ -96,8 +96,12 @@ def verdict(methods: dict[str, dict], ref: str, demo: bool) -> str:
     m, ci = methods[best], methods[best][f"{key}_ci"]
     span = "" if ci is None else (f", 95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]" + (
         ", which excludes 0" if ci[0] > 0 else ", which includes 0: not clearly better at this sample size"))
-    return (f"{best} won on {what}: {m[key]:.3f} vs {methods[ref][key]:.3f} for {ref} (difference "
-            f"{m[f'{key}_diff']:+.3f}{span}), at a KL of {m['kl_per_token']:.4f} nats per token to {ref}.")
+    close = [f"{n} ({methods[n][key]:.3f})" for n in methods if n not in (ref, best) and ci is not None
+             and ci[0] <= methods[n][f"{key}_diff"] <= ci[1]]
+    verb = "lies" if len(close) == 1 else "lie"
+    tie = f" {' and '.join(close)} {verb} within that interval: not told apart at this sample size." if close else ""
+    return (f"{best} scored highest on {what}: {m[key]:.3f} vs {methods[ref][key]:.3f} for {ref} (difference "
+            f"{m[f'{key}_diff']:+.3f}{span}), at a KL of {m['kl_per_token']:.4f} nats per token to {ref}.{tie}")
 
 
 def plot_reward_vs_kl(methods: dict[str, dict], ref: str, path: str) -> str:

@@ -1,6 +1,7 @@
 """The embedded demo: build a tiny Qwen2 and a generated Chinese preference task, then run SFT -> RM -> PPO.
 
-Run: ``make demo`` (or ``rlhf-trl demo``). Offline; about 3-5 minutes on 2 CPU cores.
+Run: ``make demo`` (or ``rlhf-trl demo``). Offline; about 3-5 minutes on 2 CPU cores. ``make demo-compare``
+(``rlhf-trl demo --compare``): SFT -> RM -> {PPO, DPO, GRPO}, compared in ``outputs/demo/compare/compare.md``.
 
 1. Assets (built once, cached in ``outputs/demo/assets``): task data (`rlhf_trl.demo_task`), a byte-level BPE
    tokenizer with Qwen-style special tokens and a distinct pad token, and a random-init tiny Qwen2 model.
@@ -34,7 +35,8 @@ from .tiny import build_tiny_qwen2, train_bpe_tokenizer
 logger = logging.getLogger(__name__)
 
 # What the demo must show (CI checks them). The RM's accuracy against praise of another topic (the proxy-reward gap
-# the demo shows) and the wall time are reported, not gated.
+# the demo shows) and the wall time are reported, not gated. With --compare every stage-3 method (PPO, DPO, GRPO)
+# must beat SFT's ground truth by ppo_minus_sft and stay on topic (ppo_on_topic_rate).
 TARGETS = {"rm_accuracy_vs_negative": 0.95, "ppo_minus_sft": 0.25, "ppo_on_topic_rate": 0.8}
 
 
@@ -76,17 +78,23 @@ def sample_responses(model_dir: str, questions: list[str], samples_per_prompt: i
     return tok.batch_decode([ids for ids, _ in out], skip_special_tokens=True)
 
 
-def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo", rebuild: bool = False) -> dict:
-    """Build the assets, run the three stages and evaluate. Returns the summary (also in ``summary.json``)."""
-    from . import ppo, rm, sft
+def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo", rebuild: bool = False,
+             methods: tuple[str, ...] = ("ppo",)) -> dict:
+    """Build the assets, run SFT, RM and each stage-3 method of ``methods`` (``ppo``, ``dpo``, ``grpo``, ``rloo``:
+    ``<recipes_dir>/<method>.yaml``) and evaluate. Returns the summary (also in ``summary.json``; with more than one
+    method in ``compare/summary.json``, with ``compare``: `rlhf_trl.compare` on the PPO recipe's held-out prompts)."""
+    import importlib
+
     from .rm import evaluate_pairs
 
     start = time.time()
     paths = build_assets(os.path.join(output_dir, "assets"), force=rebuild)
     stage_seconds, results = {}, {}
-    for name, module in (("sft", sft), ("rm", rm), ("ppo", ppo)):
+    for name in ("sft", "rm", *methods):
         t0 = time.time()
-        results[name] = module.main(["--config", os.path.join(recipes_dir, f"{name}.yaml")])
+        module = importlib.import_module(f"rlhf_trl.{'grpo' if name == 'rloo' else name}")
+        kwargs = {"method": "rloo"} if name == "rloo" else {}
+        results[name] = module.main(["--config", os.path.join(recipes_dir, f"{name}.yaml")], **kwargs)
         stage_seconds[name] = round(time.time() - t0, 1)
         logger.info("demo: %s done in %.0f s", name, stage_seconds[name])
 
@@ -110,8 +118,8 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
         ppo_cfg = yaml.safe_load(f) or {}
     questions = [json.loads(line)["instruction"] for line in open(paths["heldout_prompts"], encoding="utf-8")]
     scores, on_topic, examples = {}, {}, {}
-    for name, model_dir in (("sft", results["sft"]["merged"]), ("ppo", results["ppo"]["merged"])):
-        responses = sample_responses(model_dir, questions, samples_per_prompt=4,
+    for name in ("sft", *methods):
+        responses = sample_responses(results[name]["merged"], questions, samples_per_prompt=4,
                                      max_new_tokens=int(ppo_cfg.get("response_length", 24)),
                                      temperature=float(ppo_cfg.get("temperature", 0.7)), seed=1234)
         asked = [q for q in questions for _ in range(4)]
@@ -119,21 +127,29 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
         on_topic[name] = sum(demo_task.on_topic(q, r) for q, r in zip(asked, responses)) / len(responses)
         examples[name] = [{"prompt": q, "response": r} for q, r in zip(questions, responses[::4])][:5]
 
-    # merge / evaluate / report: eval.json + report.md (SFT vs PPO on the PPO recipe's held-out prompts)
-    trainer = results["ppo"].get("trainer")
-    report = evaluate.main(["--config", os.path.join(recipes_dir, "ppo.yaml"), "--demo"],
-                           ppo_logs=trainer.state.log_history if trainer is not None else None)["report"]
-
     summary = {"rm_accuracy": rm_eval["accuracy"], "rm_accuracy_vs_negative": rm_by_kind["negative"],
                "rm_accuracy_vs_off_topic": rm_by_kind["off_topic"], "rm_margin": rm_eval["margin"],
                "rm_length_baseline_accuracy": rm_eval["length_baseline_accuracy"], "rm_num_pairs": rm_eval["num_pairs"],
-               "sft_score": scores["sft"], "ppo_score": scores["ppo"], "sft_on_topic_rate": on_topic["sft"],
-               "ppo_on_topic_rate": on_topic["ppo"], "seconds": round(time.time() - start, 1),
-               "stage_seconds": stage_seconds, "targets": TARGETS, "examples": examples, "report": report}
-    summary["targets_met"] = bool(summary["rm_accuracy_vs_negative"] >= TARGETS["rm_accuracy_vs_negative"]
-                                  and summary["ppo_score"] >= summary["sft_score"] + TARGETS["ppo_minus_sft"]
-                                  and summary["ppo_on_topic_rate"] >= TARGETS["ppo_on_topic_rate"])
-    write_json(os.path.join(output_dir, "summary.json"), summary)
+               "methods": list(methods), "stage_seconds": stage_seconds, "targets": TARGETS, "examples": examples}
+    for name in ("sft", *methods):
+        summary[f"{name}_score"], summary[f"{name}_on_topic_rate"] = scores[name], on_topic[name]
+    # merge / evaluate / report: SFT vs PPO (eval.json + report.md), or every method (compare.json + compare.md)
+    if methods == ("ppo",):
+        trainer = results["ppo"].get("trainer")
+        summary["report"] = evaluate.main(["--config", os.path.join(recipes_dir, "ppo.yaml"), "--demo"],
+                                          ppo_logs=trainer.state.log_history if trainer is not None else None)["report"]
+    else:
+        from . import compare
+
+        policies = [f"{name}={os.path.dirname(results[name]['merged'])}" for name in ("sft", *methods)]
+        summary["compare"] = compare.main(["--config", os.path.join(recipes_dir, "ppo.yaml"), "--demo",
+                                           "--policies", *policies])["metrics"]
+        summary["report"] = os.path.join(output_dir, "compare", "compare.md")
+    summary["seconds"] = round(time.time() - start, 1)
+    summary["targets_met"] = bool(summary["rm_accuracy_vs_negative"] >= TARGETS["rm_accuracy_vs_negative"] and all(
+        summary[f"{m}_score"] >= summary["sft_score"] + TARGETS["ppo_minus_sft"]
+        and summary[f"{m}_on_topic_rate"] >= TARGETS["ppo_on_topic_rate"] for m in methods))
+    write_json(os.path.join(output_dir, *(["compare"] if methods != ("ppo",) else []), "summary.json"), summary)
     return summary
 
 
@@ -145,7 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output_dir", default="outputs/demo", help="must match the output paths in the recipes")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached assets (data, tokenizer, base model)")
     p.add_argument("--assets_only", action="store_true", help="only build the assets")
+    p.add_argument("--compare", action="store_true", help="stage 3 as PPO, DPO and GRPO, compared in one report")
     args = p.parse_args(argv)
     if args.assets_only:
         return {"output_dir": build_assets(os.path.join(args.output_dir, "assets"), force=args.rebuild)["base_model"]}
-    return {"output_dir": args.output_dir, "summary": run_demo(args.recipes, args.output_dir, args.rebuild)}
+    methods = ("ppo", "dpo", "grpo") if args.compare else ("ppo",)
+    summary = run_demo(args.recipes, args.output_dir, args.rebuild, methods)
+    return {"output_dir": os.path.join(args.output_dir, "compare") if args.compare else args.output_dir,
+            "summary": summary}

@@ -371,6 +371,16 @@ def merge_and_save(model, tokenizer, path: str):
     return model
 
 
+def peak_memory_mb() -> float:
+    """This process's peak memory so far (MiB): the GPU's peak allocated bytes when CUDA is in use, else the peak
+    resident set size (``getrusage``: KiB on Linux)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def write_text(path: str, text: str) -> None:
     """Write a text file atomically (``path.tmp``, then rename), creating its directory."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

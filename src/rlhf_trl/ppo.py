@@ -17,6 +17,7 @@ import copy
 import json
 import logging
 import os
+import time
 
 import torch
 from datasets import Dataset
@@ -25,8 +26,8 @@ from .checkpoints import begin_writing, distributed_state, keeps_earlier_run, st
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, split_records
 from .models import (BIASING_GENERATION_KEYS, eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer,
-                     merge_and_save, recipe_quantization_config, require_model_dir, sampling_generation_config,
-                     save_pretrained_atomic, torch_dtype, write_json)
+                     merge_and_save, peak_memory_mb, recipe_quantization_config, require_model_dir,
+                     sampling_generation_config, save_pretrained_atomic, torch_dtype, write_json)
 from .ppo_config import PPOConfig, PPOScriptArguments
 from .ppo_engine import TrainingDivergedError  # noqa: F401 (importable from the stage)
 from .ppo_trainer import AdaptiveKLController, RLHFPPOTrainer, deployable_generation_config  # noqa: F401
@@ -71,10 +72,6 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
 
     Every input error is raised before anything is written (`rlhf_trl.checkpoints.begin_writing`).
     """
-    from transformers import set_seed
-
-    set_seed(training_args.seed)  # LoRA initialization happens before TRL seeds its trainer
-
     # inputs: model directories, reward functions
     run_args, resume = start_run(training_args, run_args)
     dist = distributed_state(training_args)  # under `accelerate launch`: this process's place in the group
@@ -118,7 +115,9 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
         reward_columns=(lambda rows: reward_columns([train_records[i] for i in rows])) if reward_functions else None,
     )
     trainer.reward_baseline = baseline
+    start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
+    trainer.train_runtime = time.perf_counter() - start  # seconds, into metrics.json
 
     # save
     return save_outputs(trainer, tokenizer, stock_config, (data_args, ppo_args, training_args, model_args, run_args),
@@ -149,6 +148,12 @@ def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_arg
     value_path = require_model_dir(ppo_args.value_model_path or rm_path, "value model", rm_hint, pickle_ok)
     if rm_path is None and (ppo_args.share_reward_value_base or ppo_args.reward_baseline_value() is None):
         raise ValueError("share_reward_value_base / reward_baseline auto need a reward model (reward_model_path)")
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if ppo_args.reward_baseline_value() is None and is_deepspeed_zero3_enabled():
+        raise ValueError("reward_baseline: 'auto' cannot run under DeepSpeed ZeRO-3 (one process would sample from "
+                         "weights sharded over all of them); set a number, e.g. the reward_baseline in metrics.json "
+                         "of a run with auto under ACCEL=zero2 / ddp")
     if ppo_args.share_reward_value_base:
         if os.path.normpath(value_path) != os.path.normpath(rm_path):
             raise ValueError("share_reward_value_base: true starts the value model from the reward model; remove "
@@ -280,7 +285,8 @@ def save_outputs(trainer, tokenizer, stock_config, configs: tuple, report: DataR
     out, ppo_args = trainer.args.output_dir, configs[1]
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     metrics = {"global_step": trainer.state.global_step, "episode": trainer.state.episode,
-               "reward_baseline": trainer.reward_baseline, "kl_coef_final": trainer.args.kl_coef}
+               "reward_baseline": trainer.reward_baseline, "kl_coef_final": trainer.args.kl_coef,
+               "train_runtime": getattr(trainer, "train_runtime", None), "peak_memory_mb": peak_memory_mb()}
     if logs:
         metrics.update({k: v for k, v in logs[-1].items() if isinstance(v, (int, float))})
         metrics["first_scores"] = logs[0]["objective/scores"]

@@ -249,14 +249,19 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             FileNotFoundError: the checkpoint lacks a file needed to resume.
             ValueError: the checkpoint belongs to a run with another number of updates, or has none left.
         """
-        needed = ["optimizer.pt", "scheduler.pt", "trainer_state.json", "data_state.pt", "value_model"]
+        needed = ["scheduler.pt", "trainer_state.json", "data_state.pt", "value_model",
+                  "latest" if self.is_deepspeed_enabled else "optimizer.pt"]
         missing = [n for n in needed if not os.path.exists(os.path.join(ckpt, n))]
         if missing:
             raise FileNotFoundError(f"cannot resume from {ckpt}: missing {missing}")
-        unwrapped = self.unwrapped
-        _load_weights(unwrapped.policy, ckpt)
-        _load_weights(unwrapped.value_model, os.path.join(ckpt, "value_model"))
-        self.optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
+        if self.is_deepspeed_enabled:  # weights and this process's optimizer partition from the global_stepN shards
+            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+            deepspeed_load_checkpoint(self.model, ckpt, load_module_strict=False)  # self.model: the DeepSpeed engine
+        else:
+            _load_weights(self.unwrapped.policy, ckpt)
+            _load_weights(self.unwrapped.value_model, os.path.join(ckpt, "value_model"))
+            self.optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=True))
         saved = OnlineTrainerState.load_from_json(os.path.join(ckpt, "trainer_state.json"))
         extras = json.load(open(os.path.join(ckpt, "reward_baseline.json"))) if os.path.exists(

@@ -1,0 +1,202 @@
+"""Stage 3 without a value model: GRPO (`trl.GRPOTrainer`) or RLOO (`trl.RLOOTrainer`) against the PPO stage's
+rewards. Run: ``rlhf-trl grpo --config recipes/demo/grpo.yaml`` / ``rlhf-trl rloo --config ...`` (``make grpo``).
+
+Each prompt is sampled ``num_generations`` times; a completion's advantage is its reward minus its group's mean
+(GRPO: Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300; RLOO: the mean of the other completions, Ahmadian et al.
+2024, arXiv:2402.14740), as TRL computes them. No critic: the memory of PPO's value model is saved.
+
+The rewards are PPO's (`rlhf_trl.ppo_engine`): the reward model's score read at the response's EOS over the same
+token ids (prompt ids from `rlhf_trl.data.prompt_features`, the completion ids TRL sampled, EOS included; one
+scoring path, `rlhf_trl.scoring.score_sequences`), minus ``reward_baseline``, minus ``missing_eos_penalty`` for a
+completion without EOS, plus ``reward_funcs`` weighted by ``reward_weights`` (one weight per function, the reward
+model's weight is 1). A constant ``reward_baseline`` cancels in group-relative advantages: it shifts the logged
+rewards only. The reference is the frozen SFT policy (LoRA: the adapter disabled; ``beta`` 0: none).
+
+Outputs as the DPO stage: ``checkpoint-*/``, ``adapter/`` (LoRA), ``merged/``, ``metrics.json``, ``log_history.json``,
+``run_config.yaml``, ``data_report.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from datasets import Dataset
+
+from .checkpoints import (begin_writing, keeps_earlier_run, loading_on_one_process, save_stage_outputs, start_run,
+                          with_atomic_checkpoints)
+from .config import RunArguments, parse_recipe, sibling_recipe
+from .data import DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, split_records
+from .loop_state import with_loop_state
+from .models import (eos_token_ids, fp32_adapters_for_fp32_compute, load_causal_lm, load_sequence_classifier,
+                     load_tokenizer, recipe_quantization_config, require_model_dir, resize_for_tokenizer, torch_dtype)
+from .reward_models import apply_reward_baseline, require_reward_model
+from .rewards import RewardFunctions, load_reward_functions, reward_columns
+from .scoring import score_sequences
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupRewardArguments:
+    """The reward fields of a grpo / rloo recipe (TRL's configs own ``reward_weights``: one per ``reward_funcs``)."""
+
+    reward_model_path: str | None = field(default=None, metadata={
+        "help": "The RM stage's merged/ model; None: reward_funcs alone."})
+    reward_baseline: float = field(default=0.0, metadata={
+        "help": "Subtracted from every reward-model score (reward units), as in PPO."})
+    missing_eos_penalty: float | None = field(default=None, metadata={
+        "help": "Subtracted from the reward of completions without EOS (reward units), as in PPO."})
+    reward_funcs: list[str] | None = field(default=None, metadata={
+        "help": "Reward functions 'package.module:function' or 'file.py:function', as in PPO; weighted by "
+                "reward_weights and added to the reward model's score."})
+
+
+def recipe_types(method: str = "grpo") -> tuple:
+    """The dataclasses a grpo / rloo recipe fills: data fields, TRL's `GRPOConfig` / `RLOOConfig`, `ModelConfig`."""
+    from trl import GRPOConfig, ModelConfig, RLOOConfig
+
+    return (DataArguments, GroupRewardArguments, GRPOConfig if method == "grpo" else RLOOConfig, ModelConfig,
+            RunArguments)
+
+
+def main(argv: list[str] | None = None, callbacks: list | None = None, method: str = "grpo") -> dict:
+    """Parse a recipe and run GRPO (``method`` ``grpo``) or RLOO (``rloo``); see `run`."""
+    data_args, reward_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(method), argv,
+                                                                                       method)
+    hints = {stage: sibling_recipe(recipe, stage) for stage in ("sft", "rm")}
+    return run(data_args, reward_args, training_args, model_args, run_args, method, hints, callbacks)
+
+
+class RewardModelReward:
+    """TRL reward function ``f(prompts, completions, completion_ids, query_ids, **columns) -> list[float]``: the
+    reward model's score of ``query_ids + completion_ids`` ``[batch]`` (reward units, at the EOS when sampled) minus the
+    baseline, minus ``missing_eos_penalty`` where no id of ``eos_ids`` ends the completion. ``reward_model`` None: the
+    penalty alone."""
+
+    def __init__(self, reward_model, pad_token_id: int, eos_ids: list[int], penalty: float | None, batch_size: int):
+        self.reward_model, self.pad, self.eos, self.penalty = reward_model, pad_token_id, set(eos_ids), penalty
+        self.batch_size = batch_size
+        self.__name__ = "reward_model" if reward_model is not None else "missing_eos_penalty"
+
+    def __call__(self, prompts, completions, completion_ids, query_ids, **columns) -> list[float]:
+        n = len(completion_ids)
+        scores = (score_sequences(self.reward_model, [list(q) + list(c) for q, c in zip(query_ids, completion_ids)],
+                                  self.pad, self.batch_size) if self.reward_model is not None else torch.zeros(n))
+        if self.penalty:
+            ended = torch.tensor([bool(c) and c[-1] in self.eos for c in completion_ids])
+            scores = scores - self.penalty * (~ended).float()
+        return scores.tolist()
+
+
+def as_trl_reward(functions: RewardFunctions, k: int, columns: list[str]):
+    """The ``k``-th project reward function as TRL calls reward functions (every dataset column, ``trainer_state`` ...
+    as keywords): it receives ``prompts``, ``completions`` and the data columns its signature names (as in PPO)."""
+    single = RewardFunctions([functions.functions[k]], None, [functions.specs[k]])
+
+    def reward(prompts, completions, **kwargs):
+        state = kwargs.get("trainer_state")
+        total, _ = single.compute(prompts, completions, state.global_step if state else 0,
+                                  **{c: kwargs[c] for c in columns if c in kwargs})
+        return total.tolist()
+
+    reward.__name__ = functions.names[k]
+    return reward
+
+
+def prompt_dataset(records: list[dict], tokenizer, template: Template, max_prompt_length: int, source: str,
+                   report: DataReport, split: str) -> Dataset:
+    """Prompt rows for TRL: ``prompt`` (the text of the prompt ids, so that TRL's tokenizer gives back the ids PPO
+    samples from), ``query_ids`` (those ids, `prompt_features`) and the reward-function columns (`reward_columns`)."""
+    ids = prompt_features(records, tokenizer, template, max_prompt_length, source, report, split)["input_ids"]
+    return Dataset.from_dict({"prompt": tokenizer.batch_decode(ids), "query_ids": ids, **reward_columns(records)})
+
+
+@keeps_earlier_run
+def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_args, model_args,
+        run_args: RunArguments | None = None, method: str = "grpo", hints: dict | None = None,
+        callbacks: list | None = None) -> dict:
+    """Optimise the SFT policy ``model_args.model_name_or_path`` on the prompts of ``data_args.dataset_name``.
+
+    Raises:
+        StageInputError: the SFT or reward model is missing, or the reward model is not a trained classifier.
+        DataError: bad prompt rows (file, row and field named).
+        ValueError: no reward (neither ``reward_model_path`` nor ``reward_funcs``), reward functions or weights that
+            cannot load (`rlhf_trl.rewards.load_reward_functions`), quantization settings that cannot run.
+    """
+    from trl import GRPOTrainer, RLOOTrainer, get_peft_config
+
+    # inputs: models, reward functions
+    hints = hints or {}
+    run_args, resume = start_run(training_args, run_args)
+    pickle_ok = run_args.allow_pickle_weights
+    model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", hints.get("sft"), pickle_ok)
+    rm_path = reward_args.reward_model_path
+    if rm_path:
+        rm_path = require_model_dir(rm_path, "reward model", hints.get("rm"), pickle_ok)
+        require_reward_model(rm_path, hints.get("rm"))
+    functions = load_reward_functions(reward_args.reward_funcs, training_args.reward_weights)
+    if not rm_path and functions is None:
+        raise ValueError(f"{method}: no reward: set reward_model_path (the RM stage's merged/) and/or reward_funcs")
+    quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)
+
+    # data
+    template = Template.from_args(data_args)
+    report = DataReport(method)
+    records = read_records(data_args, "prompts", report)
+    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
+    tokenizer = load_tokenizer(model_path, padding_side="left", trust_remote_code=training_args.trust_remote_code)
+    source = describe_sources(data_args)
+    train_ds = prompt_dataset(train_records, tokenizer, template, data_args.max_prompt_length,
+                              f"{source} (train split)", report, "train")
+    eval_ds = prompt_dataset(eval_records, tokenizer, template, data_args.max_prompt_length, f"{source} (eval split)",
+                             report, "eval") if eval_records else None
+    if eval_ds is None:
+        training_args.eval_strategy = "no"
+
+    # policy and rewards (reward model first, weight 1; then the functions with their weights)
+    model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
+                           quantization_config=quantization)
+    resize_for_tokenizer(model, tokenizer)
+    eos = eos_token_ids(tokenizer, model_path)
+    reward_model = None
+    if rm_path:
+        with loading_on_one_process():  # under ZeRO-3 each process holds the whole frozen RM (it scores alone)
+            reward_model = load_sequence_classifier(rm_path, torch_dtype(model_args.dtype),
+                                                    training_args.trust_remote_code, pickle_ok)
+        reward_model = apply_reward_baseline(reward_model.to(training_args.device), reward_args.reward_baseline)
+    rewards, weights = [], []
+    if reward_model is not None or reward_args.missing_eos_penalty:
+        rewards.append(RewardModelReward(reward_model, tokenizer.pad_token_id, eos, reward_args.missing_eos_penalty,
+                                         training_args.per_device_train_batch_size))
+        weights.append(1.0)
+    if functions is not None:
+        columns = [c for c in train_ds.column_names if c not in ("prompt", "query_ids")]
+        rewards += [as_trl_reward(functions, k, columns) for k in range(len(functions))]
+        weights += functions.weights
+    training_args.reward_weights = weights
+
+    # trainer, train (inputs proven: only now does anything of an earlier run go)
+    begin_writing(training_args, run_args, resume)
+    trainer_cls = GRPOTrainer if method == "grpo" else RLOOTrainer
+    trainer = with_loop_state(with_atomic_checkpoints(trainer_cls))(
+        model=model, reward_funcs=rewards, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
+        processing_class=tokenizer, peft_config=get_peft_config(model_args), callbacks=callbacks)
+    fp32_adapters_for_fp32_compute(trainer.model, quantization)
+    train_result = trainer.train(resume_from_checkpoint=resume)
+
+    # save
+    metrics = dict(train_result.metrics, global_step=trainer.state.global_step, num_train_prompts=len(train_ds),
+                   num_eval_prompts=len(eval_ds) if eval_ds is not None else 0)
+    result = save_stage_outputs(trainer, tokenizer, model_path, "causal_lm", metrics, report,
+                                (data_args, training_args, model_args, run_args, reward_args))
+    if trainer.is_world_process_zero():
+        logger.info("%s done: merged policy at %s", method.upper(), result["merged"])
+    return result
+
+
+if __name__ == "__main__":
+    from .cli_launch import run_stage
+
+    run_stage("grpo")
