@@ -36,9 +36,8 @@ Z95 = 1.96  # two-sided 95% normal quantile
 
 
 def parse_policies(entries: list[str]) -> dict[str, tuple[str, str | None]]:
-    """``NAME=DIR`` entries -> ``{name: (model dir, stage dir or None)}``, the reference (``sft``, else the first)
-    first. Raises `RecipeError`: an entry not ``NAME=DIR``, a name given twice, fewer than 2 entries;
-    `StageInputError`: DIR missing or not a model (nor a stage output dir holding ``merged/``)."""
+    """``NAME=DIR`` entries -> ``{name: (model dir, stage dir or None)}``, the reference first. Raises `RecipeError`:
+    a bad entry, a name twice, < 2 entries; `StageInputError`: DIR missing, not a model, no ``merged/``."""
     policies: dict[str, tuple[str, str | None]] = {}
     for entry in entries:
         name, sep, path = entry.partition("=")
@@ -62,8 +61,7 @@ def parse_policies(entries: list[str]) -> dict[str, tuple[str, str | None]]:
 
 
 def stage_metrics(stage_dir: str | None) -> dict:
-    """``train_seconds`` (``train_runtime``) and ``peak_memory_mb`` from ``<stage_dir>/metrics.json``; None each
-    when absent or unreadable (warned)."""
+    """``train_seconds`` / ``peak_memory_mb`` from ``<stage_dir>/metrics.json``; None if absent or unreadable."""
     path, data = os.path.join(stage_dir or "", "metrics.json"), {}
     try:
         if stage_dir and os.path.isfile(path):
@@ -75,9 +73,8 @@ def stage_metrics(stage_dir: str | None) -> dict:
 
 
 def method_figures(rows: list[dict], name: str, ref: str, demo: bool = False) -> dict:
-    """`rlhf_trl.evaluate.policy_figures` of ``name`` against ``ref`` plus the paired ``reward_diff`` /
-    ``reward_ci`` (and ``score_*`` with ``demo``): mean of ``name - ref`` and ``[mean - 1.96 se, mean + 1.96 se]``
-    (None for one pair). The reference itself: win rate 0.5, KL 0."""
+    """`rlhf_trl.evaluate.policy_figures` of ``name`` against ``ref`` plus ``reward_diff`` / ``reward_ci`` (and
+    ``score_*`` with ``demo``) as the module docstring says. The reference itself: win rate 0.5, KL 0."""
     out = {"win_rate": 0.5, "kl_per_token": 0.0, "num_kl_tokens": 0,
            **policy_figures(rows, name, None if name == ref else ref, demo)}
     for key in ("reward", "score") if demo else ("reward",):
@@ -87,8 +84,7 @@ def method_figures(rows: list[dict], name: str, ref: str, demo: bool = False) ->
 
 
 def verdict(methods: dict[str, dict], ref: str, demo: bool) -> str:
-    """One plain sentence: which method scored highest on ground truth (``demo``) or RM reward, by how much over
-    ``ref`` (with the CI) and at what KL."""
+    """Which method scored highest on ground truth (``demo``) or RM reward, by how much over ``ref``, at what KL."""
     key, what = ("score", "the demo's ground-truth score") if demo else ("reward", "mean RM reward")
     best = max(methods, key=lambda m: methods[m][key])  # ties: the earlier, the reference first
     if best == ref:
@@ -98,14 +94,14 @@ def verdict(methods: dict[str, dict], ref: str, demo: bool) -> str:
         ", which excludes 0" if ci[0] > 0 else ", which includes 0: not clearly better at this sample size"))
     close = [f"{n} ({methods[n][key]:.3f})" for n in methods if n not in (ref, best) and ci is not None
              and ci[0] <= methods[n][f"{key}_diff"] <= ci[1]]
-    verb = "lies" if len(close) == 1 else "lie"
-    tie = f" {' and '.join(close)} {verb} within that interval: not told apart at this sample size." if close else ""
+    tie = (f" {' and '.join(close)} {'lies' if len(close) == 1 else 'lie'} within that interval: not told apart at "
+           "this sample size." if close else "")
     return (f"{best} scored highest on {what}: {m[key]:.3f} vs {methods[ref][key]:.3f} for {ref} (difference "
             f"{m[f'{key}_diff']:+.3f}{span}), at a KL of {m['kl_per_token']:.4f} nats per token to {ref}.{tie}")
 
 
 def plot_reward_vs_kl(methods: dict[str, dict], ref: str, path: str) -> str:
-    """Mean RM reward against KL per token, one labelled point per method, the reward CI as error bars (PNG)."""
+    """PNG: mean RM reward against KL per token, a labelled point per method, reward CIs as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,9 +162,8 @@ def write_md(path: str, result: dict, rows: list[dict], num_examples: int = 4) -
 def compare(data_args, training_args, policies: dict[str, tuple[str, str | None]], out_dir: str,
             num_prompts: int | None = None, samples_per_prompt: int = 4, demo: bool = False,
             trust_remote_code: bool = False, rm_hint: str | None = None) -> dict:
-    """Sample, score and compare ``policies`` (`parse_policies`; the first is the reference); write the module's
-    files into ``out_dir``; return compare.json's content. Raises, before anything is loaded or written, as
-    `rlhf_trl.evaluate.sample_and_score`, and `StageInputError`: the reward model is missing or not one."""
+    """Compare ``policies`` (`parse_policies`) into ``out_dir``; return compare.json's content. Raises, before
+    anything is loaded or written, as `rlhf_trl.evaluate.sample_and_score`; `StageInputError`: no reward model."""
     rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint)
     require_reward_model(rm_path, rm_hint)
     ref = next(iter(policies))
@@ -190,10 +185,9 @@ def compare(data_args, training_args, policies: dict[str, tuple[str, str | None]
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``rlhf-trl compare --config ppo.yaml --policies NAME=DIR ... [--num_prompts N] [--samples_per_prompt K]
-    [--demo] [--output_dir DIR] [--key value ...]``. Returns ``{"output_dir", "metrics", ...}`` (``metrics``:
-    ``<method>_reward`` / ``_win_rate`` / ``_kl_per_token`` / ``_score``; then compare.json's content). Raises
-    `RecipeError`: a bad recipe, argument or ``--policies`` entry; otherwise as `compare`."""
+    """``rlhf-trl compare``. Returns ``{"output_dir", "metrics" (``<method>_reward`` / ``_win_rate`` /
+    ``_kl_per_token`` / ``_score``), **compare.json}``. Raises `RecipeError`: a bad recipe, argument or
+    ``--policies`` entry; otherwise as `compare`."""
     from .ppo import recipe_types
 
     p = one_line_arguments(argparse.ArgumentParser(
@@ -213,8 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = own.output_dir or os.path.join(os.path.dirname(os.path.normpath(training_args.output_dir)), "compare")
     result = compare(data_args, training_args, policies, out_dir, own.num_prompts, own.samples_per_prompt, own.demo,
                      ppo_args.trust_remote_code, sibling_recipe(own.config, "rm"))
-    keys = ("reward", "win_rate", "kl_per_token", "score")
-    metrics = {f"{n}_{k}": m[k] for n, m in result["methods"].items() for k in keys if k in m}
+    metrics = {f"{n}_{k}": m[k] for n, m in result["methods"].items()
+               for k in ("reward", "win_rate", "kl_per_token", "score") if k in m}
     return {"output_dir": out_dir, "metrics": metrics, **result}
 
 

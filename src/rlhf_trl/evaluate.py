@@ -45,9 +45,8 @@ DEMO_FIGURES = ["sft_score", "ppo_score", "sft_on_topic_rate", "ppo_on_topic_rat
 @torch.no_grad()
 def policy_logprobs(model, prompts: list[list[int]], responses: list[list[int]], pad_token_id: int,
                     batch_size: int = 16) -> list[list[float]]:
-    """Per-token log-probs ``log_softmax(logits)[y_t]`` (temperature 1, nats) of each response given its prompt:
-    `rlhf_trl.scoring.response_logprobs` (the PPO engine's) on left-padded prompts and right-padded responses.
-    Returns one list per response, ``[len(response)]`` floats (empty for an empty response)."""
+    """Per-token log-probs (temperature 1, nats) of each response given its prompt, by the PPO engine's
+    `rlhf_trl.scoring.response_logprobs`: one list of ``[len(response)]`` floats per response."""
     model.eval()
     device = next(model.parameters()).device
     out: list[list[float]] = []
@@ -62,10 +61,8 @@ def policy_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
 
 
 def policy_figures(rows: list[dict], name: str, ref: str | None = None, demo: bool = False) -> dict:
-    """Policy ``name``'s figures over sample rows (`sample_and_score`), unprefixed: ``reward`` (mean raw RM score),
-    ``mean_length`` (tokens, EOS excluded), ``eos_rate`` (and ``score``, ``on_topic_rate`` with ``demo``); against
-    the reference policy ``ref``: ``win_rate`` (ties 1/2), ``kl_per_token`` (nats: mean of ``logprobs_<name> -
-    logprobs_<ref>`` over ``name``'s response tokens), ``num_kl_tokens``. Raises `ValueError`: no rows."""
+    """Policy ``name``'s unprefixed figures over `sample_and_score` rows (see the module docstring); ``win_rate``,
+    ``kl_per_token`` and ``num_kl_tokens`` against the policy ``ref``. Raises `ValueError`: no rows."""
     if not rows:
         raise ValueError("no eval samples")
     n, mine = len(rows), [r[name] for r in rows]
@@ -83,8 +80,7 @@ def policy_figures(rows: list[dict], name: str, ref: str | None = None, demo: bo
 
 
 def figures(rows: list[dict], demo: bool = False) -> dict:
-    """The eval figures (see the module docstring) from ``eval_samples.jsonl`` rows: `policy_figures` of ``sft`` and
-    of ``ppo`` against ``sft``. Raises `ValueError`: no rows."""
+    """The eval figures from ``eval_samples.jsonl`` rows: `policy_figures` of ``sft`` and ``ppo``. Raises as it."""
     sft, ppo = policy_figures(rows, "sft", demo=demo), policy_figures(rows, "ppo", "sft", demo)
     per_policy = {f"{name}_{k}": f[k] for name, f in (("sft", sft), ("ppo", ppo)) for k in sft}
     return {**per_policy, "win_rate": ppo["win_rate"], "kl_per_token": ppo["kl_per_token"], "num_samples": len(rows),
@@ -94,14 +90,12 @@ def figures(rows: list[dict], demo: bool = False) -> dict:
 def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
     """Mean of ``a[i] - b[i]`` over paired samples and its standard error (sample sd / sqrt(n); nan for n < 2)."""
     diffs = [x - y for x, y in zip(a, b)]
-    n = len(diffs)
-    mean = sum(diffs) / n
+    n, mean = len(diffs), sum(diffs) / len(diffs)
     return mean, (sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
 
 
 def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
-    """Re-score the RM stage's held-out pairs (``eval_pairs.jsonl``: ``chosen_ids``, ``rejected_ids``, ``prompt_length``
-    per line) with ``reward_model``: the ``rm_*`` figures (`rlhf_trl.scoring.pairwise_metrics`). Raises `DataError`: a
+    """The ``rm_*`` figures of ``reward_model`` on the RM stage's held-out ``eval_pairs.jsonl``. Raises `DataError`: a
     malformed row (naming the file and line)."""
     from .rm import evaluate_pairs
 
@@ -120,9 +114,8 @@ def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
 
 
 def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
-    """A stage's training log records and their source, ``(records, path or None)``: ``log_history.json``, else the
-    newest ``checkpoint-N/trainer_state.json`` that reads (an unreadable one is skipped with a warning), else
-    ``[metrics.json]``, else ``[]``."""
+    """A stage's ``(log records, source path or None)``: ``log_history.json``, else the newest readable
+    ``checkpoint-N/trainer_state.json`` (damaged ones warned), else ``[metrics.json]``, else ``[]``."""
     if not stage_dir or not os.path.isdir(stage_dir):
         return [], None
     path = os.path.join(stage_dir, "log_history.json")
@@ -154,8 +147,8 @@ def _log_history(path: str) -> list[dict]:
 
 
 def plot_curves(logs: list[dict], keys: list[str], path: str, title: str) -> list[str]:
-    """Plot each of ``keys`` found in ``logs`` (log dicts) against ``step`` (else the record index), one panel per
-    key, into the PNG ``path``. Returns the keys plotted (``[]``, and nothing written, when no record holds any)."""
+    """Plot each of ``keys`` in ``logs`` against ``step`` (else the record index), a panel each, into the PNG
+    ``path``. Returns the keys plotted (``[]``, nothing written, when none is present)."""
     present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in logs)]
     if not present:
         return []
@@ -186,16 +179,14 @@ def _cell(text: str) -> str:
 
 
 def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
-    """A plain-words reading of the figures (markdown lines): is the reward model better than "the longer response
-    wins", and is PPO's reward gain larger than its sampling noise (paired mean difference of PPO - SFT rewards over
-    the ``rows`` with its standard error, reward units), at what KL, EOS rate and length. No targets."""
+    """Markdown lines: does the RM beat "the longer response wins", is PPO's reward gain over SFT above its noise
+    (paired mean difference over ``rows`` and its standard error, reward units), at what KL, EOS rate, length."""
     out = ["## Quality at this scale", ""]
     if "rm_accuracy" in figures:
         gap = figures["rm_accuracy"] - figures["rm_length_baseline_accuracy"]
-        verdict = "above" if gap > 0 else "not above"
         out.append(f"- Reward model: accuracy {figures['rm_accuracy']:.3f} on {figures['rm_num_pairs']} held-out "
-                   f"pairs, {verdict} the length-only baseline ({figures['rm_length_baseline_accuracy']:.3f}, gap "
-                   f"{gap:+.3f}).")
+                   f"pairs, {'above' if gap > 0 else 'not above'} the length-only baseline "
+                   f"({figures['rm_length_baseline_accuracy']:.3f}, gap {gap:+.3f}).")
     if rows:
         n, (mean, se) = len(rows), paired_difference(*([r[k]["reward"] for r in rows] for k in ("ppo", "sft")))
         clear = n > 1 and abs(mean) > 2 * se
@@ -211,8 +202,8 @@ def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
 
 def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[str, tuple[list[dict], str | None]],
                  num_examples: int = 5) -> str:
-    """Write ``report.md`` (and ``report/<stage>_curves.png``) into ``out_dir``; returns the report path.
-    ``stage_logs``: stage name (``sft`` / ``rm`` / ``ppo``) -> `read_stage_logs`'s ``(log records, source)``."""
+    """Write ``report.md`` (and ``report/<stage>_curves.png``) into ``out_dir``; return its path. ``stage_logs``:
+    stage name -> `read_stage_logs`'s ``(log records, source)``."""
     lines = ["# RLHF evaluation report", "",
              f"PPO run `{result['ppo_output_dir']}` against its SFT policy `{result['sft_model_path']}`, "
              f"reward model `{result['reward_model_path']}`.", "",
@@ -263,12 +254,10 @@ def _stage_dir(model_path: str) -> str | None:
 def evaluate(data_args, training_args, num_prompts: int | None = None, samples_per_prompt: int = 4,
              demo: bool = False, ppo_logs: list[dict] | None = None, trust_remote_code: bool = False,
              hints: dict[str, str] | None = None) -> dict:
-    """Sample, score and compare the SFT and PPO policies of a PPO recipe (its `DataArguments` and `PPOConfig`);
-    write eval.json, eval_samples.jsonl, report.md into ``training_args.output_dir``. ``num_prompts``: the first N
-    held-out prompts (default: all); ``demo``: also the demo task's figures; ``ppo_logs``: the PPO trainer's
-    ``log_history`` (default: read from the newest checkpoint); ``hints``: the command that produces each input
-    (``sft`` / ``rm`` / ``ppo``), named when it is missing. Returns the content of ``eval.json`` plus ``report``
-    (path) and ``plots`` (stage -> PNG path). Raises, before anything is loaded or written, `StageInputError`: a model
+    """Evaluate a PPO recipe (`DataArguments`, `PPOConfig`) as the module docstring says, into its output_dir.
+    ``ppo_logs``: the PPO trainer's ``log_history`` (default: from the newest checkpoint); ``hints``: the command
+    making each input (``sft`` / ``rm`` / ``ppo``), named when it is missing. Returns eval.json's content plus
+    ``report`` and ``plots`` (stage -> PNG). Raises, before loading or writing anything, `StageInputError`: a model
     is missing; otherwise as `sample_and_score`."""
     out_dir = training_args.output_dir
     hints = hints or {}
@@ -302,13 +291,12 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
 def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: str, num_prompts: int | None,
                      samples_per_prompt: int, demo: bool = False, trust_remote_code: bool = False,
                      pairs_file: str | None = None) -> tuple[list[dict], int, dict]:
-    """Each policy of ``paths`` (name -> model dir; the first, the reference, gives the tokenizer and EOS ids) samples
-    ``samples_per_prompt`` responses to each of the first ``num_prompts`` (None: all) held-out prompts of the PPO
-    recipe (`DataArguments`, `PPOConfig`), as PPO samples, with the same seed; the RM scores each (raw). Returns
-    ``(rows, number of prompts, rm_* figures on pairs_file or {})``: a row per prompt and sample index, per policy
-    ``response_ids``, ``eos``, ``text``, ``reward`` (``score``, ``on_topic`` with ``demo``) and, but for the
-    reference, ``logprobs_<name>`` / ``logprobs_<reference>`` (a float per response token). Raises, before loading
-    anything, `DataError`: bad prompt rows; `ValueError`: no held-out prompt, bad template settings, a count < 1."""
+    """Each policy of ``paths`` (name -> model dir; the first, the reference, gives tokenizer and EOS ids) samples
+    the PPO recipe's held-out prompts as PPO does, same seed; the RM scores each (raw). Returns ``(rows, number of
+    prompts, rm_* figures on pairs_file or {})``: a row per prompt and sample index, per policy ``response_ids``,
+    ``eos``, ``text``, ``reward`` (``score``, ``on_topic`` with ``demo``) and, but for the reference,
+    ``logprobs_<name>`` / ``logprobs_<reference>``. Raises, before loading anything, `DataError`: bad prompt rows;
+    `ValueError`: no held-out prompt, bad template settings, a count < 1."""
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     if num_prompts is not None and num_prompts < 1:
@@ -343,9 +331,8 @@ def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: s
 
 def _sample_policies(training_args, paths: dict[str, str], prompts: list[list[int]], pad: int, eos: list[int],
                      trust_remote_code: bool) -> tuple[dict, dict]:
-    """Each policy's ``(response ids, ended with EOS)`` per prompt, and for each policy but the first (the reference)
-    the per-token log-probs of its own responses under itself and under the reference (``{name: {name: ...,
-    reference: ...}}``). At most two models are loaded at a time."""
+    """Each policy's ``(response ids, ended with EOS)`` per prompt, and ``{name: {name: ..., reference: ...}}``: the
+    log-probs of each non-reference policy's responses under it and the reference. At most two models loaded."""
     ref, responses, logprobs = next(iter(paths)), {}, {}
     for name, path in paths.items():
         model = load_causal_lm(path, None, trust_remote_code)
@@ -363,12 +350,10 @@ def _sample_policies(training_args, paths: dict[str, str], prompts: list[list[in
 
 
 def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> dict:
-    """``rlhf-trl eval --config ppo.yaml [--num_prompts N] [--samples_per_prompt K] [--demo] [--key value ...]``;
-    ``ppo_logs`` as in `evaluate`. Returns ``{"output_dir", "metrics", "report", ...}`` (``metrics``: the figures).
-    Raises `RecipeError`: a bad recipe or command-line argument; otherwise as `evaluate`."""
+    """``rlhf-trl eval``; ``ppo_logs`` as in `evaluate`. Returns ``{"output_dir", "metrics" (the figures), "report",
+    ...}``. Raises `RecipeError`: a bad recipe or command-line argument; otherwise as `evaluate`."""
     from .ppo import recipe_types
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     p = one_line_arguments(argparse.ArgumentParser(
         prog="rlhf-trl eval", description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
         epilog="Any other --key value is a PPO recipe override (see rlhf-trl ppo --help)."))
@@ -376,9 +361,8 @@ def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> d
     p.add_argument("--num_prompts", type=int, default=None, help="first N held-out prompts (default: all)")
     p.add_argument("--samples_per_prompt", type=int, default=4, help="responses per prompt and policy")
     p.add_argument("--demo", action="store_true", help="also report the demo task's ground-truth scores")
-    own, rest = p.parse_known_args(argv)
-    if own.config:
-        rest = ["--config", own.config, *rest]
+    own, rest = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    rest = ["--config", own.config, *rest] if own.config else rest
     data_args, ppo_args, training_args, model_args, run_args, _ = parse_recipe(recipe_types(), rest)
     result = evaluate(data_args, training_args, own.num_prompts, own.samples_per_prompt, own.demo,
                       ppo_logs=ppo_logs, trust_remote_code=ppo_args.trust_remote_code,
