@@ -28,21 +28,16 @@ DAMAGED_PREFIX = "damaged-"  # damaged-checkpoint-N: set aside by a resume from 
 
 
 class AtomicCheckpointMixin:
-    """Mixed into a `transformers.Trainer` subclass: each ``checkpoint-N`` is written under ``.tmp-checkpoint-N`` and
-    renamed into place only when complete (a killed run never leaves a half-written one); subclasses add files with
-    `checkpoint_extras`. Every process saves (collective operations, per-rank ``rng_state_<rank>.pth``); the main
-    process clears the staging directory, writes ``manifest.json`` (`write_manifest`) and renames, between barriers.
-    """
+    """For a `transformers.Trainer` subclass: each ``checkpoint-N`` is written under ``.tmp-checkpoint-N`` by every
+    process and renamed into place, with ``manifest.json``, by the main process only when complete."""
 
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
-        """Write extra files into a checkpoint before it is renamed into place (default: nothing). Called on every
-        process (collective operations allowed); only the main process (``self.args.should_save``) writes files."""
+        """Add files to a checkpoint before it is renamed into place; called on every process, the main one writes."""
 
     def _save_checkpoint(self, model, trial):
         from transformers.trainer_utils import rotate_checkpoints
 
-        root = self.args.output_dir
-        name = f"checkpoint-{self.state.global_step}"
+        root, name = self.args.output_dir, f"checkpoint-{self.state.global_step}"
         staging = os.path.join(root, f"{STAGING_PREFIX}{name}")
         with faults.checkpoint_save():
             try:
@@ -79,25 +74,17 @@ def with_atomic_checkpoints(trainer_cls):
 
 
 def start_run(training_args, run_args=None):
-    """Checks every stage makes before it reads its inputs; the earlier run's files are set aside later, by
-    `begin_writing`. Puts back an earlier run that a killed run had set aside (`restore_earlier_run`), resolves
-    ``resume_from_checkpoint`` (`resolve_resume`), refuses (unless ``overwrite_output_dir``) to overwrite a finished
-    run or to start afresh next to an unfinished run's checkpoints, and removes a killed run's ``.tmp-checkpoint-*``
-    (never complete checkpoints) and ``.tmp-offload-*`` (``offload_reward_model``) leftovers. Seeds every RNG with
-    ``training_args.seed`` first: new weights (LoRA, a reward model's score head) are made before TRL's trainers seed.
-
-    Returns ``(run_args, resume)``: the run arguments (defaults if None) and the checkpoint to resume from, or None.
-
-    Raises:
-        StageInputError: resume requested but no checkpoint, no intact one, or the named one damaged; RecipeError: a
-        finished run, or an unfinished run's checkpoints (damaged or not), in the way.
-    """
+    """Every stage's checks before it reads its inputs: seed every RNG (new LoRA / score-head weights come before
+    TRL's trainers seed), put back an earlier run a killed run set aside, resolve ``resume_from_checkpoint``, refuse
+    (unless ``overwrite_output_dir``) a finished run or an unfinished run's checkpoints in the way, remove a killed
+    run's ``.tmp-checkpoint-*`` / ``.tmp-offload-*``. Returns ``(run_args or defaults, checkpoint to resume or None)``.
+    Raises `StageInputError`: resume requested but no (intact) checkpoint, or the named one damaged; `RecipeError`: a
+    finished or unfinished run in the way."""
     from transformers import set_seed
 
     set_seed(training_args.seed)
     run_args = run_args or RunArguments()
-    state = distributed_state(training_args)
-    out = training_args.output_dir
+    state, out = distributed_state(training_args), training_args.output_dir
     if state.is_main_process:
         restore_earlier_run(out)
     state.wait_for_everyone()
@@ -120,10 +107,8 @@ def start_run(training_args, run_args=None):
 
 
 def begin_writing(training_args, run_args, resume) -> None:
-    """Call once the run has proven its inputs (data read, models loaded), right before it writes: with
-    ``overwrite_output_dir`` and no resume the earlier run's files are set aside (`set_earlier_run_aside`), so a run
-    that fails on its inputs changes nothing on disk, and one that fails later puts them back (`keeps_earlier_run`);
-    a resume sets newer damaged checkpoints aside (`set_aside_damaged`)."""
+    """Call once the inputs are proven, right before writing: set the earlier run aside (``overwrite_output_dir``, no
+    resume; put back on failure by `keeps_earlier_run`), or on a resume set newer damaged checkpoints aside."""
     state = distributed_state(training_args)
     if state.is_main_process and run_args.overwrite_output_dir and not resume:
         set_earlier_run_aside(training_args.output_dir)
@@ -143,14 +128,14 @@ _set_aside: set[str] = set()  # output_dirs whose earlier run this process set a
 
 def complete_checkpoints(output_dir: str) -> list[str]:
     """The ``checkpoint-N`` directories in ``output_dir``, oldest first."""
-    paths = glob.glob(os.path.join(output_dir, "checkpoint-*"))
-    found = [p for p in paths if checkpoint_step(p) is not None and os.path.isdir(p)]
+    found = [p for p in glob.glob(os.path.join(output_dir, "checkpoint-*"))
+             if checkpoint_step(p) is not None and os.path.isdir(p)]
     return sorted(found, key=lambda p: (checkpoint_step(p), p))
 
 
 def set_earlier_run_aside(output_dir: str) -> None:
-    """``overwrite_output_dir`` without resume: move the earlier run's checkpoints (damaged ones included) and
-    `RUN_FILES` into ``output_dir/.earlier-run/``, beside the names listed before the move. Main process."""
+    """Move the earlier run's checkpoints (damaged too) and `RUN_FILES` into ``output_dir/.earlier-run/``, with a
+    listing of ``output_dir``. Main process."""
     damaged = glob.glob(os.path.join(output_dir, f"{DAMAGED_PREFIX}checkpoint-*"))
     names = [os.path.basename(p) for p in complete_checkpoints(output_dir) + sorted(damaged)] + [
         n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
@@ -168,8 +153,7 @@ def set_earlier_run_aside(output_dir: str) -> None:
 
 
 def restore_earlier_run(output_dir: str) -> None:
-    """Put back an earlier run set aside by `set_earlier_run_aside` (the run over it failed or was killed before its
-    first checkpoint) byte-identical, removing what the new run wrote. Repeatable after a kill; main process."""
+    """Put back a set-aside earlier run byte-identical, removing what the new run wrote. Repeatable; main process."""
     aside = os.path.join(output_dir, EARLIER_RUN)
     _set_aside.discard(os.path.abspath(output_dir))
     if not os.path.isdir(aside):
@@ -196,8 +180,7 @@ def drop_earlier_run(output_dir: str) -> None:
 
 
 def keeps_earlier_run(run):
-    """Decorator for a stage's ``run``: if it raises (any exception, Ctrl-C), the earlier run it set aside is put back
-    (`restore_earlier_run`) before the exception goes on; when it returns, the set-aside run is deleted."""
+    """Decorator for a stage's ``run``: a raise (Ctrl-C too) puts the set-aside earlier run back; a return drops it."""
     @functools.wraps(run)
     def wrapper(*args, **kwargs):
         try:
@@ -214,13 +197,8 @@ def keeps_earlier_run(run):
 
 
 def distributed_state(training_args):
-    """The `accelerate.PartialState` of this run, set up as the trainer does (under ``accelerate launch``: joins the
-    process group); without one, a stand-in with ``is_main_process`` True and a no-op ``wait_for_everyone``.
-
-    Raises:
-        RecipeError: several processes launched (``WORLD_SIZE`` > 1) did not form one process group (e.g. a GPU
-            config on a machine without GPUs and no ``use_cpu: true``).
-    """
+    """The run's `accelerate.PartialState`, set up as the trainer does; without one, a single-process stand-in.
+    Raises `RecipeError`: ``WORLD_SIZE`` > 1 processes did not form one process group (e.g. no GPUs, no use_cpu)."""
     training_args.device  # noqa: B018  (sets up PartialState / the process group, as the trainer does)
     state = getattr(training_args, "distributed_state", None)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -240,12 +218,10 @@ def weights_are_sharded(trainer) -> bool:
 
 
 def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, base_path: str, kind: str):
-    """Write a stage's ``merged/`` model (plain transformers model + tokenizer) at ``path``; call on every process.
-    Unsharded weights (one process, DDP): the main process merges the LoRA adapter (if any) and saves
-    (`models.merge_and_save`). Sharded (ZeRO-3 / FSDP), full-parameter: every process calls ``trainer.save_model`` into
-    a staging directory (DeepSpeed needs ``zero3_save_16bit_model: true``); the main process adds the tokenizer and
-    renames it. Sharded, LoRA: the main process merges ``adapter_dir`` into the base at ``base_path`` on its CPU
-    (`merge.merge_adapter`) and loads the result back (``kind``: ``causal_lm`` / ``sequence_classifier``).
+    """Write a stage's ``merged/`` model + tokenizer at ``path``; call on every process. Unsharded: the main process
+    merges LoRA and saves. Sharded (ZeRO-3 / FSDP): full-parameter, every process saves into a staging directory
+    (DeepSpeed needs ``zero3_save_16bit_model: true``) renamed into place; LoRA, the main process merges
+    ``adapter_dir`` into ``base_path`` on CPU and loads it back as ``kind`` (``causal_lm`` / ``sequence_classifier``).
     Returns the merged model on the main process, None on the others."""
     main = trainer.is_world_process_zero()
     if not weights_are_sharded(trainer):
@@ -275,10 +251,8 @@ def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, bas
 
 @contextmanager
 def loading_on_one_process():
-    """Load models on this process alone during a DeepSpeed ZeRO-3 run: transformers' ``from_pretrained`` builds a
-    model inside ``deepspeed.zero.Init`` (a collective of every process) whenever a ZeRO-3 config is registered
-    (`transformers.integrations.is_deepspeed_zero3_enabled`), so the main process loading the merged model alone would
-    wait forever for the others. The config is unregistered for the block and registered again after it."""
+    """Load models on this process alone under ZeRO-3: unregister the DeepSpeed config for the block, else
+    ``from_pretrained`` builds inside ``deepspeed.zero.Init``, a collective the other processes never join."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     ref = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers has no public getter of the config object
@@ -293,10 +267,9 @@ def loading_on_one_process():
 
 def save_stage_outputs(trainer, tokenizer, model_path: str, kind: str, metrics: dict, report, configs: tuple,
                        evaluate=None) -> dict:
-    """The end of the SFT and RM stages (call on every process): the adapter (LoRA), the merged model
-    (`save_final_model`) and, from the main process, the recipe (``configs``: data, training, model and run
-    arguments), ``evaluate(merged model)``'s metrics added to ``metrics`` (if given), ``metrics.json``,
-    ``log_history.json`` (the curves) and the data report. Returns ``{"output_dir", "merged", "metrics"}``."""
+    """End of the SFT and RM stages (every process): adapter, merged model and, from the main process, the recipe
+    (``configs``: data, training, model, run arguments), ``metrics.json`` (plus ``evaluate(merged model)`` if given),
+    ``log_history.json`` and the data report. Returns ``{"output_dir", "merged", "metrics"}``."""
     out = configs[1].output_dir
     adapter = os.path.join(out, "adapter") if configs[2].use_peft else None
     if adapter:
@@ -321,9 +294,8 @@ SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses l
 
 
 def write_manifest(checkpoint_dir: str) -> None:
-    """Write ``manifest.json`` into ``checkpoint_dir``: ``{"format": 1, "files": {relative path: size in bytes}}`` for
-    every file under it (sub-directories included; no hashes: a checkpoint can hold GBs). Written last, by the main
-    process, after every process's writes."""
+    """Write ``manifest.json``: ``{"format": 1, "files": {relative path: size in bytes}}`` of every file under
+    ``checkpoint_dir`` (no hashes: checkpoints can hold GBs); last, by the main process."""
     files = {rel: os.path.getsize(os.path.join(checkpoint_dir, rel))
              for rel in _relative_files(checkpoint_dir) if rel != MANIFEST}
     with open(os.path.join(checkpoint_dir, MANIFEST), "w", encoding="utf-8") as f:
@@ -331,16 +303,11 @@ def write_manifest(checkpoint_dir: str) -> None:
 
 
 def checkpoint_problem(path: str) -> str | None:
-    """None when the checkpoint directory ``path`` looks intact; otherwise a short reason naming the first damaged file
-    (``optimizer.pt is missing``, ``model.safetensors is truncated (1234 of 5678 bytes)``, ...). Reads file headers
-    only (cheap on multi-GB checkpoints). With ``manifest.json`` (`write_manifest`) every file it lists must exist with
-    the listed size (an unreadable manifest is itself the problem); without one, a Trainer checkpoint's must-have files:
-    ``trainer_state.json``, the optimizer state (``optimizer.pt``, FSDP ``optimizer.bin`` / ``optimizer_0/``),
-    ``scheduler.pt`` and model weights (DeepSpeed's ``global_step*/`` stands for the last three). Every file under
-    ``path``: ``*.json`` parses (and the shards a ``*.index.json`` names exist), ``*.safetensors`` has a header
-    consistent with its size, ``*.pt`` / ``*.pth`` / ``*.bin`` is a readable zip archive (its central directory;
-    legacy non-zip pickles are accepted unread). Never raises for a damaged checkpoint; an unreadable file is reported.
-    """
+    """None when the checkpoint ``path`` looks intact, else a short reason naming the first damaged file. Reads
+    headers only. Files: those of ``manifest.json`` with their sizes, else a Trainer checkpoint's must-haves
+    (``trainer_state.json``, optimizer, ``scheduler.pt``, weights; DeepSpeed's ``global_step*/`` for the last three).
+    Each file: ``*.json`` parses (with an ``*.index.json``'s shards), ``*.safetensors`` matches its header's size,
+    ``*.pt`` / ``*.pth`` / ``*.bin`` is a readable zip (legacy pickles accepted unread). Never raises."""
     if not os.path.isdir(path):
         return "is not a directory"
     manifest = os.path.join(path, MANIFEST)
@@ -370,10 +337,8 @@ def checkpoint_problem(path: str) -> str | None:
         if not (names & weights or deepspeed or any(n.startswith("pytorch_model_fsdp") for n in names)):
             return "model weights are missing (no model.safetensors or adapter_model.safetensors)"
     for rel in _relative_files(path):
-        if rel != MANIFEST:
-            problem = _file_problem(path, rel, listed.get(rel))
-            if problem:
-                return problem
+        if rel != MANIFEST and (problem := _file_problem(path, rel, listed.get(rel))):
+            return problem
     return None
 
 
@@ -473,9 +438,8 @@ def checkpoint_step(path: str) -> int | None:
 
 
 def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
-    """Rename every damaged ``checkpoint-N`` in ``output_dir`` newer than ``resume`` to ``damaged-checkpoint-N`` (kept
-    for inspection; in place, it would count as the newest in ``save_total_limit``'s rotation, which could delete the
-    checkpoints this run writes). Main process, once the run writes. Returns the new paths."""
+    """Rename each damaged ``checkpoint-N`` newer than ``resume`` to ``damaged-checkpoint-N`` (else the rotation could
+    delete this run's new ones). Main process. Returns the new paths."""
     step = checkpoint_step(resume)
     if step is None:
         return []
@@ -495,14 +459,9 @@ def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
 
 
 def resolve_resume(value, output_dir: str) -> str | None:
-    """Turn a recipe's ``resume_from_checkpoint`` into a checkpoint directory (or None to start fresh). ``true`` /
-    ``last`` picks the newest intact ``checkpoint-N`` in ``output_dir`` (`checkpoint_problem`; each newer, damaged one
-    is named with its reason in a WARNING). A path must exist and be intact. Never falls back to a fresh start.
-
-    Raises:
-        StageInputError: ``true`` with no checkpoint in ``output_dir``, or none intact (one line naming the newest and
-            its problem); a path that does not exist or is damaged (named with its problem).
-    """
+    """A recipe's ``resume_from_checkpoint`` as a checkpoint directory, or None: ``true`` / ``last``, the newest intact
+    ``checkpoint-N`` (newer damaged ones warned); a path must exist and be intact. Never falls back to a fresh start.
+    Raises `StageInputError`: no checkpoint, none intact, or the path missing or damaged (with its problem)."""
     if value is None or str(value).strip().lower() in ("", "false", "no", "0", "none"):
         return None
     if str(value).strip().lower() in ("true", "yes", "1", "last"):
