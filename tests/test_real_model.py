@@ -242,16 +242,17 @@ def test_dpo_on_real_pairs(real_sft, module_tmp):
     assert json.load(open(out / "merged" / "config.json"))["architectures"] == ["Qwen2ForCausalLM"]
 
 
-def test_grpo_on_real_prompts(real_sft, real_rm, module_tmp):
-    """GRPO (LoRA) against the real reward model on the real prompts: 2 completions per prompt, both EOS ids end a
-    completion, the reward model's rewards are logged."""
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_group_methods_on_real_prompts(method, real_sft, real_rm, module_tmp):
+    """GRPO / RLOO (LoRA) against the real reward model on the real prompts, 2 completions per prompt: the reward
+    model's rewards are logged, the adapter and merged policy are written."""
     from rlhf_trl import grpo
 
-    out = module_tmp("real_grpo")
-    grpo.main(["--config", str(RECIPES / "grpo.yaml"), "--model_name_or_path", real_sft["merged"],
+    out = module_tmp(f"real_{method}")
+    grpo.main(["--config", str(RECIPES / f"{method}.yaml"), "--model_name_or_path", real_sft["merged"],
                "--reward_model_path", real_rm["merged"], "--output_dir", str(out), "--max_steps", "1",
                "--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "8",
-               "--eval_split_size", "4", "--report_to", "none"])
+               "--eval_split_size", "4", "--report_to", "none"], method=method)
     logged = [h for h in json.load(open(out / "log_history.json"))["log_history"] if "rewards/reward_model/mean" in h]
     assert len(logged) == 1 and abs(logged[0]["rewards/reward_model/mean"]) < 100
     assert os.path.isfile(out / "merged" / "model.safetensors") and os.path.isdir(out / "adapter")
