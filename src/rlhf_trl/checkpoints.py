@@ -206,9 +206,8 @@ def distributed_state(training_args):
         raise RecipeError(f"launched {launched} processes but they did not join one process group (this one sees "
                           f"{state.num_processes}); on a machine without GPUs set `use_cpu: true` in the recipe or "
                           "launch with ACCEL=multi_cpu (ACCELERATE_USE_CPU=true)")
-    if state is None:
-        return SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None)
-    return state
+    return state if state is not None else SimpleNamespace(is_main_process=True, num_processes=1,
+                                                           wait_for_everyone=lambda: None)
 
 
 def weights_are_sharded(trainer) -> bool:

@@ -24,8 +24,7 @@ STAGES = {
 }
 
 USAGE = "usage: rlhf-trl {" + ",".join(STAGES) + "} --config RECIPE.yaml [--key value ...]\n\n" + "\n".join(
-    f"  {name:10s} {text}" for name, text in STAGES.items()
-)
+    f"  {name:10s} {text}" for name, text in STAGES.items())
 
 
 def main(argv: list[str] | None = None) -> int:

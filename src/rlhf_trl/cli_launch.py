@@ -1,8 +1,5 @@
-"""Running one stage from the command line: logging, one-line errors and exit statuses, printed summaries.
-
-`rlhf_trl.cli` and each stage's ``python -m rlhf_trl.<stage>`` dispatch here. Stage modules are imported by name
-(``importlib``) only when run, so the package has no import cycle.
-"""
+"""Running one stage from the command line (`rlhf_trl.cli`, ``python -m rlhf_trl.<stage>``): logging, one-line errors
+and exit statuses, printed summaries. Stage modules are imported by name only when run: no import cycle."""
 
 from __future__ import annotations
 
@@ -19,7 +16,6 @@ def setup_logging() -> None:
     """INFO logs from rlhf_trl and the trainers, warnings from the rest."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         level=logging.WARNING)
-    # under `accelerate launch` the other processes log warnings only (RANK: set by the launcher)
     logging.getLogger("rlhf_trl").setLevel(logging.INFO if is_main_rank() else logging.WARNING)
     import transformers
 
@@ -27,8 +23,7 @@ def setup_logging() -> None:
 
 
 def quiet_libraries() -> None:
-    """Silence bitsandbytes' two import-time WARNINGs on AVX512-BF16 CPUs when the `kernels` package cannot fetch its
-    CPU kernel from the hub (offline): it falls back to its own kernel; nothing for users to do."""
+    """Silence bitsandbytes' import-time WARNINGs (AVX512-BF16 CPUs, offline `kernels`): harmless, it falls back."""
     logging.getLogger("kernels").setLevel(logging.ERROR)
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda r: "kernels-community" not in r.getMessage())
 
@@ -44,11 +39,8 @@ def one_line(exc: BaseException) -> str:
 
 
 def run_stage(stage: str, argv: list[str] | None = None) -> int:
-    """Run one stage's ``main(argv)``. Bad input (recipe, data, missing or unsafe model files) prints one line on
-    stderr and exits with status 2; a diverged PPO run exits with status 3; a checkpoint the file system refused
-    (`faults.CheckpointWriteError`) exits with status 4. ``RLHF_TRL_DEBUG=1`` re-raises with the traceback. Open
-    progress bars are closed first: the error is the last line on stderr.
-    """
+    """Run one stage's ``main(argv)``. Exit status 2: bad input (one line on stderr, progress bars closed first); 3: a
+    diverged PPO run; 4: a refused checkpoint write (`faults.CheckpointWriteError`). ``RLHF_TRL_DEBUG=1`` re-raises."""
     quiet_libraries()  # before any import of bitsandbytes (through transformers / peft)
     from .config import RecipeError
     from .data import DataError
@@ -101,9 +93,8 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
 
 
 def end_process_group() -> None:
-    """Under ``accelerate launch``: destroy the process group once the stage is done (left alive to the interpreter's
-    exit, gloo's threads can abort a finished process, and the launcher reports the run as failed). A no-op in one
-    process."""
+    """Destroy the process group of an ``accelerate launch`` once done (alive at exit, gloo's threads can abort a
+    finished process: the launcher reports a failure). A no-op in one process."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

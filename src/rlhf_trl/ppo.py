@@ -8,8 +8,7 @@ model (``reward_model_path``) shifted by ``reward_baseline`` (`rlhf_trl.reward_m
 reward model (or ``value_model_path``), trained in full or through its own adapter (``value_use_peft``), optionally on
 the reward model's own weights (``share_reward_value_base``); reward functions (``reward_funcs``, `rlhf_trl.rewards`)
 add to the score or are all of it. Outputs under ``output_dir``: ``checkpoint-N/``, ``adapter/``, ``merged/``,
-``value_model/``, ``samples.jsonl``, ``run_config.yaml``, ``metrics.json``, ``log_history.json``.
-"""
+``value_model/``, ``samples.jsonl``, ``run_config.yaml``, ``metrics.json``, ``log_history.json``."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 def recipe_types() -> tuple:
-    """The dataclasses a PPO recipe fills: data fields, `PPOScriptArguments`, the engine's `PPOConfig` (TRL 1.12's
-    PPOConfig keys) and TRL's `ModelConfig`."""
+    """A PPO recipe's dataclasses: data fields, `PPOScriptArguments`, `PPOConfig` (TRL 1.12's keys), `ModelConfig`."""
     from trl import ModelConfig
 
     return (DataArguments, PPOScriptArguments, PPOConfig, ModelConfig, RunArguments)
@@ -57,21 +55,12 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 @keeps_earlier_run
 def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model_args, sft_hint=None, rm_hint=None,
         callbacks: list | None = None, run_args: RunArguments | None = None) -> dict:
-    """Train the policy with PPO on the prompts of the recipe's data; returns ``{"output_dir", "merged",
-    "value_model", "metrics", "trainer"}`` (with ``share_reward_value_base`` the trainer's ``reward_model`` is None:
-    its weights were merged into the value model at the end).
-
-    Raises:
-        StageInputError: the SFT or reward model is missing (the hint names the stage to run first), or the reward model
-            is not a sequence classifier with a trained score head (`require_reward_model`).
-        DataError: bad rows.
-        ValueError: fewer eval prompts than ``per_device_eval_batch_size`` x processes; ``max_prompt_length``,
-            reward functions, chat templates, quantization or model layout settings that cannot run (`check_inputs`,
-            `load_models`; single values are checked when the recipe is parsed, `rlhf_trl.ppo_config`).
-        TrainingDivergedError: a non-finite loss, reward or value.
-
-    Every input error is raised before anything is written (`rlhf_trl.checkpoints.begin_writing`).
-    """
+    """Train the policy with PPO on the recipe's prompts; returns ``{"output_dir", "merged", "value_model", "metrics",
+    "trainer"}`` (with ``share_reward_value_base`` the trainer's ``reward_model`` is None: merged into the value model).
+    Raises, before anything is written: `StageInputError`: the SFT or reward model missing (the hint names the stage
+    to run first) or no trained sequence classifier; `DataError`: bad rows; `ValueError`: fewer eval prompts than
+    ``per_device_eval_batch_size`` x processes, or settings that cannot run (`check_inputs`, `load_models`). Then
+    `TrainingDivergedError`: a non-finite loss, reward or value."""
     # inputs: model directories, reward functions
     run_args, resume = start_run(training_args, run_args)
     dist = distributed_state(training_args)  # under `accelerate launch`: this process's place in the group
@@ -84,8 +73,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
     if len(eval_records) < training_args.per_device_eval_batch_size * dist.num_processes:  # one batch per process
         raise ValueError(
             f"{describe_sources(data_args)}: {len(eval_records)} eval prompts, fewer than per_device_eval_batch_size="
-            f"{training_args.per_device_eval_batch_size} x {dist.num_processes} processes; raise eval_split_size"
-        )
+            f"{training_args.per_device_eval_batch_size} x {dist.num_processes} processes; raise eval_split_size")
 
     # tokenizer and models (prompts left-padded; pad distinct from EOS)
     tokenizer = load_tokenizer(paths["sft"], padding_side="left", trust_remote_code=ppo_args.trust_remote_code)
@@ -112,22 +100,19 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
         callbacks=callbacks, script_args=ppo_args, eos_token_ids=eos_ids, stock_generation_config=stock_config,
         recipe_configs=(data_args, ppo_args, training_args, model_args, run_args), reward_functions=reward_functions,
         # rows -> {column: [value per row]} of the train records, for the reward functions' keyword columns
-        reward_columns=(lambda rows: reward_columns([train_records[i] for i in rows])) if reward_functions else None,
-    )
+        reward_columns=(lambda rows: reward_columns([train_records[i] for i in rows])) if reward_functions else None)
     trainer.reward_baseline = baseline
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     trainer.train_runtime = time.perf_counter() - start  # seconds, into metrics.json
 
-    # save
     return save_outputs(trainer, tokenizer, stock_config, (data_args, ppo_args, training_args, model_args, run_args),
                         report)
 
 
 def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_args: RunArguments, sft_hint, rm_hint):
-    """The model directories (``{"sft", "rm", "value"}``; ``rm`` None without a reward model) and the loaded reward
-    functions (or None), checked before any data is read. Sets ``stop_token: eos`` when no stop is set. Raises
-    `StageInputError` / `ValueError`: see `run`."""
+    """Model directories ``{"sft", "rm" (or None), "value"}`` and reward functions (or None), checked before any data
+    is read; ``stop_token: eos`` when no stop is set. Raises as `run`."""
     pickle_ok = run_args.allow_pickle_weights
     if not training_args.sft_model_path:
         raise ValueError("sft_model_path: set it to the SFT stage's merged model directory (e.g. "
@@ -171,10 +156,9 @@ def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_arg
 
 def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_args: PPOConfig, model_args,
                 pickle_ok: bool):
-    """Policy (without its adapter yet), reward model (None without one; `SharedBaseRewardModel` when shared) and
-    value model (with its own LoRA adapter when ``value_use_peft``), gradient checkpointing set; the EOS ids and the
-    policy's stock generation config (`rollout_generation_config`). Raises `ValueError`: quantization settings (see
-    `run`); a model's vocabulary smaller than the tokenizer's."""
+    """Policy (no adapter yet), reward model (None, or `SharedBaseRewardModel` when shared), value model (own LoRA
+    with ``value_use_peft``), EOS ids and the policy's stock generation config. Raises `ValueError`: quantization
+    settings; a model's vocabulary smaller than the tokenizer's."""
     from peft import LoraConfig, get_peft_model
 
     remote = ppo_args.trust_remote_code
@@ -202,8 +186,7 @@ def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_a
     if ppo_args.value_use_peft:
         value_model = get_peft_model(value_model, LoraConfig(
             task_type="SEQ_CLS", r=ppo_args.value_lora_r, lora_alpha=ppo_args.value_lora_alpha,
-            lora_dropout=ppo_args.value_lora_dropout, target_modules=ppo_args.value_lora_target_modules,
-        ))
+            lora_dropout=ppo_args.value_lora_dropout, target_modules=ppo_args.value_lora_target_modules))
         if ppo_args.share_reward_value_base:  # one copy of the weights: the reward is the base with the adapter off
             reward_model = SharedBaseRewardModel(value_model)
     if training_args.gradient_checkpointing:  # TRL ignores it
@@ -238,12 +221,9 @@ def reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model,
 
 
 def rollout_generation_config(model, source: str, eos_ids: list[int], pad_token_id: int, temperature: float):
-    """Give ``model`` the generation config PPO samples with, and return the one it had: the merged policy is saved
-    with it, so it deploys as the stock model does. Rollouts must be samples of ``softmax(logits / temperature)``, or
-    the log-probs, the KL estimate and the policy gradient are biased; a stock checkpoint's ``generation_config.json``
-    (Qwen2.5-Instruct: top_k 20, top_p 0.8, repetition_penalty 1.1, temperature 0.7) would otherwise leak into
-    ``generate``. The new config samples with ``temperature`` only and stops at any of ``eos_ids``; one log line names
-    the settings of ``source`` it overrides."""
+    """Give ``model`` PPO's generation config (``temperature`` only, stop at any of ``eos_ids``: rollouts must sample
+    ``softmax(logits / temperature)`` or log-probs, KL and gradient are biased) and return its stock one, saved with
+    the merged policy. One log line names the settings of ``source`` (e.g. Qwen2.5-Instruct's top_k) overridden."""
     stock = copy.deepcopy(model.generation_config)
     found = {k: getattr(stock, k, None) for k, ok in BIASING_GENERATION_KEYS.items()
              if getattr(stock, k, None) not in ok}

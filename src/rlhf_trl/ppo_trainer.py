@@ -1,7 +1,6 @@
 """`RLHFPPOTrainer`: the PPO engine (`rlhf_trl.ppo_engine.PPOEngine`) plus what a run needs around it: atomic
 checkpoints with the value model, data position (`ResumableLoader`), reward baseline, KL coefficient and recipe;
-exact resume; ``logging_steps``; adaptive KL; a stop on the first non-finite statistic; sample tables.
-"""
+exact resume; ``logging_steps``; adaptive KL; a stop on the first non-finite statistic; sample tables."""
 
 from __future__ import annotations
 
@@ -30,9 +29,8 @@ logger = logging.getLogger(__name__)
 
 
 class AdaptiveKLController:
-    """Adaptive KL coefficient of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", 2.2).
-
-    After each update with mean KL ``kl`` (nats per response) over ``n_steps`` episodes::
+    """Adaptive KL coefficient of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", 2.2):
+    after each update with mean KL ``kl`` (nats per response) over ``n_steps`` episodes::
 
         error = clip(kl / target - 1, -0.2, 0.2)
         coef *= 1 + error * n_steps / horizon
@@ -48,14 +46,10 @@ class AdaptiveKLController:
 
 
 class ResumableLoader:
-    """Wraps the prompt dataloader so the data position can be saved and restored exactly: the RNG states at which
-    each pass started (the global one, and under several processes the sampler's own synchronized generators) and
-    the batches of that pass consumed. Resuming replays the shuffle, skips those batches, then restores the
-    checkpoint's RNG state.
-
-    Raises (on the first pass after `resume_from`):
-        ValueError: the saved data position holds another number of sampler generators than this data loader has.
-    """
+    """The prompt dataloader with an exactly restorable data position: the RNG states at each pass's start (global,
+    and the sampler's generators) and the batches consumed; a resume replays the shuffle, skips those batches, then
+    restores the checkpoint's RNG state. Raises `ValueError` (first pass after `resume_from`): another number of
+    sampler generators."""
 
     def __init__(self, loader):
         self.loader = loader
@@ -69,8 +63,7 @@ class ResumableLoader:
 
     def _generators(self) -> list[torch.Generator]:
         """The sampler's own generators (none in one process: it draws from the global torch RNG)."""
-        found = []
-        candidates = [getattr(self.loader, "synchronized_generator", None)]
+        found, candidates = [], [getattr(self.loader, "synchronized_generator", None)]
         batch_sampler = getattr(self.loader, "batch_sampler", None)
         for holder in (getattr(self.loader, "sampler", None), getattr(batch_sampler, "sampler", None),
                        getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)):
@@ -126,10 +119,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         """``script_args``: the recipe's `PPOScriptArguments`; ``recipe_configs``: saved as each checkpoint's
         ``run_config.yaml``; ``stock_generation_config``: saved with the merged policies. The rest: `PPOEngine`'s."""
         super().__init__(*args, **kwargs)
-        self.stock_generation_config = stock_generation_config
-        self.script_args = script_args
-        self.reward_baseline = 0.0
-        self.recipe_configs = recipe_configs
+        self.stock_generation_config, self.script_args = stock_generation_config, script_args
+        self.reward_baseline, self.recipe_configs = 0.0, recipe_configs
         self.dataloader = ResumableLoader(self.dataloader)
         every = script_args.log_samples_every
         if every and every > 0:
@@ -160,32 +151,24 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             logs["objective/kl_coef"] = self.args.kl_coef
             if self.kl_controller is not None:
                 self.args.kl_coef = self.kl_controller.update(logs["objective/kl"], self.args.batch_size)
-            every = max(1, int(self.state.logging_steps or 1))  # the engine logs every update: honour logging_steps
-            step = self.state.global_step
+            every, step = max(1, int(self.state.logging_steps or 1)), self.state.global_step  # honour logging_steps
             if step % every and step < self.state.max_steps:  # the last update is always logged
                 return
         super().log(logs, start_time)
 
     # -- sample tables -------------------------------------------------------------------------------------------
     def generate_completions(self, sampling: bool = False):
-        """Sample one eval batch (near-greedy, temperature 0.01), score it and log query / response / score / reward.
-
-        Never changes the training run: the RNG is preserved, and the eval loader's ``end()`` runs even when the loop
-        is left early (a loader left mid-iteration stays accelerate's active loader, whose pass end would step the
-        optimizer's accumulation early).
-        """
+        """Sample one eval batch (temperature 0.01), score it, log query / response / score / reward. Never changes the
+        run: the RNG is preserved, the loader's ``end()`` runs on an early exit (else accumulation would step early)."""
         if self.eval_dataloader is None:
             return
-        tok = self.processing_class
-        pad = tok.pad_token_id
+        tok, pad = self.processing_class, self.processing_class.pad_token_id
         gen_config = sampling_config(self.args, self.eos_token_ids, pad, temperature=0.01)
-        rows = []
-        loader = self.eval_dataloader
+        rows, loader = [], self.eval_dataloader
         with preserved_rng():
             try:
                 for batch in loader:
-                    query = batch["input_ids"]
-                    context = query.shape[1]
+                    query, context = batch["input_ids"], batch["input_ids"].shape[1]
                     with self.generation_policy() as policy:
                         query_response, _ = generate_rollouts(policy, query, pad, gen_config, query.shape[0])
                     response = query_response[:, context:]
@@ -242,13 +225,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
 
     # -- resume --------------------------------------------------------------------------------------------------
     def restore(self, ckpt: str) -> int:
-        """Continue the run of ``ckpt`` (a ``checkpoint-N`` directory) exactly: weights, optimizer, scheduler,
-        counters, log history, KL coefficient, data position and RNG state. Returns the number of updates done.
-
-        Raises:
-            FileNotFoundError: the checkpoint lacks a file needed to resume.
-            ValueError: the checkpoint belongs to a run with another number of updates, or has none left.
-        """
+        """Continue the run of ``checkpoint-N`` ``ckpt`` exactly (weights, optimizer, scheduler, counters, logs, KL
+        coefficient, data position, RNG); returns the updates done. Raises `FileNotFoundError`: a file needed is
+        missing; `ValueError`: a run of another number of updates, or none left."""
         needed = ["scheduler.pt", "trainer_state.json", "data_state.pt", "value_model",
                   "latest" if self.is_deepspeed_enabled else "optimizer.pt"]
         missing = [n for n in needed if not os.path.exists(os.path.join(ckpt, n))]
@@ -270,8 +249,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             self.args.kl_coef = extras["kl_coef"]
             if self.kl_controller is not None:
                 self.kl_controller.value = extras["kl_coef"]
-        total = self.args.num_total_batches
-        done = saved.global_step
+        total, done = self.args.num_total_batches, saved.global_step
         planned = getattr(saved, "max_steps", 0) or total
         if planned != total:  # the learning-rate schedule and the data order were laid out for the saved run
             raise ValueError(f"{ckpt} belongs to a run of {planned} updates; this recipe makes {total} (total_episodes "
@@ -293,8 +271,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
 
 
 def drop_later_samples(output_dir: str, step: int) -> None:
-    """Resume from update ``step``: keep the sample tables of updates <= ``step`` in ``samples.jsonl`` (the run
-    writes later ones again) and drop a line torn by a kill."""
+    """Keep ``samples.jsonl``'s rows of updates <= ``step`` (a resume rewrites later ones), minus torn lines."""
     path = os.path.join(output_dir, "samples.jsonl")
     if not os.path.exists(path):
         return
@@ -322,8 +299,7 @@ def _load_weights(model, folder: str) -> None:
         return
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(single):
-        state = load_file(single)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = model.load_state_dict(load_file(single), strict=False)
         tied = {k for k in missing if "lm_head" in k}
         if set(missing) - tied or unexpected:
             raise ValueError(f"{folder}: weights do not match the model (missing {missing}, unexpected {unexpected})")
@@ -333,8 +309,7 @@ def _load_weights(model, folder: str) -> None:
 
 @contextmanager
 def deployable_generation_config(policy, stock):
-    """Save ``policy`` (a causal LM or a peft model on one) with the generation config it came with (``stock``, from
-    `rollout_generation_config`) instead of PPO's sampling config; put PPO's back after."""
+    """Save ``policy`` (or its peft base) with its stock generation config ``stock``, not PPO's; restore after."""
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     if stock is None:
         yield

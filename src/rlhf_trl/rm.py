@@ -1,15 +1,12 @@
-"""Stage 2: reward model on pairwise preferences with `trl.RewardTrainer` (optional LoRA, ``task_type=SEQ_CLS``).
+"""Stage 2: reward model on pairwise preferences with `trl.RewardTrainer` (optional LoRA, ``task_type=SEQ_CLS``). Run:
+``rlhf-trl rm --config recipes/demo/rm.yaml`` (or ``python -m rlhf_trl.rm``, ``make rm RECIPE=...``).
+``AutoModelForSequenceClassification(num_labels=1)`` on the SFT model, its score read at the last real token (the
+response's EOS); pairs tokenized by `rlhf_trl.data.pair_features`, as PPO scores rollouts.
 
-Run: ``rlhf-trl rm --config recipes/demo/rm.yaml`` (or ``python -m rlhf_trl.rm``, ``make rm RECIPE=...``).
-The reward model is ``AutoModelForSequenceClassification(num_labels=1)`` on the SFT model; its score is read at the
-last real token (the EOS that ends the response). Pairs are tokenized by `rlhf_trl.data.pair_features`, the same
-construction PPO uses when it scores rollouts.
-
-Outputs under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA, with the score head), ``merged/`` (a plain
-sequence-classification model with its trained score head and tokenizer: the input of PPO), ``eval_metrics.json``
-(``accuracy``, ``margin``, ``length_baseline_accuracy``, ``num_pairs`` on the eval split), ``eval_pairs.jsonl`` (those
-held-out pairs as token ids: ``chosen_ids``, ``rejected_ids``, ``prompt_length``; read by ``rlhf-trl eval``).
-"""
+Outputs under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA, with the score head), ``merged/`` (the
+sequence classifier and tokenizer: PPO's input), ``eval_metrics.json`` (``accuracy``, ``margin``,
+``length_baseline_accuracy``, ``num_pairs`` on the eval split), ``eval_pairs.jsonl`` (those pairs as token ids:
+``chosen_ids``, ``rejected_ids``, ``prompt_length``; read by ``rlhf-trl eval``)."""
 
 from __future__ import annotations
 
@@ -47,15 +44,10 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 @keeps_earlier_run
 def run(data_args: DataArguments, training_args, model_args, produced_by: str | None = None,
         run_args: RunArguments | None = None, callbacks: list | None = None) -> dict:
-    """Train a reward model on ``data_args.dataset_name`` starting from ``model_args.model_name_or_path``;
-    ``callbacks``: extra `transformers.TrainerCallback` objects for the trainer (e.g. step timing).
-
-    Raises:
-        StageInputError: the SFT model is missing (``produced_by`` names the command to run first).
-        DataError: bad rows, or no pair left after the length policy.
-        ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, without bitsandbytes, or on the CPU
-            with an unusable bitsandbytes CPU backend or 8 bits (`rlhf_trl.models.recipe_quantization_config`).
-    """
+    """Train a reward model on ``data_args.dataset_name`` from ``model_args.model_name_or_path``; ``callbacks``: extra
+    `transformers.TrainerCallback` objects. Raises `StageInputError`: no SFT model (``produced_by`` names the command
+    to run first); `DataError`: bad rows, or no pair left after the length policy; `ValueError`: ``load_in_4bit`` /
+    ``load_in_8bit`` unusable (`rlhf_trl.models.recipe_quantization_config`)."""
     from trl import RewardTrainer, get_peft_config
 
     # inputs
@@ -65,8 +57,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)  # QLoRA: load_in_4bit
 
     # data
-    template = Template.from_args(data_args)
-    report = DataReport("rm")
+    template, report = Template.from_args(data_args), DataReport("rm")
     records = read_records(data_args, "pairs", report)
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
 
@@ -98,13 +89,11 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     trainer = with_loop_state(with_atomic_checkpoints(RewardTrainer))(
         model=model, args=training_args, train_dataset=train_ds.remove_columns("prompt_length"),
         eval_dataset=eval_ds.remove_columns("prompt_length") if eval_ds is not None else None,
-        processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks,
-    )
+        processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
     train_result = trainer.train(resume_from_checkpoint=resume)
 
-    # save (under `accelerate launch`: every process calls save_model, only the main process writes and evaluates:
-    # pairwise accuracy, margin and the length-only baseline on the held-out pairs, with the merged model)
+    # save (every process); the main process writes and evaluates the merged model on the held-out pairs
     metrics = dict(train_result.metrics, global_step=trainer.state.global_step, num_train_pairs=len(train_ds),
                    num_eval_pairs=len(eval_ds) if eval_ds is not None else 0)
     evaluate = (lambda reward_model: _evaluate(reward_model, eval_feats, tokenizer.pad_token_id,
@@ -114,15 +103,12 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
 
 
 def _evaluate(reward_model, eval_feats: dict, pad_token_id: int, out: str) -> dict:
-    """`evaluate_pairs` on the held-out pairs, written to ``eval_metrics.json`` and the pairs to ``eval_pairs.jsonl``;
-    returns the metrics as ``eval_*`` entries."""
+    """`evaluate_pairs` into ``eval_metrics.json``, the pairs into ``eval_pairs.jsonl``; returns ``eval_*`` metrics."""
     eval_metrics = evaluate_pairs(reward_model, eval_feats, pad_token_id)
     write_json(os.path.join(out, "eval_metrics.json"), eval_metrics)
     # the held-out pairs as evaluated (token ids): `rlhf-trl eval` re-scores them for its report
-    write_jsonl(os.path.join(out, "eval_pairs.jsonl"), (
-        {"chosen_ids": c, "rejected_ids": r, "prompt_length": n}
-        for c, r, n in zip(eval_feats["chosen_ids"], eval_feats["rejected_ids"], eval_feats["prompt_length"])
-    ))
+    write_jsonl(os.path.join(out, "eval_pairs.jsonl"), ({"chosen_ids": c, "rejected_ids": r, "prompt_length": n}
+                for c, r, n in zip(eval_feats["chosen_ids"], eval_feats["rejected_ids"], eval_feats["prompt_length"])))
     logger.info("RM eval: accuracy %.3f (length baseline %.3f), margin %.3f on %d pairs", eval_metrics["accuracy"],
                 eval_metrics["length_baseline_accuracy"], eval_metrics["margin"], eval_metrics["num_pairs"])
     return {f"eval_{k}": v for k, v in eval_metrics.items()}

@@ -1,10 +1,8 @@
-"""Stage 1: supervised fine-tuning with `trl.SFTTrainer` (completion-only loss, optional LoRA).
-
-Run: ``rlhf-trl sft --config recipes/demo/sft.yaml`` (or ``python -m rlhf_trl.sft``, ``make sft RECIPE=...``).
+"""Stage 1: supervised fine-tuning with `trl.SFTTrainer` (completion-only loss, optional LoRA). Run: ``rlhf-trl sft
+--config recipes/demo/sft.yaml`` (or ``python -m rlhf_trl.sft``, ``make sft RECIPE=...``).
 
 Outputs under ``output_dir``: ``checkpoint-*/`` (resumable), ``adapter/`` (LoRA only), ``merged/`` (a plain causal
-LM with its tokenizer: the input of the RM and PPO stages), ``run_config.yaml`` and ``metrics.json``.
-"""
+LM with its tokenizer: the input of the RM and PPO stages), ``run_config.yaml`` and ``metrics.json``."""
 
 from __future__ import annotations
 
@@ -41,14 +39,9 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None,
         callbacks: list | None = None) -> dict:
     """Fine-tune ``model_args.model_name_or_path`` on ``data_args.dataset_name`` (prompt tokens masked from the loss);
-    ``callbacks``: extra `transformers.TrainerCallback` objects for the trainer (e.g. step timing).
-
-    Raises:
-        StageInputError: the base model or tokenizer is missing.
-        DataError: bad rows (file, row and field named).
-        ValueError: ``load_in_4bit`` / ``load_in_8bit`` with ``use_peft: false``, without bitsandbytes, or on the CPU
-            with an unusable bitsandbytes CPU backend or 8 bits (`rlhf_trl.models.recipe_quantization_config`).
-    """
+    ``callbacks``: extra `transformers.TrainerCallback` objects. Raises `StageInputError`: no base model or tokenizer;
+    `DataError`: bad rows (file, row and field named); `ValueError`: ``load_in_4bit`` / ``load_in_8bit`` unusable
+    (`rlhf_trl.models.recipe_quantization_config`)."""
     from trl import get_peft_config
 
     # inputs
@@ -58,8 +51,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)  # QLoRA: load_in_4bit
 
     # data
-    template = Template.from_args(data_args)
-    report = DataReport("sft")
+    template, report = Template.from_args(data_args), DataReport("sft")
     records = read_records(data_args, "sft", report)
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
 
@@ -89,8 +81,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     begin_writing(training_args, run_args, resume)
     trainer = with_loop_state(with_atomic_checkpoints(trainer_cls))(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
-        peft_config=get_peft_config(model_args), callbacks=callbacks,
-    )
+        peft_config=get_peft_config(model_args), callbacks=callbacks)
     fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
     train_result = trainer.train(resume_from_checkpoint=resume)
 
@@ -115,7 +106,6 @@ def _trainer_class(model, model_path: str, training_args):
     head = model.get_output_embeddings()
     if isinstance(head, torch.nn.Linear):
         return SFTTrainer
-    # TRL computes the loss from lm_head.weight / .bias directly: wrong for Baichuan2's NormHead (`OwnHeadLossMixin`)
     logger.warning("%s: output head %s is not nn.Linear; the SFT loss runs the model's own head (loss_type 'nll' "
                    "or 'dft' from its logits)", model_path, type(head).__name__)
     if training_args.loss_type in (None, "chunked_nll"):
@@ -124,16 +114,11 @@ def _trainer_class(model, model_path: str, training_args):
 
 
 class OwnHeadLossMixin:
-    """SFT loss from the logits of the model's own forward, for output heads that are not ``nn.Linear``.
-
-    TRL's SFTTrainer multiplies the hidden states by ``lm_head.weight`` (+ ``.bias``) itself (TRL 1.12-1.14 with
-    ``loss_type: chunked_nll``; TRL >= 1.15 always, its fused LM head), which breaks a head that transforms its weight
-    in ``forward`` (Baichuan2's ``NormHead``). This ``compute_loss`` runs the model's ordinary forward and computes
-    what TRL's does from the logits: the NLL (``loss_type: dft``: weighted by the detached token probability) summed
-    over the label tokens (labels ``!= -100``, shifted by one) and divided by ``num_items_in_batch`` (label tokens of
-    the whole accumulated batch; without it, this batch's count); and TRL's ``entropy``, ``mean_token_accuracy`` and
-    ``num_tokens`` metrics.
-    """
+    """SFT loss from the logits of the model's own forward, for output heads that are not ``nn.Linear``: TRL's
+    SFTTrainer multiplies hidden states by ``lm_head.weight`` itself (TRL 1.12-1.14 ``chunked_nll``, >= 1.15 always),
+    wrong for Baichuan2's ``NormHead``. As TRL's: the NLL (``dft``: weighted by the detached token probability) summed
+    over label tokens (``!= -100``, shifted by one) / ``num_items_in_batch`` (else this batch's count), and TRL's
+    ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` metrics."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
