@@ -166,10 +166,11 @@ def rm_args(assets, sft_runs) -> list[str]:
             "--num_train_epochs", "1", *common(RM_SAVE)]
 
 
-def ppo_args(assets, sft_runs, rm_runs, episodes: int = PPO_EPISODES, samples_every: int = 1) -> list[str]:
-    """The demo PPO recipe on the single-process SFT and RM outputs; ``samples_every`` 1 also calibrates the reward
-    baseline on one batch (``reward_baseline auto``)."""
-    extra = ["--reward_baseline", "auto", "--reward_baseline_batches", "1"] if samples_every else []
+def ppo_args(assets, sft_runs, rm_runs, episodes: int = PPO_EPISODES, samples_every: int = 1,
+             auto_baseline: bool = True) -> list[str]:
+    """The demo PPO recipe on the single-process SFT and RM outputs; ``auto_baseline``: ``reward_baseline auto``
+    calibrated on one batch."""
+    extra = ["--reward_baseline", "auto", "--reward_baseline_batches", "1"] if auto_baseline else []
     return ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
             "--sft_model_path", os.path.join(sft_runs[1][0], "merged"),
             "--reward_model_path", os.path.join(rm_runs[1][0], "merged"),
@@ -267,7 +268,7 @@ def test_ppo_two_processes_resume_exactly(assets, sft_runs, rm_runs, tmp_path):
     process restores its own data position and RNG state (data_state.pt, data_state_rank1.pt)."""
     from safetensors.torch import load_file
 
-    args = ppo_args(assets, sft_runs, rm_runs, episodes=64, samples_every=0)
+    args = ppo_args(assets, sft_runs, rm_runs, episodes=64, samples_every=0, auto_baseline=False)
     straight = str(tmp_path / "straight")
     launch("ppo", [*args, "--output_dir", straight], NPROC)
     assert checkpoints(straight) == [2, 4]

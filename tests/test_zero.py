@@ -171,7 +171,8 @@ def test_ppo_under_zero_matches_ddp(config, zero_runs, ppo_runs):
 def test_zero3_ppo_killed_in_a_checkpoint_resumes_exactly(assets, sft_runs, rm_runs, tmp_path):
     from safetensors.torch import load_file
 
-    args = ppo_args(assets, sft_runs, rm_runs, episodes=64, samples_every=0)  # 4 updates, checkpoints 2 and 4
+    # 4 updates, checkpoints 2 and 4
+    args = ppo_args(assets, sft_runs, rm_runs, episodes=64, samples_every=0, auto_baseline=False)
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     run("ppo", "zero3", straight, args)
     # rank 0 is SIGKILLed at the first file operation of its second checkpoint save (checkpoint-4)

@@ -3,6 +3,7 @@ and exit statuses, printed summaries. Stage modules are imported by name only wh
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -10,6 +11,13 @@ import sys
 import warnings
 
 MODULES = {"init-model": "tiny", "eval": "evaluate", "demo-real": "demo_real", "rloo": "grpo"}
+
+
+def stage_main(stage: str):
+    """A command's ``main(argv)``: its module's, imported now (`MODULES` names the others; ``rloo`` is
+    `rlhf_trl.grpo` with ``method="rloo"``)."""
+    module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
+    return functools.partial(module.main, method="rloo") if stage == "rloo" else module.main
 
 
 def setup_logging() -> None:
@@ -57,11 +65,11 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notices are not for users
     setup_logging()
-    module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
+    main = stage_main(stage)
     user_errors = (RecipeError, DataError, StageInputError, ValueError, FileNotFoundError, RewardFunctionError,
                    CheckpointWriteError)
     try:
-        result = module.main(sys.argv[1:] if argv is None else argv, **({"method": "rloo"} if stage == "rloo" else {}))
+        result = main(sys.argv[1:] if argv is None else argv)
     except BaseException as exc:
         from tqdm import tqdm
 

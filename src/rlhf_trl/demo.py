@@ -81,8 +81,7 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
     """Build the assets, run SFT, RM and each of ``methods`` (``ppo``, ``dpo``, ``grpo``, ``rloo``: their recipes in
     ``recipes_dir``), evaluate; returns the summary (``summary.json``, or with several methods, `rlhf_trl.compare`'s
     figures in ``compare/summary.json``)."""
-    import importlib
-
+    from .cli_launch import stage_main
     from .rm import evaluate_pairs
 
     start = time.time()
@@ -90,9 +89,7 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
     stage_seconds, results = {}, {}
     for name in ("sft", "rm", *methods):
         t0 = time.time()
-        module = importlib.import_module(f"rlhf_trl.{'grpo' if name == 'rloo' else name}")
-        kwargs = {"method": "rloo"} if name == "rloo" else {}
-        results[name] = module.main(["--config", os.path.join(recipes_dir, f"{name}.yaml")], **kwargs)
+        results[name] = stage_main(name)(["--config", os.path.join(recipes_dir, f"{name}.yaml")])
         stage_seconds[name] = round(time.time() - t0, 1)
         logger.info("demo: %s done in %.0f s", name, stage_seconds[name])
 
