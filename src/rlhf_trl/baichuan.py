@@ -5,8 +5,8 @@
 - **position_ids** (and other keywords the remote forwards do not name) are dropped: positions come from the cache
   length, and rotary (7B) / ALiBi (13B) depend only on token distance with pads masked, so left padding is harmless.
 - **generate**: `load_causal_lm` adds `transformers.GenerationMixin`, driving the remote legacy tuple KV cache.
-- **Sequence classifier**: `BaichuanForSequenceClassification`, as TRL's reward and value models expect.
-- **Saving** also copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``.
+- **Sequence classifier** (`BaichuanForSequenceClassification`) for TRL's reward and value models; **saving** also
+  copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``.
 - **LoRA targets**: ``W_pack`` (fused q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; ``SEQ_CLS``
   trains and saves ``score`` as a ``modules_to_save`` copy."""
 
@@ -42,8 +42,8 @@ _SILENTLY_DROPPED = frozenset({"position_ids", "cache_position", "logits_to_keep
 
 def _remote_class(ref: str, path: str):
     """Import ``module.Class`` from the remote-code files in the local directory ``path``."""
-    if not os.path.isfile(os.path.join(path, ref.split(".")[0] + ".py")):
-        raise FileNotFoundError(f"'{path}' has no {ref.split('.')[0]}.py (Baichuan remote code)")
+    if not os.path.isfile(os.path.join(path, (module := ref.split(".")[0]) + ".py")):
+        raise FileNotFoundError(f"'{path}' has no {module}.py (Baichuan remote code)")
     return get_class_from_dynamic_module(ref, path)
 
 
@@ -129,11 +129,9 @@ def _tolerant_backbone_class(backbone_cls: type) -> type:
     named = _named_parameters(backbone_cls.forward)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
-        past = _legacy_past(kwargs.pop("past_key_values", None), kwargs.pop("cache", None))
-        if past is not None:
+        if (past := _legacy_past(kwargs.pop("past_key_values", None), kwargs.pop("cache", None))) is not None:
             kwargs["past_key_values"] = past
-        if kwargs.get("return_dict") is None:
-            kwargs["return_dict"] = True
+        kwargs["return_dict"] = True if kwargs.get("return_dict") is None else kwargs["return_dict"]
         kwargs = _filter_kwargs(backbone_cls.__name__, named, kwargs)
         return backbone_cls.forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
@@ -250,8 +248,7 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
         """The remote forward, minus ``position_ids`` (relative position encodings: see the module docstring)."""
-        past = _legacy_past(past_key_values, kwargs.pop("cache", None))
-        if past is not None:
+        if (past := _legacy_past(past_key_values, kwargs.pop("cache", None))) is not None:
             kwargs["past_key_values"] = past
         kwargs = _filter_kwargs("BaichuanForCausalLM", self._rlhf_trl_remote_named, kwargs)
         for key in ("output_attentions", "output_hidden_states", "return_dict"):
@@ -266,13 +263,9 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
         if past is not None:
             input_ids = input_ids[:, past[0][0].shape[2]:]
         use_embeds = inputs_embeds is not None and past is None
-        model_inputs = {"inputs_embeds": inputs_embeds} if use_embeds else {"input_ids": input_ids}
-        model_inputs.update({"past_key_values": past, "attention_mask": attention_mask,
-                             "use_cache": kwargs.get("use_cache", True)})
-        for key in ("output_attentions", "output_hidden_states"):
-            if kwargs.get(key) is not None:
-                model_inputs[key] = kwargs[key]
-        return model_inputs
+        out = {"inputs_embeds": inputs_embeds} if use_embeds else {"input_ids": input_ids}
+        out.update(past_key_values=past, attention_mask=attention_mask, use_cache=kwargs.get("use_cache", True))
+        return out | {k: kwargs[k] for k in ("output_attentions", "output_hidden_states") if kwargs.get(k) is not None}
 
     def _get_resized_lm_head(self, old_lm_head, new_num_tokens=None, transposed=False, mean_resizing=True):
         """Resize Baichuan2's ``NormHead`` (no ``nn.Linear``) in a copy, new rows the mean of the old ones."""
@@ -353,8 +346,7 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
                              use_cache=False, output_attentions=bool(output_attentions),
                              output_hidden_states=bool(output_hidden_states), return_dict=True)
         hidden = outputs.last_hidden_state
-        logits = self.score(hidden)  # [batch, seq_len, 1]
-        batch = hidden.shape[0]
+        logits, batch = self.score(hidden), hidden.shape[0]  # logits: [batch, seq_len, 1]
         last = self.last_token_index(input_ids, hidden.shape[1], hidden.device, batch)
         pooled = logits[torch.arange(batch, device=hidden.device), last]  # [batch, 1]
         loss = None if labels is None else nn.functional.mse_loss(pooled.squeeze(-1).float(),

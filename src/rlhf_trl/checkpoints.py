@@ -74,12 +74,11 @@ def with_atomic_checkpoints(trainer_cls):
 
 
 def start_run(training_args, run_args=None):
-    """Every stage's checks before it reads its inputs: seed every RNG (new LoRA / score-head weights come before
-    TRL's trainers seed), put back an earlier run a killed run set aside, resolve ``resume_from_checkpoint``, refuse
-    (unless ``overwrite_output_dir``) a finished run or an unfinished run's checkpoints in the way, remove a killed
-    run's ``.tmp-checkpoint-*`` / ``.tmp-offload-*``. Returns ``(run_args or defaults, checkpoint to resume or None)``.
-    Raises `StageInputError`: resume requested but no (intact) checkpoint, or the named one damaged; `RecipeError`: a
-    finished or unfinished run in the way."""
+    """Every stage's checks before it reads its inputs: seed every RNG (before new LoRA / score-head weights), put back
+    an earlier run a killed run set aside, resolve ``resume_from_checkpoint``, refuse (unless ``overwrite_output_dir``)
+    a finished run or an unfinished run's checkpoints in the way, remove a killed run's ``.tmp-checkpoint-*`` /
+    ``.tmp-offload-*``. Returns ``(run_args or defaults, checkpoint to resume or None)``. Raises `StageInputError`: no
+    (intact) checkpoint to resume, or the named one damaged; `RecipeError`: a finished or unfinished run in the way."""
     from transformers import set_seed
 
     set_seed(training_args.seed)
@@ -95,13 +94,10 @@ def start_run(training_args, run_args=None):
         raise RecipeError(f"output_dir '{out}' holds checkpoints of an earlier, unfinished run "
                           f"({os.path.basename(earlier[-1])}); continue it with resume_from_checkpoint=true, or set "
                           "`overwrite_output_dir: true` to start over")
-    if state.is_main_process:
-        for path in glob.glob(os.path.join(out, f"{STAGING_PREFIX}checkpoint-*")):
-            logger.info("removing the unfinished checkpoint %s of an interrupted run", path)
-            shutil.rmtree(path, ignore_errors=True)
-        for path in glob.glob(os.path.join(out, f"{STAGING_PREFIX}offload-*")):
-            logger.info("removing the offloaded weights %s of an interrupted run", path)
-            os.remove(path)
+    for kind, what in (("checkpoint", "unfinished checkpoint"), ("offload", "offloaded weights")):
+        for path in glob.glob(os.path.join(out, f"{STAGING_PREFIX}{kind}-*")) if state.is_main_process else ():
+            logger.info("removing the %s %s of an interrupted run", what, path)
+            shutil.rmtree(path, ignore_errors=True) if kind == "checkpoint" else os.remove(path)
     state.wait_for_everyone()  # every process has checked the output_dir before any of them writes into it
     return run_args, resume
 
@@ -219,9 +215,8 @@ def weights_are_sharded(trainer) -> bool:
 def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, base_path: str, kind: str):
     """Write a stage's ``merged/`` model + tokenizer at ``path``; call on every process. Unsharded: the main process
     merges LoRA and saves. Sharded (ZeRO-3 / FSDP): full-parameter, every process saves into a staging directory
-    (DeepSpeed needs ``zero3_save_16bit_model: true``) renamed into place; LoRA, the main process merges
-    ``adapter_dir`` into ``base_path`` on CPU and loads it back as ``kind`` (``causal_lm`` / ``sequence_classifier``).
-    Returns the merged model on the main process, None on the others."""
+    (DeepSpeed needs ``zero3_save_16bit_model: true``) renamed into place; LoRA, the main process merges ``adapter_dir``
+    into ``base_path`` on CPU; either loaded back as ``kind``. Returns the merged model on the main process, or None."""
     main = trainer.is_world_process_zero()
     if not weights_are_sharded(trainer):
         return merge_and_save(trainer.model, tokenizer, path) if main else None
@@ -288,7 +283,6 @@ def save_stage_outputs(trainer, tokenizer, model_path: str, kind: str, metrics: 
 
 
 # -- damaged checkpoints: a manifest at save time, an intactness check before a resume ---------------------------------
-TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses larger headers
 
 
@@ -374,7 +368,7 @@ def _file_problem(root: str, rel: str, expected: int | None) -> str | None:
             return f"{rel} has {size} bytes, {MANIFEST} lists {expected}"
         if rel.endswith(".safetensors"):
             return _safetensors_problem(full, rel, size)
-        if rel.endswith(TORCH_SUFFIXES):
+        if rel.endswith((".pt", ".pth", ".bin")):
             return _torch_file_problem(full, rel, size)
     except (OSError, ValueError) as exc:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         return f"{rel} cannot be read: {_short(exc)}"

@@ -14,8 +14,7 @@ MODULES = {"init-model": "tiny", "eval": "evaluate", "demo-real": "demo_real", "
 
 
 def stage_main(stage: str):
-    """A command's ``main(argv)``: its module's, imported now (`MODULES` names the others; ``rloo`` is
-    `rlhf_trl.grpo` with ``method="rloo"``)."""
+    """A command's ``main(argv)``, its module imported now (`MODULES`; ``rloo``: `rlhf_trl.grpo`, ``method="rloo"``)."""
     module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
     return functools.partial(module.main, method="rloo") if stage == "rloo" else module.main
 

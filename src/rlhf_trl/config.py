@@ -5,15 +5,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import logging
 import os
 import re
 import sys
 from dataclasses import dataclass, field
 
 import yaml
-
-logger = logging.getLogger(__name__)
 
 
 class RecipeError(ValueError):
@@ -108,9 +105,8 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
         key = re.match(r"\w*", message).group()  # a dataclass's own check: "<key> must be ..."
         raise RecipeError(f"{value_source(key, argv, path) if key else path or 'command line'}: {message}") from None
     check_values(parsed, argv, path)
-    for cfg in parsed:
-        if hasattr(cfg, "bf16"):
-            check_launch(cfg, path)
+    for cfg in (c for c in parsed if hasattr(c, "bf16")):
+        check_launch(cfg, path)
     return (*parsed, path)
 
 
@@ -189,12 +185,9 @@ def save_recipe(output_dir: str, *configs) -> None:
     os.makedirs(output_dir, exist_ok=True)
     data = {}
     for cfg in (c for c in configs if c is not None):
-        for f in dataclasses.fields(cfg):
-            if f.name.startswith("_"):
-                continue
+        for f in (f for f in dataclasses.fields(cfg) if not f.name.startswith("_")):
             value = getattr(cfg, f.name)
-            if isinstance(value, enum.Enum):
-                value = value.value
+            value = value.value if isinstance(value, enum.Enum) else value
             if isinstance(value, (str, int, float, bool, type(None))) or (isinstance(value, (list, tuple)) and all(
                     isinstance(v, (str, int, float, bool)) for v in value)):
                 data[f.name] = list(value) if isinstance(value, tuple) else value

@@ -1,17 +1,14 @@
-"""Stage 3, without a reward model: DPO on the preference pairs with `trl.DPOTrainer` (optional LoRA / QLoRA).
-
-Run: ``rlhf-trl dpo --config recipes/demo/dpo.yaml`` (or ``make dpo RECIPE=...``).
+"""Stage 3, without a reward model: DPO on the preference pairs with `trl.DPOTrainer` (optional LoRA / QLoRA). Run:
+``rlhf-trl dpo --config recipes/demo/dpo.yaml`` (or ``make dpo RECIPE=...``).
 
 Reads every preference shape the RM stage reads (pairs, ranked lists, chat templates) through the same tokenizer
-path (`rlhf_trl.data.pair_features`): the policy learns on the very ids the reward model was trained on. The loss is
-Rafailov et al. 2023 ("Direct Preference Optimization", arXiv:2305.18290) as `trl.DPOTrainer` computes it (``beta``,
-``loss_type``). The reference is the frozen SFT model: with LoRA, the policy with its adapter disabled (no second
-copy); with full weights, a copy TRL makes.
+path (`rlhf_trl.data.pair_features`): the policy learns on the very ids the reward model was trained on. Loss: Rafailov
+et al. 2023 ("Direct Preference Optimization", arXiv:2305.18290) as `trl.DPOTrainer` computes it (``beta``,
+``loss_type``). Reference: the frozen SFT model (LoRA: the policy with its adapter disabled; full weights: TRL's copy).
 
 Outputs under ``output_dir``: ``checkpoint-*/`` (resumable), ``adapter/`` (LoRA), ``merged/`` (a plain causal LM with
-its tokenizer: what ``rlhf-trl compare`` samples), ``metrics.json`` (with held-out ``eval_rewards/accuracies`` when
-there is an eval split), ``log_history.json``, ``run_config.yaml``, ``data_report.json``.
-"""
+its tokenizer: what ``rlhf-trl compare`` samples), ``metrics.json`` (held-out ``eval_rewards/accuracies`` with an eval
+split), ``log_history.json``, ``run_config.yaml``, ``data_report.json``."""
 
 from __future__ import annotations
 
@@ -69,13 +66,10 @@ def _trainer_class():
 @keeps_earlier_run
 def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None,
         produced_by: str | None = None, callbacks: list | None = None) -> dict:
-    """Optimise the SFT model ``model_args.model_name_or_path`` on the pairs of ``data_args.dataset_name``.
-
-    Raises:
-        StageInputError: the SFT model is missing (``produced_by`` names the command to run first).
-        DataError: bad rows (file, row and field named), or no pair left after the length policy.
-        ValueError: quantization settings that cannot run (`rlhf_trl.models.recipe_quantization_config`).
-    """
+    """Optimise the SFT model ``model_args.model_name_or_path`` on the pairs of ``data_args.dataset_name``. Raises
+    `StageInputError`: no SFT model (``produced_by`` names the command to run first); `DataError`: bad rows (file, row
+    and field named), or no pair left after the length policy; `ValueError`: quantization settings that cannot run
+    (`rlhf_trl.models.recipe_quantization_config`)."""
     from trl import get_peft_config
 
     # inputs
@@ -85,18 +79,17 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)
 
     # data: the RM stage's pairs, tokenized the same way
-    template = Template.from_args(data_args)
-    report = DataReport("dpo")
+    template, report = Template.from_args(data_args), DataReport("dpo")
     records = read_records(data_args, "pairs", report)
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
     tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right",
                                trust_remote_code=training_args.trust_remote_code)
     training_args.pad_token = tokenizer.pad_token
 
-    def features(rows, split):
+    def features(rows, split):  # tokenized pairs (`pair_features`) as DPO rows
+        source = f"{describe_sources(data_args)} ({split} split)"
         return dpo_dataset(pair_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
-                                         source=f"{describe_sources(data_args)} ({split} split)", report=report,
-                                         split=split))
+                                         source, report, split))
 
     train_ds = features(train_records, "train")
     eval_ds = features(eval_records, "eval") if eval_records else None

@@ -10,7 +10,7 @@ Nothing here is active unless an environment variable asks for it (the tests set
   ``<rank> <save> <op> <kind> <path>`` (kinds: ``write``, ``fsync``, ``rename``, ``remove``, ``rotate``).
 
 Counted: ``torch.save``, safetensors' ``serialize_file``, Python ``open()`` for writing, and the operations of
-`fsync_tree`, `publish` and `file_op`; native writes (``tokenizer.json``) are not, but are fsynced (counted)."""
+`fsync_path`, `publish` and `file_op`; native writes (``tokenizer.json``) are not, but are fsynced (counted)."""
 
 from __future__ import annotations
 
@@ -129,19 +129,14 @@ def fsync_path(path: str) -> None:
     file_op("fsync", path, do)
 
 
-def fsync_tree(root: str) -> None:
-    """fsync every file under ``root``, then each directory bottom-up, so that renaming ``root`` publishes it whole."""
-    for folder, _dirs, files in sorted(os.walk(root, topdown=False)):
-        for name in sorted(files):
-            fsync_path(os.path.join(folder, name))
-        fsync_path(folder)
-
-
 def publish(staged: str, final: str, aside: str | None = None) -> None:
     """fsync ``staged``, rename it to ``final``, fsync the parent: after a crash ``final`` is absent or complete. An
     existing ``final`` goes to ``aside`` (default ``final + ".old"``) once ``staged`` is synced, back if the rename of
     ``staged`` fails, and is removed once the new one is in place. Raises `OSError`: a write, fsync or rename failed."""
-    fsync_tree(staged)
+    for folder, _dirs, files in sorted(os.walk(staged, topdown=False)):  # every file, then each directory bottom-up
+        for name in sorted(files):
+            fsync_path(os.path.join(folder, name))
+        fsync_path(folder)
     old = None
     if os.path.exists(final):
         old = aside or final + ".old"

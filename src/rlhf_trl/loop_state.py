@@ -27,18 +27,15 @@ class LoopStateMixin:
 
     _loop_state_restored = False
 
-    def _loop_state(self) -> dict:
-        metrics = getattr(self, "_metrics", None)
-        return {"tr_loss": self._tr_loss.item() if isinstance(getattr(self, "_tr_loss", None), torch.Tensor) else None,
-                "total_loss_scalar": getattr(self, "_total_loss_scalar", 0.0),
-                "globalstep_last_logged": getattr(self, "_globalstep_last_logged", self.state.global_step),
-                "total_train_tokens": getattr(self, "_total_train_tokens", None),
-                "metrics": {k: dict(v) for k, v in metrics.items()} if isinstance(metrics, dict) else None}
-
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
         """Write ``loop_state.json`` (every process's sums, gathered to the main process, which writes)."""
         super().checkpoint_extras(checkpoint_dir)
-        states = [self._loop_state()]
+        metrics, loss = getattr(self, "_metrics", None), getattr(self, "_tr_loss", None)
+        states = [{"tr_loss": loss.item() if isinstance(loss, torch.Tensor) else None,
+                   "total_loss_scalar": getattr(self, "_total_loss_scalar", 0.0),
+                   "globalstep_last_logged": getattr(self, "_globalstep_last_logged", self.state.global_step),
+                   "total_train_tokens": getattr(self, "_total_train_tokens", None),
+                   "metrics": {k: dict(v) for k, v in metrics.items()} if isinstance(metrics, dict) else None}]
         if self.accelerator.num_processes > 1:
             states = gather_object(states)
         if self.args.should_save:  # straight into the staged checkpoint (published whole by its rename)

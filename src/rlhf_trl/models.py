@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 # "<|endoftext|>"; Qwen Instruct: pad "<|endoftext|>", which its generation_config lists as a second EOS).
 PAD_CANDIDATES = ("<|endoftext|>", "<|pad|>", "<pad>", "<|vision_pad|>", "<unk>")
 
-
 # Generation settings that change the sampling distribution away from softmax(logits / temperature): with them the
 # rollout log-probs are not the policy's, and the KL estimate and the policy gradient are biased.
 BIASING_GENERATION_KEYS = {
@@ -115,8 +114,7 @@ def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = 
         raise StageInputError(f"cannot load a tokenizer from '{path}': {exc}") from None
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at '{path}' has no EOS token; set eos_token in its tokenizer_config.json")
-    pad_id, eos = tok.pad_token_id, _all_eos_ids(tok, path if os.path.isdir(path) else None)
-    vocab = tok.get_vocab()
+    pad_id, eos, vocab = tok.pad_token_id, _all_eos_ids(tok, path if os.path.isdir(path) else None), tok.get_vocab()
     if pad_token is not None:
         if vocab.get(pad_token) in eos:
             raise ValueError(f"pad_token {pad_token!r} is an EOS token (EOS ids {eos}); PPO needs them distinct")
@@ -213,8 +211,7 @@ def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, 
 
     if not (model_args.load_in_4bit or model_args.load_in_8bit):
         return None
-    key = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit"
-    bits = "4-bit" if model_args.load_in_4bit else "8-bit"
+    key, bits = ("load_in_4bit", "4-bit") if model_args.load_in_4bit else ("load_in_8bit", "8-bit")
     for switch, on in (lora if lora is not None else {"use_peft": model_args.use_peft}).items():
         if not on:
             what = "the value model is trained too, and " if switch.startswith("value_") else ""
@@ -240,12 +237,10 @@ def fp32_adapters_for_fp32_compute(model, quantization_config) -> int:
     bf16, which the ``score`` head fails on); call before ``train()``. Returns the number cast."""
     if quantization_config is None or getattr(quantization_config, "bnb_4bit_compute_dtype", None) != torch.float32:
         return 0
-    cast = 0
-    for param in model.parameters():
-        if param.requires_grad and param.dtype != torch.float32:
-            param.data = param.data.to(torch.float32)
-            cast += 1
-    return cast
+    cast = [p for p in model.parameters() if p.requires_grad and p.dtype != torch.float32]
+    for param in cast:
+        param.data = param.data.to(torch.float32)
+    return len(cast)
 
 
 def is_quantized(model) -> bool:
@@ -305,8 +300,7 @@ def resize_for_tokenizer(model, tokenizer) -> None:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.eos_token_id = tokenizer.eos_token_id
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
+    if (gen := getattr(model, "generation_config", None)) is not None:
         eos = [tokenizer.eos_token_id] + [i for i in _as_id_list(gen.eos_token_id)
                                           if i not in (tokenizer.eos_token_id, tokenizer.pad_token_id)]
         gen.pad_token_id = tokenizer.pad_token_id

@@ -107,8 +107,7 @@ class OffloadedWeights:
     def __init__(self, module: nn.Module, path: str):
         self.module, self.path = module, path
         self.params = dict(module.named_parameters())  # remove_duplicate: a tied parameter once
-        bad = [n for n, p in self.params.items() if type(p) is not nn.Parameter or not p.is_floating_point()]
-        if bad:
+        if bad := [n for n, p in self.params.items() if type(p) is not nn.Parameter or not p.is_floating_point()]:
             raise ValueError(f"offload_reward_model: the reward model has quantized or non-float weights ({bad[0]}); "
                              "set `offload_reward_model: false`")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -3,10 +3,9 @@
 ``AutoModelForSequenceClassification(num_labels=1)`` on the SFT model, its score read at the last real token (the
 response's EOS); pairs tokenized by `rlhf_trl.data.pair_features`, as PPO scores rollouts.
 
-Outputs under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA, with the score head), ``merged/`` (the
-sequence classifier and tokenizer: PPO's input), ``eval_metrics.json`` (``accuracy``, ``margin``,
-``length_baseline_accuracy``, ``num_pairs`` on the eval split), ``eval_pairs.jsonl`` (those pairs as token ids:
-``chosen_ids``, ``rejected_ids``, ``prompt_length``; read by ``rlhf-trl eval``)."""
+Outputs under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA, with the score head), ``merged/`` (classifier and
+tokenizer: PPO's input), ``eval_metrics.json`` (`evaluate_pairs` on the eval split), ``eval_pairs.jsonl`` (those pairs
+as ``chosen_ids``, ``rejected_ids``, ``prompt_length``; read by ``rlhf-trl eval``)."""
 
 from __future__ import annotations
 
@@ -80,8 +79,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
                                      pickle_ok, quantization_config=quantization)
     logger.info("reward model: the SFT model with a new score head (reported MISSING above), trained in this stage")
     resize_for_tokenizer(model, tokenizer)
-    peft_config = get_peft_config(model_args)
-    if peft_config is not None:
+    if (peft_config := get_peft_config(model_args)) is not None:
         peft_config.task_type = "SEQ_CLS"  # makes peft train and save the score head with the adapter
 
     # trainer, train (inputs proven: only now does anything of an earlier run go)
@@ -117,10 +115,9 @@ def _evaluate(reward_model, eval_feats: dict, pad_token_id: int, out: str) -> di
 def evaluate_pairs(model, feats: dict, pad_token_id: int, batch_size: int = 16) -> dict:
     """Score ``feats["chosen_ids"]`` / ``feats["rejected_ids"]`` and return `pairwise_metrics`; response lengths
     (tokens, EOS included) for the length baseline are the sequence lengths minus ``feats["prompt_length"]``."""
-    chosen = score_sequences(model, feats["chosen_ids"], pad_token_id, batch_size)
-    rejected = score_sequences(model, feats["rejected_ids"], pad_token_id, batch_size)
-    c_len = [len(c) - p for c, p in zip(feats["chosen_ids"], feats["prompt_length"])]
-    r_len = [len(r) - p for r, p in zip(feats["rejected_ids"], feats["prompt_length"])]
+    keys = ("chosen_ids", "rejected_ids")
+    chosen, rejected = (score_sequences(model, feats[k], pad_token_id, batch_size) for k in keys)
+    c_len, r_len = ([len(s) - p for s, p in zip(feats[k], feats["prompt_length"])] for k in keys)
     return pairwise_metrics(chosen, rejected, c_len, r_len)
 
 

@@ -51,7 +51,7 @@ def _message_plan(signature: bytes, end: str) -> tuple | None:
 
 def _message_records(column, end: str, plans: dict) -> list[dict | None]:
     """SFT records (``end='assistant'``) or prompts (``'user'``; without ``"columns"``) of one Arrow batch of a
-    ``messages`` column (`_is_message_column`), each what `_sft_row` / `_prompt_fields` give, or None for a row the
+    ``messages`` column (`_is_message_column`), each what `_sft_row` / `_prompt_row` give, or None for a row the
     plain path must read (nulls, empty or blank content, unknown roles, roles `_dialogue` refuses), with its errors.
     Faster than `RecordBatch.to_pylist`: contents read in one call, roles as a byte per message (`_ROLE_CODES`), each
     distinct role sequence resolved once (`_message_plan`, cached in ``plans``)."""
@@ -113,13 +113,7 @@ def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
     finally:
         if enabled:
             gc.enable()
-    _check_bad_rows(report, args, source)
-    return out
-
-
-def _check_bad_rows(report: DataReport, args: DataArguments, source: str) -> None:
-    """Log this source's skips; raise `DataError` if bad rows exceed ``max_bad_row_fraction`` or no record is left."""
-    entry = report.sources[-1]
+    entry = report.sources[-1]  # this source's: its skips logged, too many bad rows or no record left refused
     bad, n, skips = entry["bad_rows"], entry["rows_read"], entry["skipped"]
     reasons = "; ".join(f"{reason}: {count}" for reason, count in skips.items())
     if skips:
@@ -130,6 +124,7 @@ def _check_bad_rows(report: DataReport, args: DataArguments, source: str) -> Non
                                 f"{args.max_bad_row_fraction} ({reasons}); fix the data or raise max_bad_row_fraction")
     if not entry["records"]:
         raise DataError(source, f"no usable row: all {n} rows were skipped ({reasons})")
+    return out
 
 
 def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: str, report: DataReport) -> list:

@@ -74,19 +74,15 @@ def _split_ext(path: str) -> tuple[str, str]:
     return (os.path.splitext(base)[1], ext) if ext in COMPRESSIONS else (ext, "")
 
 
-def _is_local(name: str) -> bool:
-    ext, compression = _split_ext(name)
-    return (os.path.exists(name) or ext in LOCAL_LOADERS or bool(compression) or any(c in name for c in "*?[")
-            or name.startswith((".", "/", "~")))
-
-
 def _local_files(dataset_name) -> list[str] | None:
     """A local source's data files (None: a hub id). Raises `DataError`: missing, empty, unsupported or mixed files."""
     names = list(dataset_name) if isinstance(dataset_name, (list, tuple)) else [dataset_name]
     if not names:
         raise DataError("dataset_name", "an empty list of files")
-    if len(names) == 1 and not _is_local(str(names[0])):
-        return None
+    ext, compression = _split_ext(first := str(names[0]))
+    if len(names) == 1 and not (os.path.exists(first) or ext in LOCAL_LOADERS or compression
+                                or any(c in first for c in "*?[") or first.startswith((".", "/", "~"))):
+        return None  # a hub id
     kinds, files = "/".join(LOCAL_LOADERS) + ", optionally " + "/".join(COMPRESSIONS), []
     for name in names:
         name = os.path.expanduser(str(name))
@@ -114,11 +110,6 @@ def _local_files(dataset_name) -> list[str] | None:
     if len(loaders) > 1:
         raise DataError(source_name(dataset_name), f"mixes file types ({', '.join(loaders)}); one source, one type")
     return files
-
-
-def _offline_flag() -> str | None:
-    return next((v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-                 if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")), None)
 
 
 def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = "utf-8"):
@@ -153,7 +144,9 @@ def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = 
     try:
         return datasets.load_dataset(dataset_name, config, split=split)
     except Exception as exc:
-        cause, flag = _root_cause(exc), _offline_flag()
+        cause = _root_cause(exc)
+        flag = next((v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+                     if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")), None)
         if flag and any(w in f"{exc} {cause}".lower() for w in ("offline", "couldn't reach", "connection")):
             raise DataError(dataset_name, f"a hub dataset, not in the local cache, and {flag}=1 forbids downloading "
                                           f"it; unset {flag} once to download it, or pass a local file") from None

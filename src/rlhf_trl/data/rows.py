@@ -261,18 +261,14 @@ def _check_scores(row: dict, args: DataArguments, source: str, i: int) -> None:
 
 
 def _prompt_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:
-    rec = _prompt_fields(row, fmt, args, source, i)
+    if fmt in CONVERSATION_KEYS:
+        rec = _conversation(row, fmt, args, source, i, "user")[0]
+    elif fmt == "implicit":
+        rec = _implicit(row, args, source, i)
+        del rec["chosen"], rec["rejected"]
+    else:
+        rec = _record(*_prompt(row, args, source, i, "prompts"))
     # a one-column row is its prompt (the common prompt file): no extras; rows without extras keep plain records
     if len(row) > 1 and (columns := prompt_columns(row, fmt, args)):
         rec["columns"] = columns
     return rec
-
-
-def _prompt_fields(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:
-    if fmt in CONVERSATION_KEYS:
-        return _conversation(row, fmt, args, source, i, "user")[0]
-    if fmt == "implicit":
-        rec = _implicit(row, args, source, i)
-        del rec["chosen"], rec["rejected"]
-        return rec
-    return _record(*_prompt(row, args, source, i, "prompts"))
