@@ -143,20 +143,6 @@ def _tolerant_backbone_class(backbone_cls: type) -> type:
         "__module__": backbone_cls.__module__})
 
 
-def _save_code_and_config(model: PreTrainedModel, save_directory: str, remote_classes: tuple) -> None:
-    """After ``save_pretrained``: copy the remote ``*.py`` next to the weights; keep ``auto_map`` / ``model_type``."""
-    files = _code_files(getattr(model, "_baichuan_code_dir", None))
-    if not files:
-        dirs = {os.path.dirname(inspect.getfile(c)) for c in (type(model.config), *remote_classes) if c is not None}
-        files = [f for d in sorted(dirs) for f in _code_files(d)]
-    _copy_code(files, save_directory)
-    auto_map = dict(getattr(model.config, "auto_map", None) or {})
-    auto_map.setdefault("AutoConfig", CONFIG_REF)
-    auto_map.setdefault("AutoModelForCausalLM", CAUSAL_LM_REF)
-    _update_json(os.path.join(save_directory, "config.json"),
-                 lambda data: data.update(auto_map=auto_map, model_type=model.config.model_type))
-
-
 @functools.lru_cache(maxsize=None)
 def _fixed_tokenizer_class(remote_cls: type) -> type:
     """The remote ``BaichuanTokenizer`` subclassed to load its sentencepiece model before the remote ``__init__``."""
@@ -223,8 +209,18 @@ class _KeepsRemoteCode:
         return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs):
+        """Then copy the remote ``*.py`` next to the weights; keep ``auto_map`` / ``model_type`` in ``config.json``."""
         result = super().save_pretrained(save_directory, *args, **kwargs)
-        _save_code_and_config(self, save_directory, self._remote_classes())
+        if not (files := _code_files(getattr(self, "_baichuan_code_dir", None))):
+            classes = (type(self.config), *self._remote_classes())
+            dirs = {os.path.dirname(inspect.getfile(c)) for c in classes if c is not None}
+            files = [f for d in sorted(dirs) for f in _code_files(d)]
+        _copy_code(files, save_directory)
+        auto_map = dict(getattr(self.config, "auto_map", None) or {})
+        auto_map.setdefault("AutoConfig", CONFIG_REF)
+        auto_map.setdefault("AutoModelForCausalLM", CAUSAL_LM_REF)
+        _update_json(os.path.join(save_directory, "config.json"),
+                     lambda data: data.update(auto_map=auto_map, model_type=self.config.model_type))
         return result
 
 

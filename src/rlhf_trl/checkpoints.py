@@ -474,8 +474,7 @@ def resolve_resume(value, output_dir: str) -> str | None:
                               f"{why}); start over with `overwrite_output_dir: true` and no resume_from_checkpoint")
     if not os.path.isdir(str(value)):
         raise StageInputError(f"resume_from_checkpoint: checkpoint '{value}' not found")
-    problem = checkpoint_problem(str(value))
-    if problem is not None:
+    if (problem := checkpoint_problem(str(value))) is not None:
         raise StageInputError(f"resume_from_checkpoint: checkpoint '{value}' is damaged ({problem}); resume from "
                               "another checkpoint-N, or with resume_from_checkpoint=true (the newest intact one)")
     return str(value)

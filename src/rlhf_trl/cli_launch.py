@@ -19,16 +19,6 @@ def stage_main(stage: str):
     return functools.partial(module.main, method="rloo") if stage == "rloo" else module.main
 
 
-def setup_logging() -> None:
-    """INFO logs from rlhf_trl and the trainers, warnings from the rest."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=logging.WARNING)
-    logging.getLogger("rlhf_trl").setLevel(logging.INFO if is_main_rank() else logging.WARNING)
-    import transformers
-
-    transformers.utils.logging.set_verbosity_warning()
-
-
 def quiet_libraries() -> None:
     """Silence bitsandbytes' import-time WARNINGs (AVX512-BF16 CPUs, offline `kernels`): harmless, it falls back."""
     logging.getLogger("kernels").setLevel(logging.ERROR)
@@ -55,15 +45,16 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     from .models import StageInputError
     from .rewards import RewardFunctionError
 
-    diverged: tuple = ()
-    if stage == "ppo":
-        from .ppo_engine import TrainingDivergedError
-
-        diverged = (TrainingDivergedError,)
-
+    diverged = (importlib.import_module("rlhf_trl.ppo_engine").TrainingDivergedError,) if stage == "ppo" else ()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notices are not for users
-    setup_logging()
+    # logs: INFO from rlhf_trl and the trainers, warnings from the rest
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=logging.WARNING)
+    logging.getLogger("rlhf_trl").setLevel(logging.INFO if is_main_rank() else logging.WARNING)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_warning()
     main = stage_main(stage)
     user_errors = (RecipeError, DataError, StageInputError, ValueError, FileNotFoundError, RewardFunctionError,
                    CheckpointWriteError)

@@ -88,8 +88,7 @@ def _all_eos_ids(tokenizer, model_dir: str | None) -> list[int]:
     ids = [int(tokenizer.eos_token_id)]
     if model_dir and os.path.isdir(model_dir):
         for name in ("generation_config.json", "config.json"):
-            path = os.path.join(model_dir, name)
-            if os.path.isfile(path):
+            if os.path.isfile(path := os.path.join(model_dir, name)):
                 with open(path, encoding="utf-8") as f:
                     ids += _as_id_list(json.load(f).get("eos_token_id"))
     return list(dict.fromkeys(i for i in ids if 0 <= i < len(tokenizer)))  # in order, without repeats
@@ -134,8 +133,7 @@ def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = 
 
 def model_type(path: str, trust_remote_code: bool = False) -> str | None:
     """``config.model_type`` of a local model directory or hub id (None if it has no readable config)."""
-    local = os.path.join(path, "config.json")
-    if os.path.isfile(local):
+    if os.path.isfile(local := os.path.join(path, "config.json")):
         with open(local, encoding="utf-8") as f:
             return json.load(f).get("model_type")
     try:

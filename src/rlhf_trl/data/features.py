@@ -117,16 +117,12 @@ def _prompt_ids(tokenizer, template: Template, record: dict) -> list[int]:
 
 
 def _response_ids(tokenizer, template: Template, record: dict, key: str) -> list[int]:
-    if "target" in record:  # an assistant's tool call: rendered by the chat template, up to its end-of-turn
-        return _encode_text(tokenizer, _rendered_target(tokenizer, record)) + [response_eos_id(tokenizer, template)]
-    answer = record[key]
-    if template.chat and record.get("text") is not None:
-        answer = answer.lstrip()  # "\n\nAssistant: Sure" -> the chat template's assistant turn holds "Sure"
-    return encode_response(tokenizer, template, answer, raw=record.get("text") is not None)
-
-
-def _rendered_target(tokenizer, record: dict) -> str:
-    """The text the chat template renders for ``record["target"]`` after the prompt, cut before its end-of-turn."""
+    if "target" not in record:
+        answer = record[key]
+        if template.chat and record.get("text") is not None:
+            answer = answer.lstrip()  # "\n\nAssistant: Sure" -> the chat template's assistant turn holds "Sure"
+        return encode_response(tokenizer, template, answer, raw=record.get("text") is not None)
+    # an assistant's tool call: the text the chat template renders for it after the prompt, up to its end-of-turn
     kwargs, what = {"tools": record.get("tools")}, f"the tool call answering {record['question'][:30]!r}"
     prompt = _render_chat(tokenizer, record["messages"], what, add_generation_prompt=True, **kwargs)
     full = _render_chat(tokenizer, record["messages"] + [record["target"]], what, **kwargs)
@@ -134,7 +130,7 @@ def _rendered_target(tokenizer, record: dict) -> str:
     if not full.startswith(prompt) or end not in full[len(prompt):]:
         raise ValueError(f"the chat template of '{_tokenizer_name(tokenizer)}' does not render {what} after its "
                          "prompt; use a template that supports tool calls")
-    return full[len(prompt):].split(end, 1)[0]
+    return _encode_text(tokenizer, full[len(prompt):].split(end, 1)[0]) + [response_eos_id(tokenizer, template)]
 
 
 def _check_records(records: list[dict], tokenizer, template: Template, source: str, length_policy: str = "drop",

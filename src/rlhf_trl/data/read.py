@@ -176,8 +176,7 @@ def _check_encoding(path: str, encoding: str) -> None:
     module = _OPENERS.get(_split_ext(path)[1])
     if module is None:
         return
-    decoder = codecs.getincrementaldecoder(encoding)()
-    line, offset = 1, 0
+    decoder, line, offset = codecs.getincrementaldecoder(encoding)(), 1, 0
     with importlib.import_module(module).open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             try:

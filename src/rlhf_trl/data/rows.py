@@ -91,7 +91,12 @@ def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
         if extra.strip():
             question = f"{question}\n{extra}"
     if history is None:
-        history = _history(row, args, source, i)
+        hkey = _optional_key(args, "history_key", "history")
+        history = (row.get(hkey) if hkey else None) or []
+        if not isinstance(history, list) or not all(isinstance(t, (list, tuple)) and len(t) == 2
+                                                    and all(isinstance(x, str) for x in t) for t in history):
+            raise DataError(source, "must be a list of [question, answer] string pairs", i, hkey)
+        history = [(q, a) for q, a in history]
     return system, history, question
 
 
@@ -100,15 +105,6 @@ def _optional_key(args: DataArguments, attr: str, default: str) -> str | None:
     field to that column (``bad_key: history`` is the rejected answer, not earlier turns)."""
     mapped = (args.question_key, args.answer_key, args.good_key, args.bad_key)
     return getattr(args, attr) or (None if default in mapped else default)
-
-
-def _history(row: dict, args: DataArguments, source: str, i: int) -> list[tuple[str, str]]:
-    hkey = _optional_key(args, "history_key", "history")
-    history = (row.get(hkey) if hkey else None) or []
-    if not isinstance(history, list) or not all(isinstance(t, (list, tuple)) and len(t) == 2
-                                                and all(isinstance(x, str) for x in t) for t in history):
-        raise DataError(source, "must be a list of [question, answer] string pairs", i, hkey)
-    return [(q, a) for q, a in history]
 
 
 def _answer_text(value: Any, source: str, i: int, key: str) -> str:
