@@ -1,14 +1,12 @@
 """Baichuan / Baichuan2 remote-code models made usable by TRL on transformers 5 (SFT, reward model, PPO), used by
 `rlhf_trl.models` for ``trust_remote_code: true`` and ``model_type: baichuan``:
-
 - **Tokenizer init order**: the remote ``__init__`` reads ``self.sp_model`` before loading it (`load_tokenizer`).
 - **position_ids** (and other keywords the remote forwards do not name) are dropped: positions come from the cache
   length, and rotary (7B) / ALiBi (13B) depend only on token distance with pads masked, so left padding is harmless.
 - **generate**: `load_causal_lm` adds `transformers.GenerationMixin`, driving the remote legacy tuple KV cache.
 - **Sequence classifier** (`BaichuanForSequenceClassification`) for TRL's reward and value models; **saving** also
-  copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``.
-- **LoRA targets**: ``W_pack`` (fused q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; ``SEQ_CLS``
-  trains and saves ``score`` as a ``modules_to_save`` copy."""
+  copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``; **LoRA targets**: ``W_pack`` (fused
+  q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj`` (``SEQ_CLS`` also trains and saves ``score``)."""
 
 from __future__ import annotations
 

@@ -28,8 +28,7 @@ DAMAGED_PREFIX = "damaged-"  # damaged-checkpoint-N: set aside by a resume from 
 
 
 class AtomicCheckpointMixin:
-    """For a `transformers.Trainer` subclass: each ``checkpoint-N`` is written under ``.tmp-checkpoint-N`` by every
-    process and renamed into place, with ``manifest.json``, by the main process only when complete."""
+    """Trainer mixin: ``checkpoint-N`` is written under ``.tmp-checkpoint-N``, renamed into place only when complete."""
 
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
         """Add files to a checkpoint before it is renamed into place; called on every process, the main one writes."""
@@ -103,8 +102,7 @@ def start_run(training_args, run_args=None):
 
 
 def begin_writing(training_args, run_args, resume) -> None:
-    """Call once the inputs are proven, right before writing: set the earlier run aside (``overwrite_output_dir``, no
-    resume; put back on failure by `keeps_earlier_run`), or on a resume set newer damaged checkpoints aside."""
+    """Once the inputs are proven: set the earlier run aside (overwrite, no resume) or, resuming, newer damaged ones."""
     state = distributed_state(training_args)
     if state.is_main_process and run_args.overwrite_output_dir and not resume:
         set_earlier_run_aside(training_args.output_dir)
@@ -130,8 +128,7 @@ def complete_checkpoints(output_dir: str) -> list[str]:
 
 
 def set_earlier_run_aside(output_dir: str) -> None:
-    """Move the earlier run's checkpoints (damaged too) and `RUN_FILES` into ``output_dir/.earlier-run/``, with a
-    listing of ``output_dir``. Main process."""
+    """Move the earlier run's checkpoints and `RUN_FILES` into ``output_dir/.earlier-run/``, with a listing."""
     damaged = glob.glob(os.path.join(output_dir, f"{DAMAGED_PREFIX}checkpoint-*"))
     names = [os.path.basename(p) for p in complete_checkpoints(output_dir) + sorted(damaged)] + [
         n for n in RUN_FILES if os.path.lexists(os.path.join(output_dir, n))]
@@ -287,8 +284,7 @@ SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses l
 
 
 def write_manifest(checkpoint_dir: str) -> None:
-    """Write ``manifest.json``: ``{"format": 1, "files": {relative path: size in bytes}}`` of every file under
-    ``checkpoint_dir`` (no hashes: checkpoints can hold GBs); last, by the main process."""
+    """Write ``manifest.json``: ``{"format": 1, "files": {relative path: size in bytes}}`` (no hashes: GBs)."""
     files = {rel: os.path.getsize(os.path.join(checkpoint_dir, rel))
              for rel in _relative_files(checkpoint_dir) if rel != MANIFEST}
     with open(os.path.join(checkpoint_dir, MANIFEST), "w", encoding="utf-8") as f:
@@ -431,8 +427,7 @@ def checkpoint_step(path: str) -> int | None:
 
 
 def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
-    """Rename each damaged ``checkpoint-N`` newer than ``resume`` to ``damaged-checkpoint-N`` (else the rotation could
-    delete this run's new ones). Main process. Returns the new paths."""
+    """Rename damaged ``checkpoint-N`` newer than ``resume`` to ``damaged-checkpoint-N``; returns the new paths."""
     step = checkpoint_step(resume)
     if step is None:
         return []

@@ -37,8 +37,7 @@ def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
 
 
 def one_line_arguments(parser):
-    """Make an `argparse` parser (``rlhf-trl merge`` / ``eval``) raise `RecipeError` (``command line: <argparse's
-    message>``) on a bad or missing argument instead of printing its usage and exiting. Returns ``parser``."""
+    """Make an `argparse` parser raise `RecipeError` (``command line: <message>``) instead of exiting; returns it."""
 
     def error(message: str):
         raise RecipeError(f"command line: {message}")
@@ -125,9 +124,8 @@ _MEETS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v 
 
 
 def check_launch(training_args, path: str | None) -> None:
-    """Refuse an `accelerate launch` set-up that cannot run as configured (precision comes from the recipe). Raises
-    `RecipeError`: FSDP without GPUs (accelerate would run DDP); a DeepSpeed config whose ``mixed_precision``
-    (``ACCELERATE_MIXED_PRECISION``) the recipe does not ask for (transformers would stop later)."""
+    """Refuse an `accelerate launch` set-up that cannot run as configured. Raises `RecipeError`: FSDP without GPUs; a
+    DeepSpeed ``mixed_precision`` (``ACCELERATE_MIXED_PRECISION``) the recipe does not ask for."""
     import torch
 
     def on(name):

@@ -1,14 +1,11 @@
 """Stage 3, without a reward model: DPO on the preference pairs with `trl.DPOTrainer` (optional LoRA / QLoRA). Run:
-``rlhf-trl dpo --config recipes/demo/dpo.yaml`` (or ``make dpo RECIPE=...``).
-
-Reads every preference shape the RM stage reads (pairs, ranked lists, chat templates) through the same tokenizer
-path (`rlhf_trl.data.pair_features`): the policy learns on the very ids the reward model was trained on. Loss: Rafailov
-et al. 2023 ("Direct Preference Optimization", arXiv:2305.18290) as `trl.DPOTrainer` computes it (``beta``,
-``loss_type``). Reference: the frozen SFT model (LoRA: the policy with its adapter disabled; full weights: TRL's copy).
-
-Outputs under ``output_dir``: ``checkpoint-*/`` (resumable), ``adapter/`` (LoRA), ``merged/`` (a plain causal LM with
-its tokenizer: what ``rlhf-trl compare`` samples), ``metrics.json`` (held-out ``eval_rewards/accuracies`` with an eval
-split), ``log_history.json``, ``run_config.yaml``, ``data_report.json``."""
+``rlhf-trl dpo --config recipes/demo/dpo.yaml`` (or ``make dpo RECIPE=...``). Pairs of every shape the RM stage reads,
+tokenized alike (`rlhf_trl.data.pair_features`): the policy learns on the ids the reward model was trained on. Loss:
+Rafailov et al. 2023 ("Direct Preference Optimization", arXiv:2305.18290) as `trl.DPOTrainer` computes it (``beta``,
+``loss_type``); reference: the frozen SFT model (LoRA: the adapter-disabled policy; full weights: TRL's copy). Outputs
+under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA), ``merged/`` (causal LM + tokenizer, for
+`rlhf_trl.compare`), ``metrics.json`` (held-out ``eval_rewards/accuracies``), ``log_history.json``, ``run_config.yaml``,
+``data_report.json``."""
 
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 
 
 def dpo_dataset(feats: dict) -> Dataset:
-    """`pair_features` output (``chosen_ids`` / ``rejected_ids`` = prompt + response + EOS, ``prompt_length``) as the
-    ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` rows `trl.DPOTrainer`'s collator reads (token ids, not text)."""
+    """`pair_features` output as the ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` rows `trl.DPOTrainer` reads."""
     return Dataset.from_dict({
         "prompt_ids": [c[:n] for c, n in zip(feats["chosen_ids"], feats["prompt_length"])],
         "chosen_ids": [c[n:] for c, n in zip(feats["chosen_ids"], feats["prompt_length"])],
@@ -50,8 +46,7 @@ def dpo_dataset(feats: dict) -> Dataset:
 
 
 def _trainer_class():
-    """`trl.DPOTrainer` fed token ids: its own text preparation (prompt extraction, EOS text appended, joint
-    tokenization of prompt + answer) is skipped for datasets that already hold ``prompt_ids``."""
+    """`trl.DPOTrainer` fed token ids: its text preparation is skipped for datasets that already hold ``prompt_ids``."""
     from trl import DPOTrainer
 
     class TokenizedDPOTrainer(DPOTrainer):
@@ -67,9 +62,8 @@ def _trainer_class():
 def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None,
         produced_by: str | None = None, callbacks: list | None = None) -> dict:
     """Optimise the SFT model ``model_args.model_name_or_path`` on the pairs of ``data_args.dataset_name``. Raises
-    `StageInputError`: no SFT model (``produced_by`` names the command to run first); `DataError`: bad rows (file, row
-    and field named), or no pair left after the length policy; `ValueError`: quantization settings that cannot run
-    (`rlhf_trl.models.recipe_quantization_config`)."""
+    `StageInputError`: no SFT model (``produced_by`` names the command to run first); `DataError`: bad rows, or no pair
+    left; `ValueError`: quantization that cannot run (`rlhf_trl.models.recipe_quantization_config`)."""
     from trl import get_peft_config
 
     # inputs

@@ -1,14 +1,11 @@
 """Test-only fault injection for checkpoint saves, and the fsync helpers that make a published checkpoint durable.
 Nothing here is active unless an environment variable asks for it (the tests set them on subprocesses):
-
-- ``RLHF_TRL_FAULT="<save>:<op>[:<action>]"``: in this process's ``<save>``-th checkpoint save (1-based,
-  `checkpoint_save` blocks), at its ``<op>``-th file operation (1-based), do ``<action>``: ``kill`` (default: SIGKILL
-  before the operation), ``torn`` (a write: do it, cut the file to half its bytes, then SIGKILL; else as ``kill``) or
-  ``enospc`` / ``erofs`` (raise that ``OSError``, naming the path). Only rank 0 (``RANK`` / ``LOCAL_RANK`` unset or
-  0) acts, unless ``RLHF_TRL_FAULT_RANK`` names another.
+- ``RLHF_TRL_FAULT="<save>:<op>[:<action>]"``: in this process's ``<save>``-th checkpoint save (`checkpoint_save`),
+  at its ``<op>``-th file operation (both 1-based), do ``<action>``: ``kill`` (default: SIGKILL before the operation),
+  ``torn`` (a write: do it, cut the file to half its bytes, then SIGKILL; else as ``kill``) or ``enospc`` / ``erofs``
+  (raise that ``OSError``, naming the path). Only rank 0 acts, unless ``RLHF_TRL_FAULT_RANK`` names another.
 - ``RLHF_TRL_FAULT_LOG=<file>``: every file operation of every save of every process is appended as one line
   ``<rank> <save> <op> <kind> <path>`` (kinds: ``write``, ``fsync``, ``rename``, ``remove``, ``rotate``).
-
 Counted: ``torch.save``, safetensors' ``serialize_file``, Python ``open()`` for writing, and the operations of
 `fsync_path`, `publish` and `file_op`; native writes (``tokenizer.json``) are not, but are fsynced (counted)."""
 

@@ -21,9 +21,8 @@ def with_loop_state(trainer_cls):
 
 
 class LoopStateMixin:
-    """What `transformers.Trainer`'s checkpoints lack for a resumed run to log exactly what the uninterrupted run logs
-    (loss sums, the last logged step, TRL's running statistics): saved as ``loop_state.json`` (one entry per process),
-    put back as the resumed run starts its first epoch (the Trainer's ``_run_epoch``, transformers >= 5)."""
+    """What Trainer checkpoints lack for a resumed run to log exactly as an uninterrupted one (loss sums, last logged
+    step, TRL's running statistics): ``loop_state.json``, put back in the first ``_run_epoch`` (transformers >= 5)."""
 
     _loop_state_restored = False
 

@@ -1,7 +1,6 @@
-"""Merge a LoRA adapter into its base model: ``rlhf-trl merge --adapter DIR --output DIR [--base DIR]``.
-The result is a plain `transformers` model directory (safetensors, written atomically) with a tokenizer (the
-adapter's, else the base's) and a ``README.md`` model card: an ``AutoModelForCausalLM`` for ``CAUSAL_LM`` adapters,
-an ``AutoModelForSequenceClassification`` (``num_labels=1``, the trained ``score`` head) for ``SEQ_CLS`` ones."""
+"""Merge a LoRA adapter into its base: ``rlhf-trl merge --adapter DIR --output DIR [--base DIR]``. The result: a plain
+`transformers` model directory (safetensors, written atomically) with the adapter's (else the base's) tokenizer and a
+``README.md``: ``AutoModelForCausalLM`` (``CAUSAL_LM``) or ``AutoModelForSequenceClassification`` (``SEQ_CLS``)."""
 
 from __future__ import annotations
 

@@ -35,8 +35,7 @@ BIASING_GENERATION_KEYS = {
 
 def sampling_generation_config(temperature: float, max_new_tokens: int | None, eos_token_ids: list[int],
                                pad_token_id: int, **extra):
-    """A ``GenerationConfig`` sampling from ``softmax(logits / temperature)`` alone (every `BIASING_GENERATION_KEYS` set
-    neutral), up to any of ``eos_token_ids`` or ``max_new_tokens`` tokens."""
+    """A ``GenerationConfig`` sampling ``softmax(logits / temperature)`` alone (`BIASING_GENERATION_KEYS` neutral)."""
     from transformers import GenerationConfig
 
     # min_length is left unset: min_new_tokens=0 takes precedence over it (and setting both makes generate warn)
@@ -77,9 +76,8 @@ def _as_id_list(value) -> list[int]:
 
 
 def eos_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
-    """Every token id that ends a response, without repeats: the tokenizer's EOS first, then the EOS ids of the model
-    directory's ``generation_config.json`` (Qwen2.5-Instruct: ``[<|im_end|>, <|endoftext|>]``) and ``config.json``,
-    less the tokenizer's pad id. Rollouts stop at any of them and EOS rates / the missing-EOS penalty count any."""
+    """Every token id that ends a response, without repeats: the tokenizer's EOS first, then the EOS ids of
+    ``model_dir``'s ``generation_config.json`` and ``config.json`` (Qwen2.5-Instruct: two), less the pad id."""
     pad, ids = tokenizer.pad_token_id, _all_eos_ids(tokenizer, model_dir)
     return [i for i in ids if i == ids[0] or i != pad]
 
@@ -231,8 +229,7 @@ def kbit_device_map() -> dict:
 
 
 def fp32_adapters_for_fp32_compute(model, quantization_config) -> int:
-    """Cast a QLoRA model's trainable parameters back to fp32 when its compute dtype is fp32 (TRL's trainers make them
-    bf16, which the ``score`` head fails on); call before ``train()``. Returns the number cast."""
+    """Cast a QLoRA model's trainable parameters to fp32 if it computes in fp32 (TRL made them bf16); returns count."""
     if quantization_config is None or getattr(quantization_config, "bnb_4bit_compute_dtype", None) != torch.float32:
         return 0
     cast = [p for p in model.parameters() if p.requires_grad and p.dtype != torch.float32]
@@ -290,8 +287,7 @@ def load_sequence_classifier(path: str, dtype=None, trust_remote_code: bool = Fa
 
 
 def resize_for_tokenizer(model, tokenizer) -> None:
-    """Grow the embeddings if the tokenizer gained tokens, and record pad / EOS ids on config and generation config
-    (which keeps its own settings and EOS list, the tokenizer's EOS first: a saved model deploys as the stock one)."""
+    """Grow the embeddings for added tokens; set pad / EOS ids on config and generation config (other EOS ids kept)."""
     embeddings = model.get_input_embeddings()
     # num_embeddings: under DeepSpeed ZeRO-3 ``weight`` is this rank's (possibly empty) partition
     if len(tokenizer) > (getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]):

@@ -1,6 +1,5 @@
-"""The reward model as PPO reads it: its score shifted by the baseline, shared with the value model's weights, or
-kept on disk between rollouts; and the 'auto' baseline's calibration. Each wrapper keeps what
-`rlhf_trl.scoring.sequence_scores` reads: ``base_model_prefix`` naming a backbone and a ``score`` head."""
+"""The reward model as PPO reads it (baseline-shifted, on the value model's weights, or offloaded between rollouts; the
+'auto' baseline); each wrapper keeps ``base_model_prefix`` and ``score`` for `rlhf_trl.scoring.sequence_scores`."""
 
 from __future__ import annotations
 

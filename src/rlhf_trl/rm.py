@@ -1,11 +1,9 @@
 """Stage 2: reward model on pairwise preferences with `trl.RewardTrainer` (optional LoRA, ``task_type=SEQ_CLS``). Run:
-``rlhf-trl rm --config recipes/demo/rm.yaml`` (or ``python -m rlhf_trl.rm``, ``make rm RECIPE=...``).
-``AutoModelForSequenceClassification(num_labels=1)`` on the SFT model, its score read at the last real token (the
-response's EOS); pairs tokenized by `rlhf_trl.data.pair_features`, as PPO scores rollouts.
-
-Outputs under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA, with the score head), ``merged/`` (classifier and
-tokenizer: PPO's input), ``eval_metrics.json`` (`evaluate_pairs` on the eval split), ``eval_pairs.jsonl`` (those pairs
-as ``chosen_ids``, ``rejected_ids``, ``prompt_length``; read by ``rlhf-trl eval``)."""
+``rlhf-trl rm --config recipes/demo/rm.yaml`` (or ``python -m rlhf_trl.rm``, ``make rm RECIPE=...``). The SFT model as
+``AutoModelForSequenceClassification(num_labels=1)``, scored at the last real token (the response's EOS) of pairs
+tokenized by `rlhf_trl.data.pair_features`, as PPO scores rollouts. Outputs under ``output_dir``: ``checkpoint-*/``,
+``adapter/`` (LoRA, with the score head), ``merged/`` (classifier and tokenizer: PPO's input), ``eval_metrics.json``
+(`evaluate_pairs` on the eval split), ``eval_pairs.jsonl`` (those pairs as token ids; read by ``rlhf-trl eval``)."""
 
 from __future__ import annotations
 
@@ -43,10 +41,9 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 @keeps_earlier_run
 def run(data_args: DataArguments, training_args, model_args, produced_by: str | None = None,
         run_args: RunArguments | None = None, callbacks: list | None = None) -> dict:
-    """Train a reward model on ``data_args.dataset_name`` from ``model_args.model_name_or_path``; ``callbacks``: extra
-    `transformers.TrainerCallback` objects. Raises `StageInputError`: no SFT model (``produced_by`` names the command
-    to run first); `DataError`: bad rows, or no pair left after the length policy; `ValueError`: ``load_in_4bit`` /
-    ``load_in_8bit`` unusable (`rlhf_trl.models.recipe_quantization_config`)."""
+    """Train a reward model on ``data_args.dataset_name`` from ``model_args.model_name_or_path``. Raises
+    `StageInputError`: no SFT model (``produced_by`` names the command to run first); `DataError`: bad rows, or no pair
+    left; `ValueError`: ``load_in_4bit`` / ``load_in_8bit`` unusable (`rlhf_trl.models.recipe_quantization_config`)."""
     from trl import RewardTrainer, get_peft_config
 
     # inputs

@@ -1,6 +1,5 @@
-"""Small models built locally from a config (random init), for the demo, tests and offline smoke runs. ``rlhf-trl
-init-model --tokenizer DIR --output DIR [--hidden_size 64 --num_layers 2]`` builds a Qwen2-architecture causal LM
-whose vocabulary matches the tokenizer, and saves both to ``--output``."""
+"""Small random-init models for the demo, tests and offline runs: ``rlhf-trl init-model --tokenizer DIR --output DIR
+[--hidden_size 64 --num_layers 2]`` saves a Qwen2 causal LM with the tokenizer's vocabulary, and the tokenizer."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """The one data formatter shared by SFT, reward-model and PPO stages (errors name the file, the row and the field:
 `DataError`), in three steps:
-
 1. **read** (`.read`) local files (also compressed), globs, shard directories or a hub dataset, in Arrow batches;
 2. **normalise** (`.normalise`, `.rows`, `.turns`) each row, whatever its format (`FORMATS`), into records: SFT
    ``{"question", "history", "answer"}``, pairs ``{..., "chosen", "rejected"}``, prompts ``{"question", "history"}``
    (+ ``"columns"``, ``"system"``, ``"text"``, ``"messages"`` / ``"tools"`` where the row has them); bad rows follow
    ``on_bad_row``, every skip counted in a `DataReport`;
-3. **tokenize** (`.features`) every stage alike: ``prompt_ids + response_ids + [eos]``, each part tokenized on its own,
-   as PPO joins prompt and generated ids, so the reward model scores the very ids it was trained on (joined strings
-   would merge tokens across the ``"答："`` boundary)."""
+3. **tokenize** (`.features`): ``prompt_ids + response_ids + [eos]``, each part tokenized on its own as PPO joins
+   prompt and generated ids, so the reward model scores the ids it was trained on (no tokens merged across ``"答："``)."""
 
 from __future__ import annotations
 

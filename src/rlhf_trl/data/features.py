@@ -48,9 +48,8 @@ _PROBE = "\u2063probe\u2063"
 
 def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
     """The token id the tokenizer's chat template ends an assistant turn with (Qwen: ``<|im_end|>``): the first special
-    token after the assistant's text of a rendered exchange. Rollouts stop there, so it must be the tokenizer's EOS or
-    an EOS id of ``model_dir`` (default: the tokenizer's; `rlhf_trl.models.eos_token_ids`). Raises `ValueError` (one
-    line): no chat template, one that fails, no special token after an assistant turn, or one that is no EOS id."""
+    token after a rendered assistant text; an EOS id of ``model_dir`` (default: the tokenizer's). Raises `ValueError`
+    (one line): no chat template, one that fails, no special token there, or one that is no EOS id."""
     _require_chat_template(tokenizer)
     cached = _END_OF_TURN.get(id(tokenizer))
     if cached is not None and cached[0]() is tokenizer and model_dir is None:
@@ -167,12 +166,11 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
                  source: str = "dataset", length_policy: Literal["drop", "truncate_prompt"] = "drop",
                  max_prompt_length: int | None = None, report: DataReport | None = None,
                  split: str = "train") -> dict[str, list]:
-    """Tokenize SFT records for `trl.SFTTrainer` into ``input_ids`` and ``completion_mask`` (1 on response tokens incl.
-    EOS), each a list of ``[prompt_len + response_len + 1]`` lists. Rows over ``max_length`` tokens (logged, counted in
-    ``report`` under ``split``): ``'drop'`` drops those whose prompt alone fills ``max_length`` (the trainer cuts the
-    others at the end); ``'truncate_prompt'`` cuts the prompt from the left so that the whole response fits (no room:
-    ``min(max_prompt_length, max_length - 1)`` prompt tokens kept). Raises `DataError`: no row is left; `ValueError`: an
-    unknown ``length_policy``, chat mode problems (`chat_end_of_turn_id`)."""
+    """Tokenize SFT records for `trl.SFTTrainer`: ``input_ids`` and ``completion_mask`` (1 on response tokens incl.
+    EOS), lists of ``[prompt_len + response_len + 1]``. Rows over ``max_length`` tokens (counted in ``report``):
+    ``'drop'`` drops those whose prompt fills it (the trainer cuts the others); ``'truncate_prompt'`` cuts the prompt
+    from the left to fit the response (no room: ``min(max_prompt_length, max_length - 1)`` tokens kept). Raises
+    `DataError`: no row left; `ValueError`: a bad ``length_policy``, chat mode problems."""
     _check_records(records, tokenizer, template, source, length_policy, report)
     input_ids, masks = [], []
     dropped = truncated = cut = 0

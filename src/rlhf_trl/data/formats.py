@@ -1,5 +1,4 @@
-"""The row formats of `rlhf_trl.data` (`FORMATS`): which one a row has (`detect_format`) and which of its columns are
-not part of the prompt (`prompt_columns`)."""
+"""The row formats (`FORMATS`): which one a row has (`detect_format`), which columns are extras (`prompt_columns`)."""
 
 from __future__ import annotations
 
@@ -19,10 +18,9 @@ def _is_conversation(value) -> bool:
 
 
 def detect_format(row: dict, args: DataArguments) -> str:
-    """Guess the source format from the keys of one row (honouring the recipe's column mapping). chosen + rejected both
-    message lists (UltraFeedback-binarized) -> implicit; ``conversations`` -> sharegpt; ``messages`` -> messages;
-    ``conversation`` -> firefly; chosen + rejected -> pairwise with a question column, else implicit; an answer column
-    -> ranked (a list of answers) or alpaca (also a message list); else prompt."""
+    """Guess the source format from one row's keys (with the recipe's column mapping): chosen + rejected message lists
+    -> implicit; ``conversations`` -> sharegpt; ``messages``; ``conversation`` -> firefly; chosen + rejected -> pairwise
+    (with a question column) or implicit; an answer column -> ranked (a list, not messages) or alpaca; else prompt."""
     keys = row.keys()
     good, bad = args.good_key or "chosen", args.bad_key or "rejected"
     if good in keys and bad in keys and _is_conversation(row[good]) and _is_conversation(row[bad]):
@@ -51,10 +49,9 @@ _SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
 
 
 def prompt_columns(row: dict, fmt: str, args: DataArguments) -> dict:
-    """The extra columns of a prompt row, in row order, for PPO's reward functions (`rlhf_trl.rewards.reward_columns`):
-    every scalar column (str / int / float / bool / None) not read as the prompt (``fmt`` sharegpt / messages /
-    firefly: the turns; implicit: chosen / rejected; else the question, ``input`` and ``history`` columns). Answer
-    columns count (e.g. gsm8k's ``answer``: a reward function's reference); list / dict columns do not."""
+    """A prompt row's extra columns, in row order, for PPO's reward functions (`rlhf_trl.rewards.reward_columns`): its
+    scalar columns (str / int / float / bool / None) not read as the prompt (the turns; implicit: chosen / rejected;
+    else the question, ``input`` and ``history``), answer columns included (e.g. gsm8k's ``answer``)."""
     if fmt in CONVERSATION_KEYS:
         key = "messages_key" if fmt == "messages" else "conversations_key"
         used = (getattr(args, key) or CONVERSATION_KEYS[fmt], "tools")

@@ -1,5 +1,4 @@
-"""Step 2 of `rlhf_trl.data`, over a whole source: normalise its rows (`rlhf_trl.data.rows`) under the bad-row
-policy (``on_bad_row``, ``max_bad_row_fraction``), counting every skip in the `DataReport`."""
+"""Step 2 of `rlhf_trl.data` over a whole source: its rows normalised under ``on_bad_row``, skips in `DataReport`."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ def _is_message_column(schema, key: str) -> bool:
 
 
 def _message_plan(signature: bytes, end: str) -> tuple | None:
-    """``(system, start, question, answer)`` for rows with the (valid) role codes ``signature``: indices into the row's
-    contents (None where absent; history: ``contents[start:question]`` in pairs), from `_dialogue` run on the indices.
-    None: `_dialogue` refuses these roles or gives another layout (the plain path reads such rows)."""
+    """``(system, start, question, answer)``: indices into a row's contents for the role codes ``signature`` (history:
+    ``contents[start:question]`` in pairs), by `_dialogue`; None: it refuses them, or another layout."""
     if not signature or 0 in signature:
         return None
     try:
@@ -50,11 +48,10 @@ def _message_plan(signature: bytes, end: str) -> tuple | None:
 
 
 def _message_records(column, end: str, plans: dict) -> list[dict | None]:
-    """SFT records (``end='assistant'``) or prompts (``'user'``; without ``"columns"``) of one Arrow batch of a
-    ``messages`` column (`_is_message_column`), each what `_sft_row` / `_prompt_row` give, or None for a row the
-    plain path must read (nulls, empty or blank content, unknown roles, roles `_dialogue` refuses), with its errors.
-    Faster than `RecordBatch.to_pylist`: contents read in one call, roles as a byte per message (`_ROLE_CODES`), each
-    distinct role sequence resolved once (`_message_plan`, cached in ``plans``)."""
+    """SFT records (``end='assistant'``) or prompts (``'user'``; no ``"columns"``) of one Arrow batch of a ``messages``
+    column (`_is_message_column`), as `_sft_row` / `_prompt_row` give them, or None where the plain path must read the
+    row (nulls, blank content, unknown roles, roles `_dialogue` refuses). Faster than `RecordBatch.to_pylist`: roles as
+    a byte per message (`_ROLE_CODES`), each distinct role sequence resolved once (`_message_plan`, in ``plans``)."""
     import numpy as np
     import pyarrow.compute as pc
 

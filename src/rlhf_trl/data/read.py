@@ -33,9 +33,8 @@ def load_rows(dataset_name, split: str = "train", config: str | None = None) -> 
 
 def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None,
                    encoding: str = "utf-8"):
-    """A source's rows (see `load_rows`) as Arrow record batches of plain columns, or lists of row dicts where
-    `datasets` must decode columns or index rows; ``batch_rows`` (default `BATCH_ROWS`) rows each, so only one batch at
-    a time is held as Python objects. ``encoding``: of local json / csv files (`_open_dataset`)."""
+    """A source's rows as Arrow record batches of plain columns (else lists of row dicts: decoded columns, indexed rows)
+    of ``batch_rows`` (default `BATCH_ROWS`); ``encoding``: of local json / csv files."""
     batch_rows = batch_rows or BATCH_ROWS
     with _quiet_datasets():
         ds = _open_dataset(dataset_name, split, config, encoding)
@@ -190,9 +189,8 @@ def _check_encoding(path: str, encoding: str) -> None:
 
 
 def _check_json_file(path: str, kind: str) -> None:
-    """Re-read a JSON (starting with ``[``) / JSON Lines file `datasets` could not parse, with Python's parser, to say
-    where it breaks (JSON Lines: row ``k`` is the ``k``-th non-blank line); returns when it parses or cannot be read.
-    Raises `DataError`: the file, the row (JSON Lines) and what is wrong with it, or a file without any row."""
+    """Re-read a JSON / JSON Lines file `datasets` could not parse with Python's, to say where it breaks (JSON Lines:
+    row k is the k-th non-blank line). Raises `DataError`: file, row and problem, or no row; else returns."""
     module = _OPENERS.get(_split_ext(path)[1])
     if module is None:
         return

@@ -1,6 +1,5 @@
-"""Step 2 of `rlhf_trl.data`: normalise one row of any source format into an SFT record, pairs or a prompt. A valid
-row with nothing for the stage (an empty SFT answer, a KTO row labelled false, tied pair scores) raises `SkipRow`
-(skipped and counted whatever ``on_bad_row`` says); a bad row raises `DataError`."""
+"""Step 2 of `rlhf_trl.data`: a row of any format into an SFT record, pairs or a prompt; `DataError` if bad, `SkipRow`
+(skipped, counted) if it has nothing for the stage (empty answer, KTO label false, tied scores)."""
 
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ def _string(value, source: str, i: int, key: str, allow_empty: bool = False) -> 
 
 
 def _conversation(row: dict, fmt: str, args: DataArguments, source: str, i: int, end: str) -> tuple:
-    """``(record fields, answer)`` of a sharegpt / messages / firefly row cut at its last ``end`` turn
-    (`rlhf_trl.data.turns`). A ``system`` column is the system turn of rows without one; rows with tool turns or a
-    ``tools`` column keep their prompt as chat ``messages`` (+ ``tools``; a tool-call answer also as ``target``)."""
+    """``(record fields, answer)`` of a sharegpt / messages / firefly row cut at its last ``end`` turn; a ``system``
+    column fills a missing system turn; tool rows keep their prompt as chat ``messages`` (+ ``tools``, ``target``)."""
     key = getattr(args, f"{'messages' if fmt == 'messages' else 'conversations'}_key") or CONVERSATION_KEYS[fmt]
     turns = _turns(_column(row, key, source, i, f"{fmt if fmt == 'messages' else 'conversations'}_key"), source, i, key)
     if turns[0][0] != "system" and isinstance(row.get("system"), str) and row["system"].strip():
@@ -123,13 +121,11 @@ def _answer_text(value: Any, source: str, i: int, key: str) -> str:
 
 
 def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
-    """An implicit-prompt pair: ``chosen`` / ``rejected`` transcripts (strings) or message lists sharing a prompt. Text:
-    the prompt is the shared prefix through the last ``assistant_marker`` (``text`` and ``question``), the answers the
-    rest (leading space kept; blank: empty). Messages (UltraFeedback-binarized): the shared leading messages, ending
-    with a user turn, then one assistant message each. Raises `DataError`: bad or identical sides, no shared prompt."""
+    """Implicit-prompt pair: ``chosen`` / ``rejected`` transcripts or message lists sharing a prompt. Text: the shared
+    prefix through the last ``assistant_marker`` (``text``, ``question``), the rest the answers (blank: empty).
+    Messages: shared leading messages to a user turn, then one assistant message each. Raises `DataError`: bad sides."""
     gkey, bkey = args.good_key or "chosen", args.bad_key or "rejected"
-    chosen, rejected = row.get(gkey), row.get(bkey)
-    both = f"{gkey}/{bkey}"
+    chosen, rejected, both = row.get(gkey), row.get(bkey), f"{gkey}/{bkey}"
     if chosen.__class__ is str and rejected.__class__ is str:  # the common case first: transcripts
         marker = args.assistant_marker
         k = chosen.rfind(marker)
@@ -204,7 +200,14 @@ def _pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, co
     if isinstance(row.get("label"), bool):
         raise DataError(source, "holds unpaired KTO rows (a boolean 'label' per answer); a reward model needs chosen / "
                                 "rejected pairs", i, "label")
-    _check_scores(row, args, source, i)
+    good, bad = row.get("score_chosen"), row.get("score_rejected")
+    if isinstance(good, (int, float)) and isinstance(bad, (int, float)):  # skipped unless chosen scores above rejected
+        if good == bad:
+            raise SkipRow("tied scores (score_chosen == score_rejected)")
+        if good < bad:
+            raise SkipRow("score_chosen below score_rejected")
+        if args.min_score_margin is not None and good - bad < args.min_score_margin:
+            raise SkipRow(f"score margin below min_score_margin={args.min_score_margin}")
     if fmt == "implicit":
         return [_implicit(row, args, source, i)]
     if fmt in CONVERSATION_KEYS:
@@ -241,19 +244,6 @@ def _pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, co
             raise DataError(source, "chosen and rejected answers are identical", i, field_name)
         out.append({**rec, "chosen": ranked[a], "rejected": ranked[b]})
     return out
-
-
-def _check_scores(row: dict, args: DataArguments, source: str, i: int) -> None:
-    """`SkipRow` for pairs whose ``score_chosen`` is not above ``score_rejected`` (by ``min_score_margin``, if set)."""
-    good, bad = row.get("score_chosen"), row.get("score_rejected")
-    if not isinstance(good, (int, float)) or not isinstance(bad, (int, float)):
-        return
-    if good == bad:
-        raise SkipRow("tied scores (score_chosen == score_rejected)")
-    if good < bad:
-        raise SkipRow("score_chosen below score_rejected")
-    if args.min_score_margin is not None and good - bad < args.min_score_margin:
-        raise SkipRow(f"score margin below min_score_margin={args.min_score_margin}")
 
 
 def _prompt_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:

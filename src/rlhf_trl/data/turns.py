@@ -48,12 +48,7 @@ def _turns(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
                 return out
         except (KeyError, TypeError):
             pass
-    return _turns_checked(value, source, i, key)
-
-
-def _turns_checked(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
-    """`_turns` for every shape it accepts, raising on the first bad message."""
-    if value is None:
+    if value is None:  # the checked path: every shape, raising on the first bad message
         raise DataError(source, "is null or missing in this row", i, key)
     if not isinstance(value, list) or not value:
         raise DataError(source, "must be a non-empty list of {role, content} messages, got "
@@ -132,9 +127,8 @@ def _call_arguments(call: dict) -> dict:
 
 def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
     """Split turns without tool roles into ``(system, history, question, answer)``, cut after the last ``end`` turn
-    (``'assistant'``: the answer; ``'user'``: answer None); turns before the cut alternate user / assistant after an
-    optional system turn. Raises `DataError`: no such cut (or no user turn before the last assistant), a system turn
-    that is not first, or turns that do not alternate."""
+    (``'assistant'``: the answer; ``'user'``: None); before it, user / assistant alternate after an optional system
+    turn. Raises `DataError`: no such cut (or no user turn before it), a system turn not first, or no alternation."""
     system, offset = None, 0
     if turns and turns[0][0] == "system":
         system, turns, offset = turns[0][1], turns[1:], 1
@@ -159,10 +153,9 @@ def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: 
 
 
 def tool_dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
-    """`_dialogue` for turns with tool roles: ``(system, prompt_turns, question, answer_turn)``; the prompt turns
-    (system excluded) run to the cut, the answer is the turn after it (``end='assistant'``: the last assistant or
-    tool-call turn; ``'user'``: None, the cut follows the last user or tool turn). Raises `DataError`: no turn of the
-    kind ``end``, a first turn that is not the user's, or a tool result that follows no call or result."""
+    """`_dialogue` for turns with tool roles: ``(system, prompt_turns, question, answer_turn)``; the answer is the last
+    assistant or tool-call turn (``end='assistant'``; ``'user'``: None, the prompt runs to the last user or tool turn).
+    Raises `DataError`: no ``end`` turn, a first turn not the user's, a tool result after no call / result."""
     system = turns[0][1] if turns and turns[0][0] == "system" else None
     offset = int(system is not None)
     body, ends = turns[offset:], ("assistant", "tool_call") if end == "assistant" else ("user", "tool")
