@@ -179,8 +179,7 @@ def _fixed_tokenizer_class(remote_cls: type) -> type:
 
 
 def load_tokenizer(path: str):
-    """The remote ``BaichuanTokenizer`` of ``path``, its init-order bug worked around. Raises `ValueError`: no EOS
-    token; `OSError`: no ``tokenization_baichuan.py`` or ``tokenizer.model``."""
+    """The remote ``BaichuanTokenizer`` of ``path``. Raises `ValueError`: no EOS; `OSError`: no remote code / model."""
     try:
         remote = _remote_class(_auto_ref(path, "AutoTokenizer", TOKENIZER_REF, "tokenizer_config.json"), path)
     except FileNotFoundError as exc:
@@ -301,8 +300,7 @@ def load_causal_lm(path: str, dtype=None, **kwargs):
 
 
 class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
-    """Baichuan backbone (``model``) + ``score`` = Linear(hidden, 1, bias=False) at each row's last non-pad token; built
-    by `classifier_class`, `load_sequence_classifier` or from a loaded Baichuan model's ``config``."""
+    """Baichuan backbone + ``score`` = Linear(hidden, 1, bias=False) at each row's last non-pad token."""
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True

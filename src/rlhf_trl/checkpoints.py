@@ -73,11 +73,10 @@ def with_atomic_checkpoints(trainer_cls):
 
 
 def start_run(training_args, run_args=None):
-    """Every stage's checks before it reads its inputs: seed every RNG (before new LoRA / score-head weights), put back
-    an earlier run a killed run set aside, resolve ``resume_from_checkpoint``, refuse (unless ``overwrite_output_dir``)
-    a finished run or an unfinished run's checkpoints in the way, remove a killed run's ``.tmp-checkpoint-*`` /
-    ``.tmp-offload-*``. Returns ``(run_args or defaults, checkpoint to resume or None)``. Raises `StageInputError`: no
-    (intact) checkpoint to resume, or the named one damaged; `RecipeError`: a finished or unfinished run in the way."""
+    """Every stage's checks before reading its inputs: seed every RNG, put back an earlier run a killed run set aside,
+    resolve ``resume_from_checkpoint``, refuse (unless ``overwrite_output_dir``) a run in the way, remove a killed run's
+    ``.tmp-*``. Returns ``(run_args or defaults, checkpoint or None)``. Raises `StageInputError`: no intact checkpoint
+    to resume, or the named one damaged; `RecipeError`: a run in the way."""
     from transformers import set_seed
 
     set_seed(training_args.seed)
@@ -190,11 +189,9 @@ def keeps_earlier_run(run):
 
 
 def distributed_state(training_args):
-    """The run's `accelerate.PartialState`, set up as the trainer does; without one, a single-process stand-in.
-    Raises `RecipeError`: ``WORLD_SIZE`` > 1 processes did not form one process group (e.g. no GPUs, no use_cpu)."""
+    """The run's `accelerate.PartialState`, or a one-process stand-in. Raises `RecipeError`: no process group."""
     training_args.device  # noqa: B018  (sets up PartialState / the process group, as the trainer does)
-    state = getattr(training_args, "distributed_state", None)
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    state, launched = getattr(training_args, "distributed_state", None), int(os.environ.get("WORLD_SIZE", "1"))
     if state is not None and launched > 1 and state.num_processes != launched:
         raise RecipeError(f"launched {launched} processes but they did not join one process group (this one sees "
                           f"{state.num_processes}); on a machine without GPUs set `use_cpu: true` in the recipe or "
@@ -242,8 +239,7 @@ def save_final_model(trainer, tokenizer, path: str, adapter_dir: str | None, bas
 
 @contextmanager
 def loading_on_one_process():
-    """Load models on this process alone under ZeRO-3: unregister the DeepSpeed config for the block, else
-    ``from_pretrained`` builds inside ``deepspeed.zero.Init``, a collective the other processes never join."""
+    """Load models on this process alone under ZeRO-3 (not inside ``deepspeed.zero.Init``, a collective)."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
     ref = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers has no public getter of the config object
@@ -258,9 +254,8 @@ def loading_on_one_process():
 
 def save_stage_outputs(trainer, tokenizer, model_path: str, kind: str, metrics: dict, report, configs: tuple,
                        evaluate=None) -> dict:
-    """End of the SFT and RM stages (every process): adapter, merged model and, from the main process, the recipe
-    (``configs``: data, training, model, run arguments), ``metrics.json`` (plus ``evaluate(merged model)`` if given),
-    ``log_history.json`` and the data report. Returns ``{"output_dir", "merged", "metrics"}``."""
+    """End of SFT / RM (every process): adapter, merged model; main process: recipe, ``metrics.json`` (+
+    ``evaluate(model)``), ``log_history.json``, data report. Returns ``{output_dir, merged, metrics}``."""
     out = configs[1].output_dir
     adapter = os.path.join(out, "adapter") if configs[2].use_peft else None
     if adapter:
@@ -292,11 +287,10 @@ def write_manifest(checkpoint_dir: str) -> None:
 
 
 def checkpoint_problem(path: str) -> str | None:
-    """None when the checkpoint ``path`` looks intact, else a short reason naming the first damaged file. Reads
-    headers only. Files: those of ``manifest.json`` with their sizes, else a Trainer checkpoint's must-haves
-    (``trainer_state.json``, optimizer, ``scheduler.pt``, weights; DeepSpeed's ``global_step*/`` for the last three).
-    Each file: ``*.json`` parses (with an ``*.index.json``'s shards), ``*.safetensors`` matches its header's size,
-    ``*.pt`` / ``*.pth`` / ``*.bin`` is a readable zip (legacy pickles accepted unread). Never raises."""
+    """None when the checkpoint ``path`` looks intact, else a short reason naming the first damaged file (headers only;
+    never raises). Files: ``manifest.json``'s with their sizes, else a Trainer checkpoint's (``trainer_state.json``,
+    optimizer, ``scheduler.pt``, weights, or DeepSpeed's ``global_step*/``); ``*.json`` must parse (``*.index.json``
+    shards exist), ``*.safetensors`` match their header, ``*.pt`` / ``*.bin`` be zips (legacy pickles unread)."""
     if not os.path.isdir(path):
         return "is not a directory"
     manifest = os.path.join(path, MANIFEST)
@@ -428,8 +422,7 @@ def checkpoint_step(path: str) -> int | None:
 
 def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
     """Rename damaged ``checkpoint-N`` newer than ``resume`` to ``damaged-checkpoint-N``; returns the new paths."""
-    step = checkpoint_step(resume)
-    if step is None:
+    if (step := checkpoint_step(resume)) is None:
         return []
     moved = []
     for path in complete_checkpoints(output_dir):
@@ -447,9 +440,8 @@ def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
 
 
 def resolve_resume(value, output_dir: str) -> str | None:
-    """A recipe's ``resume_from_checkpoint`` as a checkpoint directory, or None: ``true`` / ``last``, the newest intact
-    ``checkpoint-N`` (newer damaged ones warned); a path must exist and be intact. Never falls back to a fresh start.
-    Raises `StageInputError`: no checkpoint, none intact, or the path missing or damaged (with its problem)."""
+    """``resume_from_checkpoint`` as a directory or None: ``true`` / ``last``, the newest intact ``checkpoint-N``; a
+    path must be intact. Raises `StageInputError`: no checkpoint, none intact, the path missing or damaged."""
     if value is None or str(value).strip().lower() in ("", "false", "no", "0", "none"):
         return None
     if str(value).strip().lower() in ("true", "yes", "1", "last"):
@@ -458,8 +450,7 @@ def resolve_resume(value, output_dir: str) -> str | None:
             raise StageInputError(f"resume_from_checkpoint=true, but '{output_dir}' holds no checkpoint-N directory")
         damaged = []
         for path in reversed(found):
-            problem = checkpoint_problem(path)
-            if problem is None:
+            if (problem := checkpoint_problem(path)) is None:
                 for name, why in damaged:
                     logger.warning("%s is damaged (%s); resuming from %s", name, why, os.path.basename(path))
                 return path

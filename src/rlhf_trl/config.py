@@ -50,9 +50,8 @@ DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; 
 
 
 def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | None = None):
-    """Parse ``--config recipe.yaml`` plus ``--key value`` overrides into ``dataclass_types`` (`trl.TrlParser`; no
-    ``report_to``: `DEFAULT_REPORT_TO`); returns their instances, then the recipe path (or None). Raises `RecipeError`:
-    no recipe or not a mapping, an unknown key (the closest suggested), a bad value, or an output_dir that is a file."""
+    """``--config recipe.yaml`` plus ``--key value`` overrides parsed into ``dataclass_types`` (`trl.TrlParser`), then
+    the recipe path. Raises `RecipeError`: no recipe, an unknown key (closest suggested), a bad value."""
     from trl import TrlParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -124,8 +123,7 @@ _MEETS = {"> 0": lambda v: v > 0, ">= 1": lambda v: v >= 1, ">= 0": lambda v: v 
 
 
 def check_launch(training_args, path: str | None) -> None:
-    """Refuse an `accelerate launch` set-up that cannot run as configured. Raises `RecipeError`: FSDP without GPUs; a
-    DeepSpeed ``mixed_precision`` (``ACCELERATE_MIXED_PRECISION``) the recipe does not ask for."""
+    """Refuse a launch that cannot run. Raises `RecipeError`: FSDP without GPUs; a mismatched DeepSpeed precision."""
     import torch
 
     def on(name):
@@ -155,8 +153,7 @@ def value_source(key: str, argv: list[str], path: str | None) -> str:
 
 
 def check_values(configs, argv: list[str], path: str | None) -> None:
-    """Check the parsed ``configs`` against `RANGES` and for a file at (or above) ``output_dir``. Raises `RecipeError`:
-    ``<recipe or 'command line'>: <key> must be <condition>, got <value>``, or ``...: output_dir ... is a file``."""
+    """Check ``configs`` against `RANGES` and ``output_dir``. Raises `RecipeError`: ``<key> must be <rule>``."""
     for cfg in configs:
         for rule, keys in RANGES.items():
             for key in keys:

@@ -50,10 +50,8 @@ def _trainer_class():
     from trl import DPOTrainer
 
     class TokenizedDPOTrainer(DPOTrainer):
-        def _prepare_dataset(self, dataset, *args, **kwargs):
-            if "prompt_ids" in dataset.column_names:
-                return dataset
-            return super()._prepare_dataset(dataset, *args, **kwargs)
+        def _prepare_dataset(self, dataset, *args, **kw):
+            return dataset if "prompt_ids" in dataset.column_names else super()._prepare_dataset(dataset, *args, **kw)
 
     return TokenizedDPOTrainer
 
@@ -85,8 +83,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         return dpo_dataset(pair_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
                                          source, report, split))
 
-    train_ds = features(train_records, "train")
-    eval_ds = features(eval_records, "eval") if eval_records else None
+    train_ds, eval_ds = features(train_records, "train"), features(eval_records, "eval") if eval_records else None
     if eval_ds is None:
         training_args.eval_strategy = "no"
 

@@ -51,8 +51,7 @@ def _fault() -> tuple[int, int, str] | None:
 
 
 def file_op(kind: str, path: str, do=None):
-    """Count one file operation of a checkpoint save and run ``do()`` (if given), honouring ``RLHF_TRL_FAULT``; returns
-    what ``do()`` returns. Raises `OSError`: an injected ``enospc`` / ``erofs`` fault (naming ``path``)."""
+    """Count a save's file operation; returns ``do()``. Raises `OSError`: an injected ``enospc`` / ``erofs``."""
     global _ops
     if not _active:
         return do() if do is not None else None
@@ -127,9 +126,8 @@ def fsync_path(path: str) -> None:
 
 
 def publish(staged: str, final: str, aside: str | None = None) -> None:
-    """fsync ``staged``, rename it to ``final``, fsync the parent: after a crash ``final`` is absent or complete. An
-    existing ``final`` goes to ``aside`` (default ``final + ".old"``) once ``staged`` is synced, back if the rename of
-    ``staged`` fails, and is removed once the new one is in place. Raises `OSError`: a write, fsync or rename failed."""
+    """fsync ``staged``, rename it to ``final``, fsync the parent: after a crash ``final`` is absent or complete (an old
+    one waits at ``aside``, default ``final.old``). Raises `OSError`: a write, fsync or rename failed."""
     for folder, _dirs, files in sorted(os.walk(staged, topdown=False)):  # every file, then each directory bottom-up
         for name in sorted(files):
             fsync_path(os.path.join(folder, name))

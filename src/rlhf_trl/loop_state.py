@@ -21,8 +21,7 @@ def with_loop_state(trainer_cls):
 
 
 class LoopStateMixin:
-    """What Trainer checkpoints lack for a resumed run to log exactly as an uninterrupted one (loss sums, last logged
-    step, TRL's running statistics): ``loop_state.json``, put back in the first ``_run_epoch`` (transformers >= 5)."""
+    """Loop sums Trainer checkpoints lack for an exact resume (losses, last logged step): ``loop_state.json``."""
 
     _loop_state_restored = False
 

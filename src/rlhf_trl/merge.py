@@ -22,8 +22,7 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def read_adapter_config(adapter_dir: str) -> dict:
-    """``adapter_config.json`` of a peft adapter directory, as a dict. Raises `StageInputError`: no directory, config or
-    weights (`ADAPTER_WEIGHTS`); `ValueError`: not a valid JSON object."""
+    """``adapter_config.json`` as a dict. Raises `StageInputError`: no adapter; `ValueError`: not a JSON object."""
     if not os.path.isdir(adapter_dir):
         raise StageInputError(f"--adapter: no LoRA adapter at '{adapter_dir}' (directory not found)")
     path = os.path.join(adapter_dir, "adapter_config.json")
@@ -45,8 +44,7 @@ def read_adapter_config(adapter_dir: str) -> dict:
 
 
 def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
-    """Refuse an ``--output`` whose replacement would delete inputs or other files (the adapter or base directory or one
-    holding either, a file, a non-empty directory without ``config.json``): `RecipeError`, one line."""
+    """Refuse an ``--output`` whose replacement deletes inputs or other files (`RecipeError`, one line)."""
     out = os.path.realpath(output_dir)
     for what, path in (("adapter", adapter_dir), ("base model", base)):
         if not os.path.isdir(path):
@@ -120,8 +118,7 @@ def model_card(adapter_dir: str, base_path: str, task_type: str, tokenizer_src: 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """``rlhf-trl merge --adapter DIR --output DIR [--base DIR] [--dtype D]``. Returns ``{"output_dir", "merged"}``.
-    Errors: see `merge_adapter`; a missing or bad argument raises `RecipeError` (``command line: ...``)."""
+    """``rlhf-trl merge --adapter DIR --output DIR [--base DIR] [--dtype D]`` (raises as `merge_adapter`)."""
     p = one_line_arguments(argparse.ArgumentParser(prog="rlhf-trl merge", description=__doc__,
                                                    formatter_class=argparse.RawTextHelpFormatter))
     p.add_argument("--adapter", required=True, help="peft LoRA adapter directory")

@@ -51,8 +51,7 @@ class StageInputError(FileNotFoundError):
 
 
 def require_model_dir(path: str, what: str, produced_by: str | None = None, allow_pickle: bool = False) -> str:
-    """``path``, checked to be a model directory with config and weights or a hub id (``org/name``); ``what`` names it,
-    ``produced_by`` makes it. Raises `StageInputError`: missing, incomplete, or pickle-only without ``allow_pickle``."""
+    """``path``: a model directory or hub id. Raises `StageInputError`: missing, incomplete, pickle-only."""
     if not (path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1):
         return path  # hub id, resolved by from_pretrained
     hint = f"; run `{produced_by}` first" if produced_by else ""
@@ -76,8 +75,7 @@ def _as_id_list(value) -> list[int]:
 
 
 def eos_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
-    """Every token id that ends a response, without repeats: the tokenizer's EOS first, then the EOS ids of
-    ``model_dir``'s ``generation_config.json`` and ``config.json`` (Qwen2.5-Instruct: two), less the pad id."""
+    """Response-ending token ids: the tokenizer's EOS, then ``model_dir``'s config EOS ids, less the pad id."""
     pad, ids = tokenizer.pad_token_id, _all_eos_ids(tokenizer, model_dir)
     return [i for i in ids if i == ids[0] or i != pad]
 
@@ -161,8 +159,7 @@ def _has_bitsandbytes() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _bnb_cpu_4bit_problem() -> str | None:
-    """None when bitsandbytes' CPU backend quantizes to 4 bits here, else why not (one line): once per process, an
-    NF4 round trip of a 64 x 64 N(0, 1) tensor must stay within 1.0 (NF4 keeps such values within ~0.2)."""
+    """None if bitsandbytes' CPU NF4 round trip of a 64 x 64 N(0, 1) tensor stays within 1.0, else why not."""
     try:
         import bitsandbytes
         from bitsandbytes.functional import dequantize_4bit, quantize_4bit
@@ -180,8 +177,7 @@ def _bnb_cpu_4bit_problem() -> str | None:
 
 
 def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> None:
-    """Check that ``key: true`` (``load_in_4bit`` / ``load_in_8bit``) can quantize here: bitsandbytes, and on the CPU 4
-    bits with a working backend. Raises `ValueError`: one line naming ``key``, what is missing and the fix."""
+    """Check that ``key: true`` can quantize here. Raises `ValueError`: one line naming ``key``, what lacks, the fix."""
     if not _has_bitsandbytes():
         raise ValueError(f"{key}: true needs the bitsandbytes package, which is not installed here; install it "
                          f"(pip install -e '.[qlora]'), or set {key}: false")
@@ -191,18 +187,16 @@ def require_kbit_support(key: str = "load_in_4bit", use_cpu: bool = False) -> No
     if key == "load_in_8bit":
         raise ValueError(f"load_in_8bit: true needs a CUDA GPU ({where}); on the CPU only load_in_4bit runs: set "
                          "load_in_4bit: true instead, run on a CUDA machine, or set load_in_8bit: false")
-    problem = _bnb_cpu_4bit_problem()
-    if problem is not None:
+    if (problem := _bnb_cpu_4bit_problem()) is not None:
         raise ValueError(f"load_in_4bit: true on the CPU ({where}) needs a working bitsandbytes CPU backend; "
                          f"{problem}; upgrade it (pip install -U 'bitsandbytes>=0.50'), run on a CUDA machine, or set "
                          "load_in_4bit: false")
 
 
 def recipe_quantization_config(model_args, lora: dict[str, bool] | None = None, use_cpu: bool = False):
-    """The bitsandbytes config a recipe's TRL ``ModelConfig`` asks for (`trl.get_quantization_config`; compute dtype
-    ``dtype``), or None. Only LoRA adapters on quantized weights train: every switch in ``lora`` (recipe key -> value;
-    default ``{"use_peft": model_args.use_peft}``) must be on. Raises `ValueError` (one line naming the key and the
-    fix): a ``lora`` switch is off; ``load_in_4bit`` with ``dtype: auto``; see `require_kbit_support`."""
+    """The bitsandbytes config of a recipe's ``ModelConfig`` (`trl.get_quantization_config`; compute dtype ``dtype``) or
+    None; every ``lora`` switch (recipe key -> value; default ``{"use_peft": model_args.use_peft}``) must be on. Raises
+    `ValueError` (key and fix): a switch off, ``load_in_4bit`` with ``dtype: auto``, see `require_kbit_support`."""
     from trl import get_quantization_config
 
     if not (model_args.load_in_4bit or model_args.load_in_8bit):
@@ -275,8 +269,7 @@ def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pick
 
 def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False,
                    quantization_config=None):
-    """A causal LM (Baichuan: `rlhf_trl.baichuan`), safetensors only unless ``allow_pickle``, quantized by
-    ``quantization_config``. Raises `ValueError`: remote code, no ``trust_remote_code``; see `require_kbit_support`."""
+    """A causal LM, safetensors unless ``allow_pickle``. Raises `ValueError`: remote code, no ``trust_remote_code``."""
     return _load_model("causal_lm", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
 
@@ -312,8 +305,7 @@ def atomic_dir(final_path: str):
     parent = os.path.dirname(os.path.abspath(final_path)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.tmp-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
+    os.umask(umask := os.umask(0))  # reads the umask
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private (0700); the final directory gets the usual mode
     try:
         yield tmp
@@ -335,9 +327,8 @@ def save_pretrained_atomic(model, tokenizer, path: str, files: dict[str, str] | 
 
 
 def merge_and_save(model, tokenizer, path: str):
-    """Merge LoRA adapters into the base weights (if ``model`` is a `peft.PeftModel`; a SEQ_CLS adapter's ``score``
-    head included) and save the plain model. Returns the merged model (merged in place: use it afterwards), or for a
-    quantized base (QLoRA) ``model`` itself, unchanged, its adapter merged into the base reloaded unquantized on CPU."""
+    """Merge LoRA adapters (SEQ_CLS: with ``score``) into the base and save the plain model. Returns it (merged in
+    place), or a QLoRA ``model`` itself (its adapter merged into the base reloaded unquantized on CPU)."""
     from peft import PeftModel
 
     if not (isinstance(model, PeftModel) and is_quantized(model)):
@@ -360,8 +351,7 @@ def merge_and_save(model, tokenizer, path: str):
 
 
 def peak_memory_mb() -> float:
-    """This process's peak memory so far (MiB): the GPU's peak allocated bytes when CUDA is in use, else the peak
-    resident set size (``getrusage``: KiB on Linux)."""
+    """This process's peak memory (MiB): CUDA's peak allocated bytes if in use, else peak RSS (``getrusage``)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**20
     import resource

@@ -24,8 +24,7 @@ OFFLOAD_PREFIX = ".tmp-offload-"
 
 
 def require_reward_model(path: str, train_hint: str | None = None) -> None:
-    """Check (``config.json``, safetensors headers) that local ``path`` is a classifier with a trained ``score`` head.
-    Raises `StageInputError` (one line naming ``path``, ``train_hint``): a causal LM, no ``score``."""
+    """Check that local ``path`` is a classifier with a trained ``score``. Raises `StageInputError`: it is not."""
     if not os.path.isdir(path):
         return
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
@@ -100,8 +99,7 @@ class SharedBaseRewardModel(nn.Module):
 
 
 class OffloadedWeights:
-    """A frozen module whose parameters wait in a safetensors file (``path``) between uses (``offload_reward_model``),
-    read back bit for bit inside ``with offloaded.loaded():``. Raises `ValueError`: a quantized parameter."""
+    """A frozen module's weights kept on disk, back in ``loaded()``. Raises `ValueError`: quantized ones."""
 
     def __init__(self, module: nn.Module, path: str):
         self.module, self.path = module, path
@@ -139,12 +137,10 @@ class OffloadedWeights:
 @torch.no_grad()
 def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset, args, batches: int,
                               eos_ids: list[int] | None = None) -> float:
-    """Mean RM score (reward units) of SFT-policy rollouts on ``batches`` batches of prompts, sampled as PPO does
-    (``eos_ids``: default EOS), under `preserved_rng` seeded with ``args.seed``."""
+    """Mean RM score (reward units) of PPO-sampled SFT rollouts on ``batches`` batches, RNG seeded and restored."""
     from transformers import DataCollatorWithPadding
 
-    collator = DataCollatorWithPadding(tokenizer)
-    eos_ids = eos_ids or [tokenizer.eos_token_id]
+    collator, eos_ids = DataCollatorWithPadding(tokenizer), eos_ids or [tokenizer.eos_token_id]
     gen = sampling_config(args, eos_ids, tokenizer.pad_token_id)
     size, scores = args.per_device_train_batch_size, []
     with preserved_rng():

@@ -110,8 +110,7 @@ def _evaluate(reward_model, eval_feats: dict, pad_token_id: int, out: str) -> di
 
 
 def evaluate_pairs(model, feats: dict, pad_token_id: int, batch_size: int = 16) -> dict:
-    """Score ``feats["chosen_ids"]`` / ``feats["rejected_ids"]`` and return `pairwise_metrics`; response lengths
-    (tokens, EOS included) for the length baseline are the sequence lengths minus ``feats["prompt_length"]``."""
+    """`pairwise_metrics` of ``feats``' pairs (response lengths: tokens after ``prompt_length``, EOS included)."""
     keys = ("chosen_ids", "rejected_ids")
     chosen, rejected = (score_sequences(model, feats[k], pad_token_id, batch_size) for k in keys)
     c_len, r_len = ([len(s) - p for s, p in zip(feats[k], feats["prompt_length"])] for k in keys)

@@ -48,8 +48,7 @@ def prompt_records(rows: list[dict], args: DataArguments, source: str) -> list[d
 
 def split_records(records: list[dict], eval_split_size: float, seed: int,
                   report: DataReport | None = None) -> tuple[list[dict], list[dict]]:
-    """Shuffle deterministically and split off ``eval_split_size`` (fraction < 1, or a row count) for evaluation; the
-    sizes go into ``report``. Raises `DataError`: no training record would be left."""
+    """Seeded shuffle, ``eval_split_size`` (fraction or rows) split off. Raises `DataError`: no train row."""
     rows = list(records)
     random.Random(seed).shuffle(rows)
     n_eval = int(round(len(rows) * eval_split_size)) if eval_split_size < 1 else int(eval_split_size)
@@ -74,8 +73,7 @@ def sources(args: DataArguments) -> list[DataArguments]:
     for j, entry in enumerate(args.datasets or []):
         if not isinstance(entry, dict) or not entry.get("dataset_name"):
             raise ValueError(f"datasets[{j}] must be a mapping with a dataset_name, got {entry!r}")
-        unknown = sorted(set(entry) - set(SOURCE_KEYS))
-        if unknown:
+        if unknown := sorted(set(entry) - set(SOURCE_KEYS)):
             close = {k: difflib.get_close_matches(k, SOURCE_KEYS, 1) for k in unknown}
             hint = "; ".join(f"did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)
             raise ValueError(f"datasets[{j}] ({entry['dataset_name']}): unknown key(s) {unknown}; "

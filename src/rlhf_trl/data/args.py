@@ -111,9 +111,8 @@ class DataArguments:
 
 @dataclass(frozen=True)
 class Template:
-    """How prompts and completions are rendered: text templates (default ``问：{question}\\n\\n答：`` + ``{answer}``),
-    ``prompt='raw'`` (as they are) or ``chat`` (the tokenizer's chat template: `encode_prompt`). Raises `ValueError`: a
-    text template without its placeholder, ``system_prompt`` without ``chat``, or ``chat`` with a changed template."""
+    """How prompts and completions render: text templates (default ``问：{question}\n\n答：`` + ``{answer}``), ``'raw'``, or
+    ``chat`` (`encode_prompt`). Raises `ValueError`: a bad combination."""
 
     prompt: str = DEFAULT_PROMPT_TEMPLATE
     completion: str = DEFAULT_COMPLETION_TEMPLATE
@@ -145,8 +144,7 @@ class Template:
 
     def format_prompt(self, question: str, history: list[tuple[str, str]] | None = None,
                       text: str | None = None, system: str | None = None) -> str:
-        """The prompt text (text / raw modes): earlier turns in the same template, blank-line separated (raw: joined as
-        they are), or ``text`` as is; a ``{system}`` slot takes the system turn once. Raises `ValueError`: chat mode."""
+        """The prompt text (text / raw modes), history first, ``{system}`` once. Raises `ValueError`: chat mode."""
         if self.chat:
             raise ValueError("chat-template prompts are rendered by the tokenizer: use encode_prompt")
         if text is not None:

@@ -15,8 +15,7 @@ logger = logging.getLogger("rlhf_trl.data")  # the data modules log as one
 
 
 def _encode_text(tokenizer, text: str) -> list[int]:
-    """Token ids of plain text: no BOS/EOS added, and special-token strings in the data ("<|endoftext|>") are
-    tokenized as text, so the only EOS / pad ids in a sequence are the ones this module places."""
+    """Token ids of plain text: no BOS/EOS added, special-token strings in the data tokenized as text."""
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
@@ -31,8 +30,7 @@ def _require_chat_template(tokenizer) -> None:
 
 
 def _render_chat(tokenizer, messages: list[dict], what: str, **kwargs) -> str:
-    """``tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)``. Raises `ValueError` (one line naming the
-    tokenizer and ``what``): the template does not compile or fails to render (also its own ``raise_exception``)."""
+    """``apply_chat_template(messages, tokenize=False)``. Raises `ValueError` (one line): the template fails."""
     from jinja2 import TemplateError
 
     try:
@@ -47,12 +45,10 @@ _PROBE = "\u2063probe\u2063"
 
 
 def chat_end_of_turn_id(tokenizer, model_dir: str | None = None) -> int:
-    """The token id the tokenizer's chat template ends an assistant turn with (Qwen: ``<|im_end|>``): the first special
-    token after a rendered assistant text; an EOS id of ``model_dir`` (default: the tokenizer's). Raises `ValueError`
-    (one line): no chat template, one that fails, no special token there, or one that is no EOS id."""
+    """The token id a chat template ends an assistant turn with (Qwen: ``<|im_end|>``), an EOS id of ``model_dir``.
+    Raises `ValueError`: no chat template, one that fails, no special token, no EOS id."""
     _require_chat_template(tokenizer)
-    cached = _END_OF_TURN.get(id(tokenizer))
-    if cached is not None and cached[0]() is tokenizer and model_dir is None:
+    if (cached := _END_OF_TURN.get(id(tokenizer))) is not None and cached[0]() is tokenizer and model_dir is None:
         return cached[1]
     from ..models import eos_token_ids
 
@@ -86,9 +82,8 @@ def response_eos_id(tokenizer, template: Template) -> int:
 
 def encode_prompt(tokenizer, template: Template, question: str, history=None, system: str | None = None,
                   text: str | None = None) -> list[int]:
-    """Token ids of the rendered prompt, ``[prompt_len]``: text / raw modes, `Template.format_prompt` (`_encode_text`);
-    chat mode, ``apply_chat_template(`Template.messages`, add_generation_prompt=True)`` tokenized as TRL does. Raises
-    `ValueError`: chat mode without a chat template, or one that fails on these messages (`_render_chat`)."""
+    """Token ids ``[prompt_len]`` of the prompt: `Template.format_prompt`, or (chat) ``apply_chat_template(...,
+    add_generation_prompt=True)``. Raises `ValueError`: no (working) chat template."""
     if not template.chat:
         return _encode_text(tokenizer, template.format_prompt(question, history, text, system))
     _require_chat_template(tokenizer)
@@ -204,8 +199,7 @@ def pair_features(records: list[dict], tokenizer, template: Template, max_length
                   length_policy: Literal["drop", "truncate_prompt"] = "drop",
                   source: str = "dataset", report: DataReport | None = None, split: str = "train") -> dict[str, list]:
     """Tokenize pairs for `RewardTrainer`: ``chosen_ids`` / ``rejected_ids`` (prompt + response + EOS),
-    ``prompt_length``. Pairs over ``max_length`` are dropped (``'drop'``) or their prompt cut from the left to fit
-    (``'truncate_prompt'``; else dropped), counted. Raises `DataError`: no pair left; `ValueError`: chat mode."""
+    ``prompt_length``; pairs over ``max_length`` dropped or prompt-cut. Raises `DataError`: no pair left."""
     _check_records(records, tokenizer, template, source, length_policy, report)
     out = {"chosen_ids": [], "rejected_ids": [], "prompt_length": []}
     dropped = truncated = 0
@@ -236,8 +230,7 @@ def pair_features(records: list[dict], tokenizer, template: Template, max_length
 
 def prompt_features(records: list[dict], tokenizer, template: Template, max_prompt_length: int,
                     source: str = "dataset", report: DataReport | None = None, split: str = "train") -> dict[str, list]:
-    """Tokenize prompts for PPO as the SFT / RM stages do: ``input_ids`` of ``[<= max_prompt_length]`` tokens (kept from
-    the right; cuts counted in ``report``). Raises `ValueError`: ``max_prompt_length`` < 1; chat mode problems."""
+    """PPO prompts, tokenized as SFT / RM do, ``[<= max_prompt_length]``. Raises `ValueError`: bad length."""
     if max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1 (prompt tokens kept), got {max_prompt_length}")
     _check_records(records, tokenizer, template, source, report=report)

@@ -49,9 +49,7 @@ _SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
 
 
 def prompt_columns(row: dict, fmt: str, args: DataArguments) -> dict:
-    """A prompt row's extra columns, in row order, for PPO's reward functions (`rlhf_trl.rewards.reward_columns`): its
-    scalar columns (str / int / float / bool / None) not read as the prompt (the turns; implicit: chosen / rejected;
-    else the question, ``input`` and ``history``), answer columns included (e.g. gsm8k's ``answer``)."""
+    """A prompt row's scalar columns other than the prompt (answers included), for PPO's reward functions."""
     if fmt in CONVERSATION_KEYS:
         key = "messages_key" if fmt == "messages" else "conversations_key"
         used = (getattr(args, key) or CONVERSATION_KEYS[fmt], "tools")

@@ -21,21 +21,18 @@ def _is_message_column(schema, key: str) -> bool:
     """Whether column ``key`` is a list of structs with string ``role`` and ``content`` fields and no ``tool_calls``."""
     import pyarrow as pa
 
-    k = schema.get_field_index(key)
-    if k < 0:
+    if (k := schema.get_field_index(key)) < 0:
         return False
     kind = schema.field(k).type
     if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
         return False
-    struct = kind.value_type
-    text = (pa.types.is_string, pa.types.is_large_string)
+    struct, text = kind.value_type, (pa.types.is_string, pa.types.is_large_string)
     return struct.get_field_index("tool_calls") < 0 and all(struct.get_field_index(name) >= 0 and any(
         t(struct.field(name).type) for t in text) for name in ("role", "content"))
 
 
 def _message_plan(signature: bytes, end: str) -> tuple | None:
-    """``(system, start, question, answer)``: indices into a row's contents for the role codes ``signature`` (history:
-    ``contents[start:question]`` in pairs), by `_dialogue`; None: it refuses them, or another layout."""
+    """Indices ``(system, start, question, answer)`` of a role-code ``signature`` by `_dialogue`, or None."""
     if not signature or 0 in signature:
         return None
     try:
@@ -67,8 +64,7 @@ def _message_records(column, end: str, plans: dict) -> list[dict | None]:
         codes[~messages.is_valid().to_numpy(zero_copy_only=False)] = 0
     if not all(texts) or any(map(str.isspace, texts)):  # a null / empty content (falsy), or a blank one
         codes[[not t or t.isspace() for t in texts]] = 0
-    signatures = codes.tobytes()
-    bounds = (offsets - first).tolist()
+    signatures, bounds = codes.tobytes(), (offsets - first).tolist()
     out: list[dict | None] = []
     append = out.append
     for a, b in zip(bounds, bounds[1:]):
@@ -95,9 +91,7 @@ def _message_records(column, end: str, plans: dict) -> list[dict | None]:
 
 def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
                report: DataReport | None = None) -> list[dict]:
-    """Normalise batches of rows into records of ``kind`` ('sft' / 'pairs' / 'prompts'), in the first row's format. A
-    bad row stops the read (``on_bad_row: error``) or is skipped and counted (up to ``max_bad_row_fraction``); `SkipRow`
-    rows are skipped either way. Raises `DataError`: bad rows, a file-level problem, no usable row."""
+    """Rows into ``kind`` records (first row's format), per ``on_bad_row``. Raises `DataError`: bad rows."""
     report = report if report is not None else DataReport(kind)
     if args.dataset_format not in FORMATS:
         raise ValueError(f"dataset_format must be one of {FORMATS}, got {args.dataset_format!r}")
@@ -135,8 +129,7 @@ def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: s
             row = batch.slice(0, 1).to_pylist()[0] if arrow else batch[0]
             if not isinstance(row, dict):
                 raise DataError(source, f"must be an object, got {type(row).__name__}", i)
-            fmt = detect_format(row, args) if auto else args.dataset_format
-            keys0 = tuple(row)
+            fmt, keys0 = detect_format(row, args) if auto else args.dataset_format, tuple(row)
             by_keys = fmt not in ("alpaca", "ranked")  # these two also depend on the answer's type
             if kind == "pairs":
                 add, one = out.extend, lambda r, f, a, s, n: _pair_rows(r, f, a, s, n, counts)
@@ -166,8 +159,7 @@ def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: s
             if i and not isinstance(row, dict):
                 raise DataError(source, f"must be an object, got {type(row).__name__}", i)
             if i and auto and not (by_keys and tuple(row) == keys0):  # Arrow rows of one file share their columns
-                got = detect_format(row, args)
-                if got != fmt:
+                if (got := detect_format(row, args)) != fmt:
                     _policy(_mixed, add, row, (got, fmt), args, source, i, report, counts)
                     i += 1
                     continue

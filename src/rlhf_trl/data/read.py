@@ -24,17 +24,14 @@ def source_name(dataset_name) -> str:
 
 
 def load_rows(dataset_name, split: str = "train", config: str | None = None) -> list[dict]:
-    """Read a source into one list of row dicts (small data; stages stream `_arrow_batches`): a local file
-    (`LOCAL_LOADERS`, `COMPRESSIONS`), a glob, a directory (its data files, one type), a list of these, or a hub dataset
-    id (``config`` / ``split``). Raises `DataError`: a bad or missing file, mixed types, no rows, a failed hub load."""
+    """A source (file, glob, directory, list, hub id) as row dicts. Raises `DataError`: it cannot be read."""
     return [row for batch in _arrow_batches(dataset_name, split, config)
             for row in (batch if batch.__class__ is list else batch.to_pylist())]
 
 
 def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None,
                    encoding: str = "utf-8"):
-    """A source's rows as Arrow record batches of plain columns (else lists of row dicts: decoded columns, indexed rows)
-    of ``batch_rows`` (default `BATCH_ROWS`); ``encoding``: of local json / csv files."""
+    """A source's rows as Arrow batches of plain columns (else row-dict lists), ``batch_rows`` each."""
     batch_rows = batch_rows or BATCH_ROWS
     with _quiet_datasets():
         ds = _open_dataset(dataset_name, split, config, encoding)
@@ -112,8 +109,7 @@ def _local_files(dataset_name) -> list[str] | None:
 
 
 def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = "utf-8"):
-    """A source's `datasets.Dataset`; local json / csv decoded with ``encoding`` (UTF-8: checked), a JSON array of
-    ``[prompt, answer]`` lists read as ``instruction`` / ``output`` rows."""
+    """A source's `datasets.Dataset` (local json / csv in ``encoding``; ``[prompt, answer]`` lists as rows)."""
     import datasets
 
     files = _local_files(dataset_name)
@@ -154,8 +150,7 @@ def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = 
 
 
 def _pairs_of_lists(ds, files: list[str]):
-    """A JSON array of ``[prompt, answer]`` lists (read as a column ``text``) as ``instruction`` / ``output`` rows; a
-    real ``text`` column is returned as it is. Raises `DataError`: the lists are not all two strings."""
+    """A JSON array of ``[prompt, answer]`` lists as rows. Raises `DataError`: lists not of two strings."""
     import datasets
     import pyarrow as pa
 
@@ -172,8 +167,7 @@ def _pairs_of_lists(ds, files: list[str]):
 
 def _check_encoding(path: str, encoding: str) -> None:
     """Raise `DataError` at the first byte of ``path`` not valid in ``encoding``: its line, offset and the fix."""
-    module = _OPENERS.get(_split_ext(path)[1])
-    if module is None:
+    if (module := _OPENERS.get(_split_ext(path)[1])) is None:
         return
     decoder, line, offset = codecs.getincrementaldecoder(encoding)(), 1, 0
     with importlib.import_module(module).open(path, "rb") as f:
@@ -189,10 +183,8 @@ def _check_encoding(path: str, encoding: str) -> None:
 
 
 def _check_json_file(path: str, kind: str) -> None:
-    """Re-read a JSON / JSON Lines file `datasets` could not parse with Python's, to say where it breaks (JSON Lines:
-    row k is the k-th non-blank line). Raises `DataError`: file, row and problem, or no row; else returns."""
-    module = _OPENERS.get(_split_ext(path)[1])
-    if module is None:
+    """Say where a JSON / JSON Lines file breaks. Raises `DataError`: file, row and problem, or no row."""
+    if (module := _OPENERS.get(_split_ext(path)[1])) is None:
         return
     try:
         with importlib.import_module(module).open(path, "rt", encoding="utf-8-sig") as f:

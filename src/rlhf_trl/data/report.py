@@ -14,9 +14,7 @@ EXAMPLES = 5  # row numbers kept per skip reason
 
 @dataclass
 class DataReport:
-    """Counts of one stage's data: ``sources`` (per file / dataset ``{name, format, rows_read, records}``), ``skipped``
-    (per reason ``{count, bad, examples}``; ``bad``: against ``max_bad_row_fraction``; up to 5 ``"file, row k"``),
-    ``truncated`` / ``dropped`` for ``max_length``, ``token_lengths`` (per split and part: p50 / p90 / p99 / max)."""
+    """Counts of a stage's data: sources, skips per reason, truncated / dropped rows, token lengths."""
 
     stage: str
     template: str = ""

@@ -38,8 +38,7 @@ def _string(value, source: str, i: int, key: str, allow_empty: bool = False) -> 
 
 
 def _conversation(row: dict, fmt: str, args: DataArguments, source: str, i: int, end: str) -> tuple:
-    """``(record fields, answer)`` of a sharegpt / messages / firefly row cut at its last ``end`` turn; a ``system``
-    column fills a missing system turn; tool rows keep their prompt as chat ``messages`` (+ ``tools``, ``target``)."""
+    """``(record fields, answer)`` of a conversation row cut at its last ``end`` turn (tools: chat ``messages``)."""
     key = getattr(args, f"{'messages' if fmt == 'messages' else 'conversations'}_key") or CONVERSATION_KEYS[fmt]
     turns = _turns(_column(row, key, source, i, f"{fmt if fmt == 'messages' else 'conversations'}_key"), source, i, key)
     if turns[0][0] != "system" and isinstance(row.get("system"), str) and row["system"].strip():
@@ -62,9 +61,7 @@ def _conversation(row: dict, fmt: str, args: DataArguments, source: str, i: int,
 
 
 def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
-    """``(system, history, question)`` of a row: the question column (``question_key`` or the first of
-    `QUESTION_KEYS`) holds a string, a list of user turns (PPO prompts only: turn ``prompt_turn``) or a message list
-    (up to its last user turn); ``input`` is appended on a new line. Raises `DataError`: a bad or missing field."""
+    """``(system, history, question)`` of a row. Raises `DataError`: a bad or missing field."""
     qkey = args.question_key or _first(row, QUESTION_KEYS) or "instruction"
     value = _column(row, qkey, source, i, "question_key")
     system, history = None, None
@@ -85,8 +82,7 @@ def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
         question = _string(value, source, i, qkey)
     ikey = _optional_key(args, "input_key", "input")
     if ikey and ikey != qkey and row.get(ikey) is not None:
-        extra = _string(row[ikey], source, i, ikey, allow_empty=True)
-        if extra.strip():
+        if (extra := _string(row[ikey], source, i, ikey, allow_empty=True)).strip():
             question = f"{question}\n{extra}"
     if history is None:
         hkey = _optional_key(args, "history_key", "history")
@@ -99,8 +95,7 @@ def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
 
 
 def _optional_key(args: DataArguments, attr: str, default: str) -> str | None:
-    """The column of an optional field: the recipe's ``attr``, else ``default`` unless a recipe key maps another
-    field to that column (``bad_key: history`` is the rejected answer, not earlier turns)."""
+    """An optional field's column: ``attr``, else ``default`` unless a recipe key maps another field there."""
     mapped = (args.question_key, args.answer_key, args.good_key, args.bad_key)
     return getattr(args, attr) or (None if default in mapped else default)
 

@@ -32,9 +32,8 @@ def _content(value):
 
 
 def _turns(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
-    """``[(role, content)]`` (roles: see the module doc) from ``[{role, content}]``, ``[{from, value}]`` or Firefly's
-    ``[{human, assistant}]`` exchanges. Raises `DataError`: not a non-empty list of such objects, an unknown role, or an
-    empty / non-string content (an assistant's may be empty: a silent reply)."""
+    """``[(role, content)]`` of ``[{role, content}]``, ``[{from, value}]`` or Firefly turns. Raises `DataError`: not a
+    non-empty list of these, an unknown role, an empty (non-assistant) or non-string content."""
     if value.__class__ is list and value:  # fast path: plain {role, content} messages with text content
         out = []
         append = out.append
@@ -188,9 +187,8 @@ def _marker_pattern(human: str, assistant: str):
 
 def split_transcript(text: str, human_marker: str = DEFAULT_HUMAN_MARKER,
                      assistant_marker: str = DEFAULT_ASSISTANT_MARKER):
-    """Parse a prompt transcript ending with the assistant marker into ``(system, history, question)``: text before the
-    first marker is the system turn (None if blank); turns are stripped, one speaker's consecutive turns joined by a
-    blank line. Without a user turn the whole text (minus the final marker) is the question."""
+    """A prompt transcript ending with the assistant marker as ``(system, history, question)``: text before the first
+    marker is the system turn; a speaker's consecutive turns join; no user turn: all is the question."""
     pieces = _marker_pattern(human_marker, assistant_marker).split(text)
     system = pieces[0].strip() or None
     turns: list[list[str]] = []
