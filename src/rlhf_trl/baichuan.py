@@ -1,12 +1,11 @@
 """Baichuan / Baichuan2 remote-code models made usable by TRL on transformers 5 (SFT, reward model, PPO), used by
-`rlhf_trl.models` for ``trust_remote_code: true`` and ``model_type: baichuan``:
-- **Tokenizer init order**: the remote ``__init__`` reads ``self.sp_model`` before loading it (`load_tokenizer`).
-- **position_ids** (and other keywords the remote forwards do not name) are dropped: positions come from the cache
-  length, and rotary (7B) / ALiBi (13B) depend only on token distance with pads masked, so left padding is harmless.
-- **generate**: `load_causal_lm` adds `transformers.GenerationMixin`, driving the remote legacy tuple KV cache.
-- **Sequence classifier** (`BaichuanForSequenceClassification`) for TRL's reward and value models; **saving** also
-  copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``; **LoRA targets**: ``W_pack`` (fused
-  q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj`` (``SEQ_CLS`` also trains and saves ``score``)."""
+`rlhf_trl.models` for ``trust_remote_code: true`` and ``model_type: baichuan``. The tokenizer loads its sentencepiece
+model before the remote ``__init__`` reads it (`load_tokenizer`). ``position_ids`` (and other keywords the remote
+forwards do not name) are dropped: positions come from the cache length, and rotary (7B) / ALiBi (13B) depend only on
+token distance with pads masked, so left padding is harmless. `load_causal_lm` adds `transformers.GenerationMixin`
+(driving the remote legacy tuple KV cache); `BaichuanForSequenceClassification` serves TRL's reward and value models.
+Saving copies the remote ``*.py`` files and keeps ``auto_map`` / ``model_type``. LoRA targets: ``W_pack`` (fused
+q/k/v), ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj`` (``SEQ_CLS`` also trains and saves ``score``)."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ CAUSAL_LM_REF = "modeling_baichuan.BaichuanForCausalLM"
 TOKENIZER_REF = "tokenization_baichuan.BaichuanTokenizer"
 CLASSIFIER_ARCH = "BaichuanForSequenceClassification"
 
-# keywords TRL / peft / transformers pass that Baichuan's forwards do not take; dropped without a message (as are
-# private ones such as SFTTrainer's ``_prediction_loss_only``)
+# keywords TRL / peft / transformers pass that the remote forwards lack: dropped silently (as private ``_*`` ones are)
 _SILENTLY_DROPPED = frozenset({"position_ids", "cache_position", "logits_to_keep", "num_items_in_batch"})
 
 
@@ -148,8 +146,7 @@ def _fixed_tokenizer_class(remote_cls: type) -> type:
     def __init__(self, vocab_file, *args, sp_model_kwargs=None, **kwargs):
         import sentencepiece as spm
 
-        self.vocab_file = vocab_file
-        self.sp_model_kwargs = {} if sp_model_kwargs is None else sp_model_kwargs
+        self.vocab_file, self.sp_model_kwargs = vocab_file, {} if sp_model_kwargs is None else sp_model_kwargs
         self.sp_model = spm.SentencePieceProcessor(**self.sp_model_kwargs)
         self.sp_model.Load(vocab_file)
         remote_cls.__init__(self, vocab_file, *args, sp_model_kwargs=sp_model_kwargs, **kwargs)

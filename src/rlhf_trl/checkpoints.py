@@ -80,8 +80,7 @@ def start_run(training_args, run_args=None):
     from transformers import set_seed
 
     set_seed(training_args.seed)
-    run_args = run_args or RunArguments()
-    state, out = distributed_state(training_args), training_args.output_dir
+    state, out, run_args = distributed_state(training_args), training_args.output_dir, run_args or RunArguments()
     if state.is_main_process:
         restore_earlier_run(out)
     state.wait_for_everyone()
@@ -426,8 +425,7 @@ def set_aside_damaged(output_dir: str, resume: str) -> list[str]:
         return []
     moved = []
     for path in complete_checkpoints(output_dir):
-        problem = checkpoint_problem(path) if checkpoint_step(path) > step else None
-        if problem is None:
+        if checkpoint_step(path) <= step or (problem := checkpoint_problem(path)) is None:
             continue
         target = os.path.join(output_dir, DAMAGED_PREFIX + os.path.basename(path))
         if os.path.exists(target):

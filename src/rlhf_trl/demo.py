@@ -2,17 +2,13 @@
 
 Run: ``make demo`` (or ``rlhf-trl demo``). Offline; about 3-5 minutes on 2 CPU cores. ``make demo-compare``
 (``rlhf-trl demo --compare``): SFT -> RM -> {PPO, DPO, GRPO}, compared in ``outputs/demo/compare/compare.md``.
-
-1. Assets (built once, cached in ``outputs/demo/assets``): task data (`rlhf_trl.demo_task`), a byte-level BPE
-   tokenizer with Qwen-style special tokens and a distinct pad token, and a random-init tiny Qwen2 model.
-2. The three stages with ``recipes/demo/{sft,rm,ppo}.yaml``, in this process.
-3. Evaluation on held-out topics (never in the RM data or the PPO prompts), into ``outputs/demo/summary.json``:
-   ``rm_accuracy`` on held-out pairs (``_vs_negative`` / ``_vs_off_topic``: the half whose rejected answer is
-   on-topic negative / praise of another topic), ``sft_score`` / ``ppo_score`` (mean ground truth of sampled
-   responses, in [-1, 1]) and ``sft_on_topic_rate`` / ``ppo_on_topic_rate`` (in [0, 1]).
-
-The SFT data covers every topic, held-out ones included (the tiny model cannot name a topic token it never saw), so
-the held-out topics test the preference stages (RM and PPO), not SFT."""
+1. Assets, cached in ``outputs/demo/assets``: task data (`rlhf_trl.demo_task`), a byte-level BPE tokenizer (Qwen-style
+   special tokens, a distinct pad token) and a random-init tiny Qwen2 model.
+2. The stages with ``recipes/demo/{sft,rm,ppo}.yaml``, in this process.
+3. Evaluation on held-out topics (not in the RM data or PPO prompts; the SFT data has all: a tiny model cannot name a
+   topic token it never saw) into ``outputs/demo/summary.json``: ``rm_accuracy`` on held-out pairs (``_vs_negative`` /
+   ``_vs_off_topic``: rejected answer on-topic negative / other-topic praise), ``sft_score`` / ``ppo_score`` (mean
+   ground truth of sampled responses, in [-1, 1]), ``sft_on_topic_rate`` / ``ppo_on_topic_rate`` (in [0, 1])."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ from .tiny import build_tiny_qwen2, train_bpe_tokenizer
 
 logger = logging.getLogger(__name__)
 
-# What the demo must show (CI checks them; with --compare, every stage-3 method). The RM's accuracy against praise of
-# another topic (the proxy-reward gap) and the wall time are reported, not gated.
+# CI gates these (with --compare: each stage-3 method); the RM's accuracy vs off-topic praise and wall time: reported
 TARGETS = {"rm_accuracy_vs_negative": 0.95, "ppo_minus_sft": 0.25, "ppo_on_topic_rate": 0.8}
 
 
@@ -65,11 +60,9 @@ def build_assets(assets_dir: str, force: bool = False) -> dict:
 @torch.no_grad()
 def sample_responses(model_dir: str, questions: list[str], samples_per_prompt: int, max_new_tokens: int,
                      temperature: float, seed: int) -> list[str]:
-    """The ``len(questions) * samples_per_prompt`` decoded responses of the causal LM in ``model_dir`` to
-    default-template prompts, by `rlhf_trl.scoring.sample` (as PPO rollouts), at most ``max_new_tokens`` tokens."""
+    """``model_dir``'s responses (`rlhf_trl.scoring.sample`, as PPO's) to ``samples_per_prompt`` x each question."""
     tok = load_tokenizer(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    template = Template(DEFAULT_PROMPT_TEMPLATE)
+    model, template = AutoModelForCausalLM.from_pretrained(model_dir).eval(), Template(DEFAULT_PROMPT_TEMPLATE)
     prompts = [encode_prompt(tok, template, q) for q in questions for _ in range(samples_per_prompt)]
     out = sample(model, prompts, tok.pad_token_id, eos_token_ids(tok, model_dir), max_new_tokens, temperature, seed,
                  batch_size=len(prompts))
@@ -78,9 +71,8 @@ def sample_responses(model_dir: str, questions: list[str], samples_per_prompt: i
 
 def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo", rebuild: bool = False,
              methods: tuple[str, ...] = ("ppo",)) -> dict:
-    """Build the assets, run SFT, RM and each of ``methods`` (``ppo``, ``dpo``, ``grpo``, ``rloo``: their recipes in
-    ``recipes_dir``), evaluate; returns the summary (``summary.json``, or with several methods, `rlhf_trl.compare`'s
-    figures in ``compare/summary.json``)."""
+    """Build the assets, run SFT, RM and ``methods`` (``ppo``, ``dpo``, ``grpo``, ``rloo``; recipes in ``recipes_dir``)
+    and evaluate; returns the summary (``summary.json``; several methods: ``compare/summary.json``, with compare's)."""
     from .cli_launch import stage_main
     from .rm import evaluate_pairs
 
@@ -95,8 +87,7 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
 
     # RM accuracy on held-out pairs (topics never seen in training)
     rm_dir = results["rm"]["merged"]
-    tok = load_tokenizer(rm_dir)
-    reward_model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    tok, reward_model = load_tokenizer(rm_dir), AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
     pair_rows = [json.loads(line) for line in open(paths["heldout_pairs"], encoding="utf-8")]
 
     def rm_pairs_eval(rows: list[dict]) -> dict:

@@ -1,13 +1,11 @@
 """The embedded demo task: short Chinese opinions about everyday topics, scored exactly: positive AND on topic.
 A question asks about one topic ("你觉得咖啡怎么样？"); an answer is ``{topic}{predicate}，{closer}`` whose predicate
-and closer are both positive or both negative (neutral answers use neither).
-
-Ground truth (`score_response`, in ``[-1, 1]``): an on-topic response (naming exactly the asked topic) scores its
-sentiment, any other -1. Preferences follow it: on-topic positive > neutral > on-topic negative or off-topic praise.
-SFT data mixes on-topic positive and negative answers 50/50 (scoring near 0); PPO against a reward model trained on
-the preferences should move the policy towards 1. Every topic is one token of the demo tokenizer
-(`rlhf_trl.demo.build_assets`); no topic contains another or occurs in a template, phrase, closer or neutral answer,
-and no phrase contains another, so counting substrings is exact."""
+and closer are both positive or both negative (neutral answers use neither). Ground truth (`score_response`, in
+``[-1, 1]``): an on-topic response (naming exactly the asked topic) scores its sentiment, any other -1; preferences
+follow it: on-topic positive > neutral > on-topic negative or off-topic praise. SFT data mixes on-topic positive and
+negative answers 50/50 (scoring near 0); PPO against a reward model of the preferences should move towards 1. Every
+topic is one token of the demo tokenizer (`rlhf_trl.demo.build_assets`); no topic contains another or occurs in a
+template, phrase, closer or neutral answer, and no phrase contains another, so counting substrings is exact."""
 
 from __future__ import annotations
 
@@ -109,8 +107,7 @@ def sft_rows(n: int, seed: int, topics=TRAIN_TOPICS) -> list[dict]:
 
 
 def _worse_answers(n: int, seed: int, topics, others):
-    """``(topic, question, worse answer, rng)`` for ``n`` rows: the worse answer alternates between an on-topic
-    negative one and praise of another topic of ``others``; the rows' other answers are drawn from ``rng`` in turn."""
+    """``n`` x ``(topic, question, worse answer, rng)``: on-topic negative, then praise of another of ``others``."""
     rng = random.Random(seed)
     for i in range(n):
         t = rng.choice(topics)

@@ -1,11 +1,10 @@
 """Stage 3, without a reward model: DPO on the preference pairs with `trl.DPOTrainer` (optional LoRA / QLoRA). Run:
 ``rlhf-trl dpo --config recipes/demo/dpo.yaml`` (or ``make dpo RECIPE=...``). Pairs of every shape the RM stage reads,
-tokenized alike (`rlhf_trl.data.pair_features`): the policy learns on the ids the reward model was trained on. Loss:
-Rafailov et al. 2023 ("Direct Preference Optimization", arXiv:2305.18290) as `trl.DPOTrainer` computes it (``beta``,
-``loss_type``); reference: the frozen SFT model (LoRA: the adapter-disabled policy; full weights: TRL's copy). Outputs
-under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA), ``merged/`` (causal LM + tokenizer, for
-`rlhf_trl.compare`), ``metrics.json`` (held-out ``eval_rewards/accuracies``), ``log_history.json``, ``run_config.yaml``,
-``data_report.json``."""
+tokenized alike (`rlhf_trl.data.pair_features`: the reward model's ids). Loss: Rafailov et al. 2023 ("Direct Preference
+Optimization", arXiv:2305.18290) as `trl.DPOTrainer` computes it (``beta``, ``loss_type``); reference: the frozen SFT
+model (LoRA: the adapter-disabled policy; full weights: TRL's copy). Outputs under ``output_dir``: ``checkpoint-*/``,
+``adapter/`` (LoRA), ``merged/`` (causal LM + tokenizer, for `rlhf_trl.compare`), ``metrics.json`` (held-out
+``eval_rewards/accuracies``), ``log_history.json``, ``run_config.yaml``, ``data_report.json``."""
 
 from __future__ import annotations
 
@@ -39,10 +38,9 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 
 def dpo_dataset(feats: dict) -> Dataset:
     """`pair_features` output as the ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` rows `trl.DPOTrainer` reads."""
-    return Dataset.from_dict({
-        "prompt_ids": [c[:n] for c, n in zip(feats["chosen_ids"], feats["prompt_length"])],
-        "chosen_ids": [c[n:] for c, n in zip(feats["chosen_ids"], feats["prompt_length"])],
-        "rejected_ids": [r[n:] for r, n in zip(feats["rejected_ids"], feats["prompt_length"])]})
+    return Dataset.from_dict({"prompt_ids": [c[:n] for c, n in zip(feats["chosen_ids"], feats["prompt_length"])],
+                              "chosen_ids": [c[n:] for c, n in zip(feats["chosen_ids"], feats["prompt_length"])],
+                              "rejected_ids": [r[n:] for r, n in zip(feats["rejected_ids"], feats["prompt_length"])]})
 
 
 def _trainer_class():
@@ -79,9 +77,8 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     training_args.pad_token = tokenizer.pad_token
 
     def features(rows, split):  # tokenized pairs (`pair_features`) as DPO rows
-        source = f"{describe_sources(data_args)} ({split} split)"
         return dpo_dataset(pair_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
-                                         source, report, split))
+                                         f"{describe_sources(data_args)} ({split} split)", report, split))
 
     train_ds, eval_ds = features(train_records, "train"), features(eval_records, "eval") if eval_records else None
     if eval_ds is None:

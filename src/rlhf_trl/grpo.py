@@ -1,20 +1,12 @@
-"""Stage 3 without a value model: GRPO (`trl.GRPOTrainer`) or RLOO (`trl.RLOOTrainer`) against the PPO stage's
-rewards. Run: ``rlhf-trl grpo --config recipes/demo/grpo.yaml`` / ``rlhf-trl rloo --config ...`` (``make grpo``).
-
-Each prompt is sampled ``num_generations`` times; a completion's advantage is its reward minus its group's mean
-(GRPO: Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300; RLOO: the mean of the other completions, Ahmadian et al.
-2024, arXiv:2402.14740), as TRL computes them. No critic: the memory of PPO's value model is saved.
-
-The rewards are PPO's (`rlhf_trl.ppo_engine`): the reward model's score read at the response's EOS over the same
-token ids (prompt ids from `rlhf_trl.data.prompt_features`, the completion ids TRL sampled, EOS included; one
-scoring path, `rlhf_trl.scoring.score_sequences`), minus ``reward_baseline``, minus ``missing_eos_penalty`` for a
-completion without EOS, plus ``reward_funcs`` weighted by ``reward_weights`` (one weight per function, the reward
-model's weight is 1). A constant ``reward_baseline`` cancels in group-relative advantages: it shifts the logged
-rewards only. The reference is the frozen SFT policy (LoRA: the adapter disabled; ``beta`` 0: none).
-
-Outputs as the DPO stage: ``checkpoint-*/``, ``adapter/`` (LoRA), ``merged/``, ``metrics.json``, ``log_history.json``,
-``run_config.yaml``, ``data_report.json``.
-"""
+"""Stage 3 without a value model: GRPO (`trl.GRPOTrainer`) or RLOO (`trl.RLOOTrainer`) against the PPO stage's rewards.
+Run: ``rlhf-trl grpo --config recipes/demo/grpo.yaml`` / ``rlhf-trl rloo --config ...`` (``make grpo``). Each prompt is
+sampled ``num_generations`` times; a completion's advantage is its reward minus its group's mean (GRPO: Shao et al.
+2024, "DeepSeekMath", arXiv:2402.03300) or the other completions' mean (RLOO: Ahmadian et al. 2024, arXiv:2402.14740),
+as TRL computes them; no critic. Rewards as PPO's: the reward model's score at the EOS of the same token ids
+(`rlhf_trl.scoring.score_sequences`) minus ``reward_baseline`` (it cancels in the advantages: logged rewards only),
+minus ``missing_eos_penalty`` without EOS, plus ``reward_funcs`` x ``reward_weights`` (the reward model's weight is 1).
+Reference: the frozen SFT policy (LoRA: the adapter disabled; ``beta`` 0: none). Outputs as DPO's: ``checkpoint-*/``,
+``adapter/`` (LoRA), ``merged/``, ``metrics.json``, ``log_history.json``, ``run_config.yaml``, ``data_report.json``."""
 
 from __future__ import annotations
 
@@ -72,8 +64,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None, method: s
 class RewardModelReward:
     """TRL reward function ``f(prompts, completions, completion_ids, query_ids, **columns) -> list[float]``: the
     reward model's score of ``query_ids + completion_ids`` ``[batch]`` (reward units, at the EOS when sampled) minus the
-    baseline, minus ``missing_eos_penalty`` where no id of ``eos_ids`` ends the completion. ``reward_model`` None: the
-    penalty alone."""
+    baseline, minus ``missing_eos_penalty`` where no id of ``eos_ids`` ends it (``reward_model`` None: the penalty)."""
 
     def __init__(self, reward_model, pad_token_id: int, eos_ids: list[int], penalty: float | None, batch_size: int):
         self.reward_model, self.pad, self.eos, self.penalty = reward_model, pad_token_id, set(eos_ids), penalty
@@ -105,11 +96,12 @@ def as_trl_reward(functions: RewardFunctions, k: int, columns: list[str]):
     return reward
 
 
-def prompt_dataset(records: list[dict], tokenizer, template: Template, max_prompt_length: int, source: str,
-                   report: DataReport, split: str) -> Dataset:
+def prompt_dataset(records: list[dict], tokenizer, template: Template, data_args: DataArguments, report: DataReport,
+                   split: str) -> Dataset:
     """Prompt rows for TRL: ``prompt`` (the text of the prompt ids, so that TRL's tokenizer gives back the ids PPO
     samples from), ``query_ids`` (those ids, `prompt_features`) and the reward-function columns (`reward_columns`)."""
-    ids = prompt_features(records, tokenizer, template, max_prompt_length, source, report, split)["input_ids"]
+    ids = prompt_features(records, tokenizer, template, data_args.max_prompt_length,
+                          f"{describe_sources(data_args)} ({split} split)", report, split)["input_ids"]
     return Dataset.from_dict({"prompt": tokenizer.batch_decode(ids), "query_ids": ids, **reward_columns(records)})
 
 
@@ -117,14 +109,11 @@ def prompt_dataset(records: list[dict], tokenizer, template: Template, max_promp
 def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_args, model_args,
         run_args: RunArguments | None = None, method: str = "grpo", hints: dict | None = None,
         callbacks: list | None = None) -> dict:
-    """Optimise the SFT policy ``model_args.model_name_or_path`` on the prompts of ``data_args.dataset_name``.
-
-    Raises:
-        StageInputError: the SFT or reward model is missing, or the reward model is not a trained classifier.
-        DataError: bad prompt rows (file, row and field named).
-        ValueError: no reward (neither ``reward_model_path`` nor ``reward_funcs``), reward functions or weights that
-            cannot load (`rlhf_trl.rewards.load_reward_functions`), quantization settings that cannot run.
-    """
+    """Optimise the SFT policy ``model_args.model_name_or_path`` on the prompts of ``data_args.dataset_name``. Raises
+    `StageInputError`: the SFT or reward model missing, or the reward model no trained classifier; `DataError`: bad
+    prompt rows (file, row and field named); `ValueError`: no reward (neither ``reward_model_path`` nor
+    ``reward_funcs``), reward functions or weights that cannot load (`rlhf_trl.rewards.load_reward_functions`),
+    quantization settings that cannot run."""
     from trl import GRPOTrainer, RLOOTrainer, get_peft_config
 
     # inputs: models, reward functions
@@ -142,16 +131,12 @@ def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_ar
     quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)
 
     # data
-    template = Template.from_args(data_args)
-    report = DataReport(method)
+    template, report = Template.from_args(data_args), DataReport(method)
     records = read_records(data_args, "prompts", report)
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
     tokenizer = load_tokenizer(model_path, padding_side="left", trust_remote_code=training_args.trust_remote_code)
-    source = describe_sources(data_args)
-    train_ds = prompt_dataset(train_records, tokenizer, template, data_args.max_prompt_length,
-                              f"{source} (train split)", report, "train")
-    eval_ds = prompt_dataset(eval_records, tokenizer, template, data_args.max_prompt_length, f"{source} (eval split)",
-                             report, "eval") if eval_records else None
+    train_ds = prompt_dataset(train_records, tokenizer, template, data_args, report, "train")
+    eval_ds = prompt_dataset(eval_records, tokenizer, template, data_args, report, "eval") if eval_records else None
     if eval_ds is None:
         training_args.eval_strategy = "no"
 
@@ -179,8 +164,7 @@ def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_ar
 
     # trainer, train (inputs proven: only now does anything of an earlier run go)
     begin_writing(training_args, run_args, resume)
-    trainer_cls = GRPOTrainer if method == "grpo" else RLOOTrainer
-    trainer = with_loop_state(with_atomic_checkpoints(trainer_cls))(
+    trainer = with_loop_state(with_atomic_checkpoints(GRPOTrainer if method == "grpo" else RLOOTrainer))(
         model=model, reward_funcs=rewards, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
         processing_class=tokenizer, peft_config=get_peft_config(model_args), callbacks=callbacks)
     fp32_adapters_for_fp32_compute(trainer.model, quantization)

@@ -18,12 +18,10 @@ from .faults import publish
 
 logger = logging.getLogger(__name__)
 
-# Tried in order when a tokenizer has no pad token, or its pad token is one of the EOS ids (Qwen base: both
-# "<|endoftext|>"; Qwen Instruct: pad "<|endoftext|>", which its generation_config lists as a second EOS).
+# tried in order for a missing pad token or one that is an EOS id (Qwen Instruct: pad "<|endoftext|>", a second EOS)
 PAD_CANDIDATES = ("<|endoftext|>", "<|pad|>", "<pad>", "<|vision_pad|>", "<unk>")
 
-# Generation settings that change the sampling distribution away from softmax(logits / temperature): with them the
-# rollout log-probs are not the policy's, and the KL estimate and the policy gradient are biased.
+# settings that sample away from softmax(logits / temperature): rollout log-probs, KL and the gradient are then biased
 BIASING_GENERATION_KEYS = {
     "min_new_tokens": (None, 0), "min_length": (None, 0), "no_repeat_ngram_size": (None, 0),
     "repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0), "top_k": (None, 0),
@@ -285,13 +283,11 @@ def resize_for_tokenizer(model, tokenizer) -> None:
     # num_embeddings: under DeepSpeed ZeRO-3 ``weight`` is this rank's (possibly empty) partition
     if len(tokenizer) > (getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]):
         model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     if (gen := getattr(model, "generation_config", None)) is not None:
         eos = [tokenizer.eos_token_id] + [i for i in _as_id_list(gen.eos_token_id)
                                           if i not in (tokenizer.eos_token_id, tokenizer.pad_token_id)]
-        gen.pad_token_id = tokenizer.pad_token_id
-        gen.eos_token_id = eos[0] if len(eos) == 1 else eos
+        gen.pad_token_id, gen.eos_token_id = tokenizer.pad_token_id, eos[0] if len(eos) == 1 else eos
 
 
 def torch_dtype(name: str | None):

@@ -1,13 +1,11 @@
-"""Stage 3: PPO against the reward model (and/or reward functions) with a KL penalty to a frozen reference.
-
-Run: ``rlhf-trl ppo --config recipes/demo/ppo.yaml`` (``make ppo RECIPE=...``; resume: ``resume_from_checkpoint=true``
-or ``=path/to/checkpoint-N``). The loop is `rlhf_trl.ppo_engine` inside `rlhf_trl.ppo_trainer.RLHFPPOTrainer`; the
-keys are TRL 1.12's PPOConfig's (`rlhf_trl.ppo_config`). Models: the policy is the merged SFT model
-(``sft_model_path``) plus a LoRA adapter (``use_peft``), whose reference is the adapter disabled; the frozen reward
-model (``reward_model_path``) shifted by ``reward_baseline`` (`rlhf_trl.reward_models`); the value model from the
-reward model (or ``value_model_path``), trained in full or through its own adapter (``value_use_peft``), optionally on
-the reward model's own weights (``share_reward_value_base``); reward functions (``reward_funcs``, `rlhf_trl.rewards`)
-add to the score or are all of it. Outputs under ``output_dir``: ``checkpoint-N/``, ``adapter/``, ``merged/``,
+"""Stage 3: PPO against the reward model (and/or reward functions) with a KL penalty to a frozen reference. Run:
+``rlhf-trl ppo --config recipes/demo/ppo.yaml`` (``make ppo RECIPE=...``; resume: ``resume_from_checkpoint=true`` or
+``=path/to/checkpoint-N``). The loop: `rlhf_trl.ppo_engine` in `rlhf_trl.ppo_trainer.RLHFPPOTrainer`, with TRL 1.12's
+PPOConfig keys (`rlhf_trl.ppo_config`). Policy: the merged SFT model (``sft_model_path``) + a LoRA adapter
+(``use_peft``; reference: the adapter disabled); frozen reward model (``reward_model_path``) minus ``reward_baseline``;
+value model from the reward model (or ``value_model_path``), in full or through its own adapter (``value_use_peft``),
+optionally on the reward model's weights (``share_reward_value_base``); ``reward_funcs`` (`rlhf_trl.rewards`) add to
+the score or are all of it. Outputs under ``output_dir``: ``checkpoint-N/``, ``adapter/``, ``merged/``,
 ``value_model/``, ``samples.jsonl``, ``run_config.yaml``, ``metrics.json``, ``log_history.json``."""
 
 from __future__ import annotations
@@ -19,7 +17,10 @@ import os
 import time
 
 import torch
+from accelerate.utils import broadcast_object_list
 from datasets import Dataset
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .checkpoints import begin_writing, distributed_state, keeps_earlier_run, start_run
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
@@ -56,11 +57,10 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
 def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model_args, sft_hint=None, rm_hint=None,
         callbacks: list | None = None, run_args: RunArguments | None = None) -> dict:
     """Train the policy with PPO on the recipe's prompts; returns ``{"output_dir", "merged", "value_model", "metrics",
-    "trainer"}`` (with ``share_reward_value_base`` the trainer's ``reward_model`` is None: merged into the value model).
+    "trainer"}`` (``share_reward_value_base``: the trainer's ``reward_model`` is None, merged into the value model).
     Raises, before anything is written: `StageInputError`: the SFT or reward model missing (the hint names the stage
-    to run first) or no trained sequence classifier; `DataError`: bad rows; `ValueError`: fewer eval prompts than
-    ``per_device_eval_batch_size`` x processes, or settings that cannot run (`check_inputs`, `load_models`). Then
-    `TrainingDivergedError`: a non-finite loss, reward or value."""
+    to run) or no trained classifier; `DataError`: bad rows; `ValueError`: too few eval prompts for a batch per
+    process, settings that cannot run (`check_inputs`, `load_models`); then `TrainingDivergedError`: a NaN / inf."""
     # inputs: model directories, reward functions
     run_args, resume = start_run(training_args, run_args)
     dist = distributed_state(training_args)  # under `accelerate launch`: this process's place in the group
@@ -101,8 +101,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
         recipe_configs=(data_args, ppo_args, training_args, model_args, run_args), reward_functions=reward_functions,
         # rows -> {column: [value per row]} of the train records, for the reward functions' keyword columns
         reward_columns=(lambda rows: reward_columns([train_records[i] for i in rows])) if reward_functions else None)
-    trainer.reward_baseline = baseline
-    start = time.perf_counter()
+    trainer.reward_baseline, start = baseline, time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     trainer.train_runtime = time.perf_counter() - start  # seconds, into metrics.json
 
@@ -111,8 +110,8 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
 
 
 def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_args: RunArguments, sft_hint, rm_hint):
-    """Model directories ``{"sft", "rm" (or None), "value"}`` and reward functions (or None), checked before any data
-    is read; ``stop_token: eos`` when no stop is set. Raises as `run`."""
+    """Checked model dirs ``{"sft", "rm" (or None), "value"}``, reward functions (or None); sets ``stop_token: eos``
+    when no stop is set. Raises as `run`."""
     pickle_ok = run_args.allow_pickle_weights
     if not training_args.sft_model_path:
         raise ValueError("sft_model_path: set it to the SFT stage's merged model directory (e.g. "
@@ -133,8 +132,6 @@ def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_arg
     value_path = require_model_dir(ppo_args.value_model_path or rm_path, "value model", rm_hint, pickle_ok)
     if rm_path is None and (ppo_args.share_reward_value_base or ppo_args.reward_baseline_value() is None):
         raise ValueError("share_reward_value_base / reward_baseline auto need a reward model (reward_model_path)")
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
     if ppo_args.reward_baseline_value() is None and is_deepspeed_zero3_enabled():
         raise ValueError("reward_baseline: 'auto' cannot run under DeepSpeed ZeRO-3 (one process would sample from "
                          "weights sharded over all of them); set a number, e.g. the reward_baseline in metrics.json "
@@ -156,11 +153,8 @@ def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_arg
 
 def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_args: PPOConfig, model_args,
                 pickle_ok: bool):
-    """Policy (no adapter yet), reward model (None, or `SharedBaseRewardModel` when shared), value model (own LoRA
-    with ``value_use_peft``), EOS ids and the policy's stock generation config. Raises `ValueError`: quantization
-    settings; a model's vocabulary smaller than the tokenizer's."""
-    from peft import LoraConfig, get_peft_model
-
+    """Policy (no adapter yet), reward model (None, or `SharedBaseRewardModel`), value model (``value_use_peft``: own
+    LoRA), EOS ids, the policy's stock generation config. Raises `ValueError`: quantization; a vocabulary too small."""
     remote = ppo_args.trust_remote_code
     dtype = torch.bfloat16 if training_args.bf16 else torch_dtype(model_args.dtype)  # TRL ignores bf16
     # load_in_4bit quantizes all three models; policy and value model are then trained through LoRA only
@@ -198,19 +192,15 @@ def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_a
 
 
 def reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model, tokenizer, train_ds, eos_ids) -> float:
-    """The reward baseline (reward units): the resumed checkpoint's, the recipe's number, or 'auto' calibrated by the
-    main process (`calibrate_reward_baseline`) and sent to every process. Applied to ``reward_model`` here."""
+    """The baseline (reward units) applied to ``reward_model``: the resumed checkpoint's, the recipe's, or 'auto'
+    (`calibrate_reward_baseline` on the main process, sent to every process)."""
     if resume:
         saved = os.path.join(resume, "reward_baseline.json")
         baseline = json.load(open(saved))["reward_baseline"] if os.path.exists(saved) else 0.0
     elif ppo_args.reward_baseline_value() is None:  # auto
-        baseline = None
-        if dist.is_main_process:
-            baseline = calibrate_reward_baseline(policy, reward_model, tokenizer, train_ds, training_args,
-                                                 ppo_args.reward_baseline_batches, eos_ids)
+        baseline = None if not dist.is_main_process else calibrate_reward_baseline(
+            policy, reward_model, tokenizer, train_ds, training_args, ppo_args.reward_baseline_batches, eos_ids)
         if dist.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
             baseline = broadcast_object_list([baseline], from_process=0)[0]
     else:
         baseline = ppo_args.reward_baseline_value()
@@ -221,9 +211,8 @@ def reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model,
 
 
 def rollout_generation_config(model, source: str, eos_ids: list[int], pad_token_id: int, temperature: float):
-    """Give ``model`` PPO's generation config (``temperature`` only, stop at any of ``eos_ids``: rollouts must sample
-    ``softmax(logits / temperature)`` or log-probs, KL and gradient are biased) and return its stock one, saved with
-    the merged policy. One log line names the settings of ``source`` (e.g. Qwen2.5-Instruct's top_k) overridden."""
+    """Set PPO's generation config on ``model`` (``temperature`` alone, stop at ``eos_ids``: else log-probs and KL are
+    biased); return the stock one (saved with the merged policy), logging ``source``'s settings overridden."""
     stock = copy.deepcopy(model.generation_config)
     found = {k: getattr(stock, k, None) for k, ok in BIASING_GENERATION_KEYS.items()
              if getattr(stock, k, None) not in ok}
@@ -240,7 +229,6 @@ def rollout_generation_config(model, source: str, eos_ids: list[int], pad_token_
 def with_policy_adapter(policy, model_args, training_args):
     """The policy with the recipe's LoRA adapter (``use_peft``; the reference is then the policy with its adapter
     disabled: no second copy), or as it is. QLoRA in bf16: norms in fp32, embeddings / head in bf16 (as TRL 1.12)."""
-    from peft import get_peft_model
     from trl import get_peft_config
 
     peft_config = get_peft_config(model_args)
@@ -258,10 +246,7 @@ def with_policy_adapter(policy, model_args, training_args):
 
 
 def save_outputs(trainer, tokenizer, stock_config, configs: tuple, report: DataReport | None = None) -> dict:
-    """Write adapter, merged policy, value model (merged if it has an adapter), run config, metrics, log history and
-    the data report (the main process writes; the others wait). Returns `run`'s result."""
-    from peft import PeftModel
-
+    """Write the module docstring's outputs (main process; the others wait); returns `run`'s result."""
     out, ppo_args = trainer.args.output_dir, configs[1]
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     metrics = {"global_step": trainer.state.global_step, "episode": trainer.state.episode,

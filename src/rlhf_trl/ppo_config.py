@@ -1,5 +1,4 @@
-"""`PPOConfig`: the PPO engine's settings, TRL 1.12's PPOConfig keys (so recipes written for it run unchanged) plus
-the project's own, each checked once, when the config is made (`check_config`)."""
+"""`PPOConfig`: TRL 1.12's PPOConfig keys (its recipes run unchanged) plus the project's, checked by `check_config`."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ def check_config(args: PPOConfig) -> None:
     if local % args.num_mini_batches:
         raise ValueError("per_device_train_batch_size x gradient_accumulation_steps (rollouts per process and update) "
                          f"/ num_mini_batches: {local} is not a multiple of {args.num_mini_batches}")
-    local_mini = local // args.num_mini_batches
-    if args.whiten_rewards and local_mini < 8:
+    if args.whiten_rewards and (local_mini := local // args.num_mini_batches) < 8:
         raise ValueError(f"whiten_rewards needs >= 8 rollouts per process mini-batch, got {local_mini}")
     if args.stop_token and args.stop_token_id is not None:
         raise ValueError("set stop_token or stop_token_id, not both")

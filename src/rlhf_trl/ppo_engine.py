@@ -1,7 +1,6 @@
-"""PPO: rollouts, rewards, advantages and clipped updates of a policy and a value model. TRL removed its PPOTrainer in
-1.13; this loop follows TRL 1.12's algorithm, held to its numbers by `tests/test_ppo_oracle.py`. One update
-(`PPOEngine.train`): `rollout` -> `advantages` -> `optimise` -> `update_metrics` (docs/ppo-engine.md, with the memory
-measures and the differences from TRL 1.12). Runs in one process or under ``accelerate``: DDP, ZeRO-2/3 or FSDP."""
+"""PPO of a policy and a value model as TRL 1.12's PPOTrainer (removed in 1.13) computes it; `tests/test_ppo_oracle.py`
+holds it to its numbers. One update (`PPOEngine.train`): `rollout` -> `advantages` -> `optimise` -> `update_metrics`
+(docs/ppo-engine.md: memory measures, differences from TRL 1.12). One process or ``accelerate``: DDP, ZeRO-2/3, FSDP."""
 
 from __future__ import annotations
 
@@ -62,12 +61,11 @@ def _fp32(accelerator):
 
 
 class PPOEngine(Trainer):
-    """PPO of a policy (a causal LM, or a peft model for LoRA) and a value model against a reward model (None:
-    ``reward_functions`` give all the reward) and/or `rlhf_trl.rewards.RewardFunctions` of the decoded prompts and
-    completions (with ``reward_columns(rows)`` as keyword columns). A `transformers.Trainer` whose ``__init__`` is not
-    run (`_set_trainer_machinery` sets what it would). ``ref_model`` None: the peft policy with its adapter disabled,
-    else a frozen copy. ``eos_token_ids``: default the tokenizer's EOS. Raises `ValueError`: the reference is the policy
-    itself; ``offload_reward_model`` under DeepSpeed / FSDP or with shared reward / value weights."""
+    """PPO of a policy (causal LM; peft model for LoRA) and a value model against a reward model (None: the
+    ``reward_functions`` alone) and/or `rlhf_trl.rewards.RewardFunctions` (keyword columns: ``reward_columns(rows)``).
+    A `transformers.Trainer` without its ``__init__`` (`_set_trainer_machinery`). ``ref_model`` None: the peft policy
+    with its adapter disabled, else a frozen copy; ``eos_token_ids``: default the tokenizer's EOS. Raises `ValueError`:
+    the reference is the policy; ``offload_reward_model`` under DeepSpeed / FSDP or shared reward / value weights."""
 
     def __init__(self, args: PPOConfig, processing_class, model, ref_model, reward_model, train_dataset,
                  value_model, data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None,
@@ -271,9 +269,8 @@ class PPOEngine(Trainer):
                 yield mb, k, mini[micro_start:micro_start + args.per_device_train_batch_size]
 
     def value_step(self, ro: dict, order: np.ndarray) -> list[dict]:
-        """The value model's part of an update with ``single_value_forward`` (docs/ppo-engine.md): per micro-batch of
-        ``order``, one forward with gradient gives ``values [micro, R]`` (into ``ro["values"]``) and the value loss,
-        back-propagated at once; then AdamW steps the value model alone. Returns the value-loss statistics."""
+        """``single_value_forward`` (docs/ppo-engine.md): per micro-batch of ``order``, one forward with gradient gives
+        ``values [micro, R]`` (into ``ro["values"]``) and the value loss, then AdamW steps it alone; returns stats."""
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
         context, fp32 = ro["query_responses"].shape[1] - ro["responses"].shape[1], _fp32(acc)
         values, stats = None, []
@@ -299,9 +296,8 @@ class PPOEngine(Trainer):
         return stats
 
     def optimise(self, ro: dict, adv: dict, orders: list[np.ndarray], value_stats: list[dict] | None = None) -> dict:
-        """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over each epoch's shuffle ``orders[e]`` ``[b]``;
-        returns the statistics ``[epochs, mini-batches, micro-batches]`` of approxkl, clipfrac, losses, entropy and
-        ratio. ``value_stats``: the value losses `value_step` already back-propagated (only the policy's run here)."""
+        """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over each epoch's shuffle ``orders[e] [b]``;
+        returns the ``[epochs, mini-batches, micro-batches]`` statistics (``value_stats``: `value_step`'s, applied)."""
         args, acc = self.args, self.accelerator
         context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
         shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
@@ -325,9 +321,8 @@ class PPOEngine(Trainer):
 
     def losses(self, ro: dict, adv: dict, idx, context: int, value: bool = True
                ) -> tuple[dict, dict | None, torch.Tensor]:
-        """Forward and backward of one micro-batch ``idx``: the clipped policy loss plus ``vf_coef`` x the clipped
-        value loss (back-propagated one after the other without a wrapper); returns their statistics and the entropy
-        ``[b, R]``. ``value`` false (`value_step` did the value model's part): the policy's alone, value stats None."""
+        """Forward and backward of micro-batch ``idx``: clipped policy loss + ``vf_coef`` x clipped value loss (one
+        after the other, no wrapper); returns their statistics, entropy ``[b, R]`` (``value`` false: policy's only)."""
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
         ids, mask, mask_p1 = ro["query_responses"][idx], adv["padding_mask"][idx], adv["padding_mask_p1"][idx]
 

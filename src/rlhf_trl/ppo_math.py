@@ -1,9 +1,8 @@
-"""The arithmetic of PPO for language models, as small pure functions on tensors (``batch`` rollouts, ``R`` response
-positions, ``V`` vocabulary entries): Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences"),
-Schulman et al. 2016 (GAE), Schulman et al. 2017 (PPO's clipped objectives) and Huang et al. 2024 ("The N+
-Implementation Details of RLHF with PPO"), as TRL 1.12's experimental PPOTrainer computes them (tests/test_ppo_oracle.py
-holds the engine to its numbers). Positions (docs/ppo-engine.md): ``sequence_lengths[i]`` is the index of the last real
-token of response ``i``; log-probs are real through it, values one position further, where the score is added."""
+"""PPO's arithmetic for language models as pure tensor functions (``batch`` rollouts, ``R`` response positions, ``V``
+vocabulary entries): Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences"), Schulman et al. 2016
+(GAE) and 2017 (PPO's clipped objectives), Huang et al. 2024 ("The N+ Implementation Details of RLHF with PPO"), as TRL
+1.12's PPOTrainer computes them (tests/test_ppo_oracle.py). Positions (docs/ppo-engine.md): ``sequence_lengths[i]`` is
+the index of response ``i``'s last real token; log-probs are real through it, values (and the score) one further."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""`RLHFPPOTrainer`: the PPO engine (`rlhf_trl.ppo_engine.PPOEngine`) plus what a run needs around it: atomic
-checkpoints with the value model, data position (`ResumableLoader`), reward baseline, KL coefficient and recipe;
-exact resume; ``logging_steps``; adaptive KL; a stop on the first non-finite statistic; sample tables."""
+"""`RLHFPPOTrainer`: the PPO engine (`rlhf_trl.ppo_engine.PPOEngine`) plus atomic checkpoints (value model, data
+position, baseline, KL coefficient, recipe), exact resume, ``logging_steps``, adaptive KL, a NaN stop, sample tables."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ import torch
 from accelerate.utils import gather_object
 from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
+from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 from transformers.trainer_utils import get_last_checkpoint, load_sharded_checkpoint
 
 from .checkpoints import AtomicCheckpointMixin
@@ -30,11 +30,8 @@ logger = logging.getLogger(__name__)
 
 class AdaptiveKLController:
     """Adaptive KL coefficient of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", 2.2):
-    after each update with mean KL ``kl`` (nats per response) over ``n_steps`` episodes::
-
-        error = clip(kl / target - 1, -0.2, 0.2)
-        coef *= 1 + error * n_steps / horizon
-    """
+    after an update of ``n_steps`` episodes with mean KL ``kl`` (nats per response),
+    ``coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon``."""
 
     def __init__(self, init_kl_coef: float, target: float, horizon: int):
         self.value, self.target, self.horizon = float(init_kl_coef), float(target), int(horizon)
@@ -48,14 +45,12 @@ class AdaptiveKLController:
 class ResumableLoader:
     """The prompt dataloader with an exactly restorable data position: the RNG states at each pass's start (global,
     and the sampler's generators) and the batches consumed; a resume replays the shuffle, skips those batches, then
-    restores the checkpoint's RNG state. Raises `ValueError` (first pass after `resume_from`): another number of
-    sampler generators."""
+    restores the checkpoint's RNG state. Raises `ValueError` (after `resume_from`): another number of generators."""
 
     def __init__(self, loader):
-        self.loader = loader
+        self.loader, self.consumed = loader, 0
         self.epoch_rng: dict | None = None
         self.epoch_generators: list[torch.Tensor] | None = None
-        self.consumed = 0
         self._resume: tuple[dict, list[torch.Tensor] | None, int, dict] | None = None
 
     def __len__(self):
@@ -63,12 +58,10 @@ class ResumableLoader:
 
     def _generators(self) -> list[torch.Generator]:
         """The sampler's own generators (none in one process: it draws from the global torch RNG)."""
-        found, candidates = [], [getattr(self.loader, "synchronized_generator", None)]
-        batch_sampler = getattr(self.loader, "batch_sampler", None)
-        for holder in (getattr(self.loader, "sampler", None), getattr(batch_sampler, "sampler", None),
-                       getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)):
-            candidates.append(getattr(holder, "generator", None))
-        for gen in candidates:
+        found, batch_sampler = [], getattr(self.loader, "batch_sampler", None)
+        for gen in [getattr(self.loader, "synchronized_generator", None)] + [getattr(h, "generator", None) for h in (
+                getattr(self.loader, "sampler", None), getattr(batch_sampler, "sampler", None),
+                getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None))]:
             if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
                 found.append(gen)
         return found
@@ -79,17 +72,14 @@ class ResumableLoader:
             self._resume = None
             set_rng_state(epoch_rng)
             generators = self._generators()
-            if epoch_generators is None:  # a checkpoint written before sampler generators were saved
-                if generators:
-                    logger.warning("the checkpoint's data position lacks the sampler's generator state: the data "
-                                   "order of this pass may differ from the interrupted run's")
-            elif len(generators) != len(epoch_generators):
+            if epoch_generators is not None and len(generators) != len(epoch_generators):
                 raise ValueError(f"the checkpoint's data position holds {len(epoch_generators)} sampler generator "
-                                 f"states, this run's data loader has {len(generators)} (another number of "
-                                 "processes?)")
-            else:
-                for gen, state in zip(generators, epoch_generators):
-                    gen.set_state(state)
+                                 f"states, this run's data loader has {len(generators)} (another number of processes?)")
+            if epoch_generators is None and generators:  # a checkpoint written before sampler generators were saved
+                logger.warning("the checkpoint's data position lacks the sampler's generator state: the data "
+                               "order of this pass may differ from the interrupted run's")
+            for gen, state in zip(generators, epoch_generators or []):
+                gen.set_state(state)
             self.epoch_rng, self.epoch_generators, self.consumed = epoch_rng, epoch_generators, 0
             it = iter(self.loader)
             for _ in range(consumed):
@@ -116,8 +106,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
     """The PPO engine plus resumable, atomic checkpoints, KL control, divergence checks and sample tables."""
 
     def __init__(self, *args, script_args, recipe_configs: tuple = (), stock_generation_config=None, **kwargs):
-        """``script_args``: the recipe's `PPOScriptArguments`; ``recipe_configs``: saved as each checkpoint's
-        ``run_config.yaml``; ``stock_generation_config``: saved with the merged policies. The rest: `PPOEngine`'s."""
+        """``recipe_configs``: saved as each checkpoint's ``run_config.yaml``; ``stock_generation_config``: with the
+        merged policies. The rest: `PPOEngine`'s."""
         super().__init__(*args, **kwargs)
         self.stock_generation_config, self.script_args = stock_generation_config, script_args
         self.reward_baseline, self.recipe_configs = 0.0, recipe_configs
@@ -131,8 +121,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         self.kl_controller = None if script_args.kl_target is None else AdaptiveKLController(
             self.args.kl_coef, script_args.kl_target, script_args.kl_horizon)
 
-    # -- logging: KL control, divergence check -------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Per update: stop on a non-finite statistic, adapt the KL coefficient, log every ``logging_steps``."""
         if "objective/kl" in logs:
             # a variance over one statistic (one micro-batch, one mini-batch, one PPO epoch) is NaN by definition
             bad = sorted(k for k, v in logs.items()
@@ -144,10 +134,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                     f"non-finite {', '.join(bad)} at update {self.state.global_step} (episode {self.state.episode}); "
                     f"nothing was saved for this update; last good checkpoint: {last or 'none yet'}")
             if logs["objective/kl"] < -1e-3:  # below rounding noise
-                logger.warning(
-                    "update %d: mean KL to the reference is negative (%.4f): the rollouts are not samples of the "
-                    "policy (check temperature / generation settings) or the estimate is noisy (use kl_estimator k3)",
-                    self.state.global_step, logs["objective/kl"])
+                logger.warning("update %d: mean KL to the reference is negative (%.4f): the rollouts are not samples "
+                               "of the policy (check temperature / generation settings) or the estimate is noisy (use "
+                               "kl_estimator k3)", self.state.global_step, logs["objective/kl"])
             logs["objective/kl_coef"] = self.args.kl_coef
             if self.kl_controller is not None:
                 self.args.kl_coef = self.kl_controller.update(logs["objective/kl"], self.args.batch_size)
@@ -156,7 +145,6 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                 return
         super().log(logs, start_time)
 
-    # -- sample tables -------------------------------------------------------------------------------------------
     def generate_completions(self, sampling: bool = False):
         """Sample one eval batch (temperature 0.01), score it, log query / response / score / reward. Never changes the
         run: the RNG is preserved, the loader's ``end()`` runs on an early exit (else accumulation would step early)."""
@@ -198,7 +186,6 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         with open(os.path.join(self.args.output_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
-    # -- checkpoints ---------------------------------------------------------------------------------------------
     def checkpoint_extras(self, ckpt: str) -> None:
         """What the Trainer's checkpoint files lack: each process's data position and RNG state; from the main
         process the value model, the merged policy (``save_merged_checkpoints``), baseline / KL state and recipe."""
@@ -223,19 +210,15 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         if self.recipe_configs:
             save_recipe(ckpt, *self.recipe_configs)
 
-    # -- resume --------------------------------------------------------------------------------------------------
     def restore(self, ckpt: str) -> int:
         """Continue the run of ``checkpoint-N`` ``ckpt`` exactly (weights, optimizer, scheduler, counters, logs, KL
         coefficient, data position, RNG); returns the updates done. Raises `FileNotFoundError`: a file needed is
         missing; `ValueError`: a run of another number of updates, or none left."""
         needed = ["scheduler.pt", "trainer_state.json", "data_state.pt", "value_model",
                   "latest" if self.is_deepspeed_enabled else "optimizer.pt"]
-        missing = [n for n in needed if not os.path.exists(os.path.join(ckpt, n))]
-        if missing:
+        if missing := [n for n in needed if not os.path.exists(os.path.join(ckpt, n))]:
             raise FileNotFoundError(f"cannot resume from {ckpt}: missing {missing}")
         if self.is_deepspeed_enabled:  # weights and this process's optimizer partition from the global_stepN shards
-            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
-
             deepspeed_load_checkpoint(self.model, ckpt, load_module_strict=False)  # self.model: the DeepSpeed engine
         else:
             _load_weights(self.unwrapped.policy, ckpt)
@@ -256,35 +239,27 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                              "/ effective batch): resume with the same total_episodes and batch sizes, or start afresh")
         if done >= total:
             raise ValueError(f"{ckpt} is at update {done}; the recipe has {total} updates: nothing left to run")
-        self.state.global_step = done
+        self.state.global_step, self.state.log_history = done, saved.log_history
         self.state.episode = getattr(saved, "episode", 0) or done * self.args.batch_size
-        self.state.log_history = saved.log_history
         data_state = os.path.join(ckpt, _data_state_name(self.accelerator.process_index))
         if not os.path.exists(data_state):
             raise FileNotFoundError(f"cannot resume from {ckpt}: missing {os.path.basename(data_state)} (the "
                                     "checkpoint was written by fewer processes than this run has)")
         self.dataloader.resume_from(torch.load(data_state, weights_only=False))
-        if self.accelerator.is_main_process:
-            drop_later_samples(self.args.output_dir, done)
+        samples = os.path.join(self.args.output_dir, "samples.jsonl")
+        if self.accelerator.is_main_process and os.path.exists(samples):  # a resume rewrites the later updates' rows
+            rows = []
+            with open(samples, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:  # a torn line
+                        continue
+                    if isinstance(row, dict) and row.get("step", 0) <= done:
+                        rows.append(row)
+            write_jsonl(samples, rows)
         logger.info("resuming from %s at update %d of %d (episode %d)", ckpt, done, total, self.state.episode)
         return done
-
-
-def drop_later_samples(output_dir: str, step: int) -> None:
-    """Keep ``samples.jsonl``'s rows of updates <= ``step`` (a resume rewrites later ones), minus torn lines."""
-    path = os.path.join(output_dir, "samples.jsonl")
-    if not os.path.exists(path):
-        return
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and row.get("step", 0) <= step:
-                rows.append(row)
-    write_jsonl(path, rows)
 
 
 def _data_state_name(rank: int) -> str:
@@ -297,8 +272,7 @@ def _load_weights(model, folder: str) -> None:
     if isinstance(model, PeftModel):
         set_peft_model_state_dict(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
         return
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(single):
+    if os.path.isfile(single := os.path.join(folder, "model.safetensors")):
         missing, unexpected = model.load_state_dict(load_file(single), strict=False)
         tied = {k for k in missing if "lm_head" in k}
         if set(missing) - tied or unexpected:

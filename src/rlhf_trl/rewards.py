@@ -1,21 +1,18 @@
-"""Reward functions for PPO: plain Python scorers of decoded completions, named in the recipe::
-
-    reward_funcs: ["rlhf_trl.demo_task:ground_truth_reward", "my_rewards.py:length_penalty"]
-    reward_weights: [1.0, 0.1]      # optional; default 1.0 each
-
-Each entry is ``"package.module:function"`` (imported) or ``"path/to/file.py:function"`` (relative to the current
-directory, not put on ``sys.path``); ``function`` may be dotted (``module:Class.method``). Calling convention (TRL
-GRPO's), all by keyword: ``f(prompts=..., completions=..., **columns)``, ``prompts`` / ``completions`` being ``[batch]``
-prompt texts / decoded responses (no EOS) and ``columns`` one ``[batch]`` list per column (`reward_columns`; a function
-without ``**kwargs`` gets only those it names); it returns ``[batch]`` finite numbers (a list, tuple, 1-D array or
-tensor; bools count as 0 / 1). An example (``reward_funcs: ["my_rewards.py:mentions_topic"]``)::
+"""Reward functions for PPO: plain Python scorers of decoded completions, named in the recipe (``reward_funcs:
+["rlhf_trl.demo_task:ground_truth_reward", "my_rewards.py:length_penalty"]``, optional ``reward_weights: [1.0, 0.1]``,
+default 1.0 each). Each entry is ``"package.module:function"`` (imported) or ``"path/to/file.py:function"`` (relative to
+the current directory, not put on ``sys.path``); ``function`` may be dotted (``module:Class.method``). Calling
+convention (TRL GRPO's), all by keyword: ``f(prompts=..., completions=..., **columns)``, ``prompts`` / ``completions``
+being ``[batch]`` prompt texts / decoded responses (no EOS) and ``columns`` one ``[batch]`` list per column
+(`reward_columns`; a function without ``**kwargs`` gets only those it names); it returns ``[batch]`` finite numbers
+(a list, tuple, 1-D array or tensor; bools count as 0 / 1). E.g. (``reward_funcs: ["my_rewards.py:mentions_topic"]``)::
 
     def mentions_topic(prompts, completions, topic, **kwargs):
         return [1.0 if t in c else 0.0 for c, t in zip(completions, topic)]
 
-Units: reward units. The score of a completion is ``sum_i reward_weights[i] * f_i``, plus ``rm_score -
-reward_baseline`` with a reward model (weights: RM units per unit of each function), before PPO's reward shaping.
-Errors are one line: `ValueError` while loading (naming the recipe key and entry), `RewardFunctionError` in the run."""
+Units: reward units. A completion's score is ``sum_i reward_weights[i] * f_i``, plus ``rm_score - reward_baseline``
+with a reward model (weights: RM units per unit of each function), before PPO's reward shaping. Errors are one line:
+`ValueError` while loading (naming the recipe key and entry), `RewardFunctionError` in the run."""
 
 from __future__ import annotations
 
@@ -68,7 +65,14 @@ class RewardFunctions:
                 raise ValueError(f"reward_funcs[{i}] {spec!r}: takes no {' / '.join(map(repr, missing))} argument; a "
                                  "reward function is f(prompts, completions, **columns) -> list[float]")
             self._keywords.append(keywords)
-        self.names = _unique_names(self.specs)
+        self.names: list[str] = []
+        for spec in self.specs:  # unique short names: the function's, then name_2, name_3 ...
+            base = spec.rpartition(":")[2].rpartition(".")[2] or spec
+            name, k = base, 1
+            while name in self.names:
+                k += 1
+                name = f"{base}_{k}"
+            self.names.append(name)
         self.last_values: dict[str, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -117,7 +121,12 @@ def load_reward_functions(specs: list[str] | None, weights: list[float] | None =
         if weights:
             raise ValueError(f"reward_weights: {len(weights)} weight(s) but no reward_funcs")
         return None
-    parsed = [_parse(i, spec) for i, spec in enumerate(specs)]  # cheap checks first: nothing is imported yet
+    parsed = []
+    for i, spec in enumerate(specs):  # cheap checks first: nothing is imported yet
+        module, sep, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
+        if not sep or not module or not _MODULE.match(attr) or not (module.endswith(".py") or _MODULE.match(module)):
+            raise ValueError(f"reward_funcs[{i}]: {spec!r} is not {FORMS}")
+        parsed.append((module, attr))
     _check_weights(weights, specs)
     functions = [_resolve(i, spec, module, attr) for i, (spec, (module, attr)) in enumerate(zip(specs, parsed))]
     rf = RewardFunctions(functions, weights, specs)
@@ -142,14 +151,6 @@ def reward_columns(records: list[dict]) -> dict[str, list]:
             continue
         out[name] = [e.get(name) for e in extras]
     return out
-
-
-def _parse(i: int, spec) -> tuple[str, str]:
-    """``(module or file, attribute path)`` of an entry; ValueError for an entry in neither accepted form."""
-    module, sep, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
-    if not sep or not module or not _MODULE.match(attr) or not (module.endswith(".py") or _MODULE.match(module)):
-        raise ValueError(f"reward_funcs[{i}]: {spec!r} is not {FORMS}")
-    return module, attr
 
 
 def _check_weights(weights, specs: Sequence[str]) -> list[float]:
@@ -220,18 +221,6 @@ def _keywords(fn: Callable) -> frozenset[str] | None:
         return None
     return None if any(p.kind is p.VAR_KEYWORD for p in params) else frozenset(
         p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-
-
-def _unique_names(specs: Sequence[str]) -> list[str]:
-    names: list[str] = []
-    for spec in specs:
-        base = spec.rpartition(":")[2].rpartition(".")[2] or spec
-        name, k = base, 1
-        while name in names:
-            k += 1
-            name = f"{base}_{k}"
-        names.append(name)
-    return names
 
 
 def _one_line(exc: BaseException, root: bool = False) -> str:

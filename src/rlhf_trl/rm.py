@@ -1,9 +1,9 @@
 """Stage 2: reward model on pairwise preferences with `trl.RewardTrainer` (optional LoRA, ``task_type=SEQ_CLS``). Run:
-``rlhf-trl rm --config recipes/demo/rm.yaml`` (or ``python -m rlhf_trl.rm``, ``make rm RECIPE=...``). The SFT model as
-``AutoModelForSequenceClassification(num_labels=1)``, scored at the last real token (the response's EOS) of pairs
-tokenized by `rlhf_trl.data.pair_features`, as PPO scores rollouts. Outputs under ``output_dir``: ``checkpoint-*/``,
-``adapter/`` (LoRA, with the score head), ``merged/`` (classifier and tokenizer: PPO's input), ``eval_metrics.json``
-(`evaluate_pairs` on the eval split), ``eval_pairs.jsonl`` (those pairs as token ids; read by ``rlhf-trl eval``)."""
+``rlhf-trl rm --config recipes/demo/rm.yaml`` (or ``make rm RECIPE=...``). The SFT model as a one-label
+``AutoModelForSequenceClassification``, scored at the last real token (the EOS) of `rlhf_trl.data.pair_features`
+pairs, as PPO scores rollouts. Outputs under ``output_dir``: ``checkpoint-*/``, ``adapter/`` (LoRA, with the score
+head), ``merged/`` (classifier + tokenizer: PPO's input), ``eval_metrics.json`` (`evaluate_pairs` on the eval split),
+``eval_pairs.jsonl`` (those pairs as token ids; read by ``rlhf-trl eval``)."""
 
 from __future__ import annotations
 
@@ -91,22 +91,19 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     # save (every process); the main process writes and evaluates the merged model on the held-out pairs
     metrics = dict(train_result.metrics, global_step=trainer.state.global_step, num_train_pairs=len(train_ds),
                    num_eval_pairs=len(eval_ds) if eval_ds is not None else 0)
-    evaluate = (lambda reward_model: _evaluate(reward_model, eval_feats, tokenizer.pad_token_id,
-                                               training_args.output_dir)) if eval_feats else None
+
+    def evaluate(reward_model) -> dict:  # eval_metrics.json; eval_pairs.jsonl: the pairs `rlhf-trl eval` re-scores
+        eval_metrics, out = evaluate_pairs(reward_model, eval_feats, tokenizer.pad_token_id), training_args.output_dir
+        write_json(os.path.join(out, "eval_metrics.json"), eval_metrics)
+        write_jsonl(os.path.join(out, "eval_pairs.jsonl"), ({"chosen_ids": c, "rejected_ids": r, "prompt_length": n}
+                    for c, r, n in zip(eval_feats["chosen_ids"], eval_feats["rejected_ids"],
+                                       eval_feats["prompt_length"])))
+        logger.info("RM eval: accuracy %.3f (length baseline %.3f), margin %.3f on %d pairs", eval_metrics["accuracy"],
+                    eval_metrics["length_baseline_accuracy"], eval_metrics["margin"], eval_metrics["num_pairs"])
+        return {f"eval_{k}": v for k, v in eval_metrics.items()}
+
     return save_stage_outputs(trainer, tokenizer, model_path, "sequence_classifier", metrics, report,
-                              (data_args, training_args, model_args, run_args), evaluate)
-
-
-def _evaluate(reward_model, eval_feats: dict, pad_token_id: int, out: str) -> dict:
-    """`evaluate_pairs` into ``eval_metrics.json``, the pairs into ``eval_pairs.jsonl``; returns ``eval_*`` metrics."""
-    eval_metrics = evaluate_pairs(reward_model, eval_feats, pad_token_id)
-    write_json(os.path.join(out, "eval_metrics.json"), eval_metrics)
-    # the held-out pairs as evaluated (token ids): `rlhf-trl eval` re-scores them for its report
-    write_jsonl(os.path.join(out, "eval_pairs.jsonl"), ({"chosen_ids": c, "rejected_ids": r, "prompt_length": n}
-                for c, r, n in zip(eval_feats["chosen_ids"], eval_feats["rejected_ids"], eval_feats["prompt_length"])))
-    logger.info("RM eval: accuracy %.3f (length baseline %.3f), margin %.3f on %d pairs", eval_metrics["accuracy"],
-                eval_metrics["length_baseline_accuracy"], eval_metrics["margin"], eval_metrics["num_pairs"])
-    return {f"eval_{k}": v for k, v in eval_metrics.items()}
+                              (data_args, training_args, model_args, run_args), evaluate if eval_feats else None)
 
 
 def evaluate_pairs(model, feats: dict, pad_token_id: int, batch_size: int = 16) -> dict:
