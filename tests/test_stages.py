@@ -31,6 +31,10 @@ def test_sft_learns_and_saves_a_merged_model(assets, sft_run):
     assert len(changed(base, tuned)) == len(base)  # full fine-tune: every tensor moved
     m = sft_run["metrics"]
     assert m["eval_loss"] < 1.5  # random init starts at ln(600) ~ 6.4 nats per token
+    # the same held-out rows scored before and after training, one completion loss per row (demo-real's paired CI)
+    before, after = m["eval_row_losses_before"], m["eval_row_losses"]
+    assert len(before) == len(after) == m["num_eval_rows"] > 1
+    assert all(b > 4.0 for b in before) and all(a < b - 2.0 for a, b in zip(after, before))
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(sft_run["merged"])
@@ -61,8 +65,14 @@ def test_sft_loss_covers_completion_only(assets, tokenizer):
 def test_rm_beats_chance_and_writes_eval_metrics(rm_run):
     path = os.path.join(rm_run["output_dir"], "eval_metrics.json")
     metrics = json.load(open(path))
-    assert set(metrics) == {"accuracy", "margin", "length_baseline_accuracy", "num_pairs"}
+    assert set(metrics) == {"accuracy", "margin", "length_baseline_accuracy", "num_pairs", "accuracy_ci", "length_gap",
+                            "length_gap_ci"}
     assert metrics["num_pairs"] > 20
+    # the intervals: centred on their means, 1.96 standard errors wide (normal approximation over the pairs)
+    assert metrics["length_gap"] == pytest.approx(metrics["accuracy"] - metrics["length_baseline_accuracy"])
+    for key, mean in (("accuracy_ci", metrics["accuracy"]), ("length_gap_ci", metrics["length_gap"])):
+        low, high = metrics[key]
+        assert low <= mean <= high and (low + high) / 2 == pytest.approx(mean)
     # the demo RM data mixes on-topic criticism (learnt) and praise of another topic (learnt poorly) as rejected
     assert metrics["accuracy"] > 0.7 and metrics["margin"] > 0
     assert os.path.isfile(os.path.join(rm_run["output_dir"], "adapter", "adapter_model.safetensors"))

@@ -128,13 +128,30 @@ def print_demo_summary(summary: dict, path: str) -> None:
 
 
 def print_real_summary(summary: dict, path: str) -> None:
-    print(f"\nrlhf-trl demo-real summary ({summary['model']}; CPU smoke runs: figures, not targets)")
+    sft, rm, ppo, t = summary["sft"], summary["rm"], summary["ppo"], summary["targets"]
+
+    def ci(d: dict | None) -> str:
+        if not d or d.get("ci95") is None:
+            return "n/a"
+        return f"{d['diff']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
+
+    gap = {"diff": rm["length_gap"], "ci95": rm["length_gap_ci"]} if rm.get("length_gap") is not None else None
+    print(f"\nrlhf-trl demo-real summary ({summary['model']}); effects with 95% intervals, held-out data")
     for stage, sec in summary["stage_seconds"].items():
         print(f"  {stage + ' seconds':36s} {sec:8.1f}")
-    for key in ("rm_accuracy", "rm_length_baseline_accuracy", "sft_eval_loss", "sft_reward", "ppo_reward", "win_rate",
-                "kl_per_token", "sft_eos_rate", "ppo_eos_rate", "sft_mean_length", "ppo_mean_length"):
-        if isinstance(summary.get(key), (int, float)):
-            print(f"  {key:36s} {summary[key]:8.3f}")
+    print(f"  {'seconds (whole run)':36s} {summary['seconds']:8.1f}")
+    rows = [("SFT completion loss after - before", ci(sft), sft.get("rows"), "rows", t["sft_loss_down"]),
+            ("RM accuracy - length baseline", ci(gap), rm.get("num_pairs"), "pairs", t["rm_above_length_baseline"]),
+            ("PPO - SFT optimised reward", ci(ppo["objective"]), ppo["prompts"], "prompts", t["ppo_objective_up"]),
+            ("PPO - SFT raw RM score", ci(ppo["rm_reward"]), ppo["prompts"], "prompts", None),
+            ("PPO - SFT question overlap (2nd scorer)", ci(ppo["question_overlap"]), ppo["prompts"], "prompts", None)]
+    for name, text, n, unit, met in rows:
+        print(f"  {name:40s} {text:28s} {n} {unit}" + ("" if met is None else f"  target met: {met}"))
+    print(f"  RM accuracy {rm['accuracy']:.3f} vs length-only {rm['length_baseline_accuracy']:.3f}; KL "
+          f"{ppo['kl_per_token']:.4f} nats/token (budget {ppo['kl_budget']}, met: {t['ppo_kl_in_budget']}); EOS rate "
+          f"{ppo['eos_rate_sft']:.2f} -> {ppo['eos_rate_ppo']:.2f}; length {ppo['mean_length_sft']:.1f} -> "
+          f"{ppo['mean_length_ppo']:.1f} tokens")
     for ex in summary["examples"][:2]:
         print(f"  question: {ex['question'][:60]}\n    sft: {ex['sft'][:80]}\n    ppo: {ex['ppo'][:80]}")
-    print(f"  written to {path}\n  report (SFT vs PPO, training curves): {summary['report']}")
+    print(f"  targets met: {summary['targets_met']}\n  written to {path}\n  report (SFT vs PPO, training curves): "
+          f"{summary['report']}")

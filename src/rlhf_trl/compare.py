@@ -25,14 +25,14 @@ import re
 import sys
 
 from .config import RecipeError, one_line_arguments, parse_recipe, sibling_recipe
-from .evaluate import _cell, _stage_dir, paired_difference, policy_figures, sample_and_score
+from .evaluate import _cell, _stage_dir, policy_figures, sample_and_score, sample_values
 from .models import StageInputError, require_model_dir, write_json, write_jsonl, write_text
 from .reward_models import require_reward_model
+from .rewards import load_reward_functions
 
 logger = logging.getLogger(__name__)
 
 RESERVED = ("prompt_index", "sample_index", "question", "prompt_ids")  # the sample rows' own keys
-Z95 = 1.96  # two-sided 95% normal quantile
 
 
 def parse_policies(entries: list[str]) -> dict[str, tuple[str, str | None]]:
@@ -73,14 +73,13 @@ def stage_metrics(stage_dir: str | None) -> dict:
 
 
 def method_figures(rows: list[dict], name: str, ref: str, demo: bool = False) -> dict:
-    """`rlhf_trl.evaluate.policy_figures` of ``name`` against ``ref`` plus ``reward_diff`` / ``reward_ci`` (and
-    ``score_*`` with ``demo``) as the module docstring says. The reference itself: win rate 0.5, KL 0."""
-    out = {"win_rate": 0.5, "kl_per_token": 0.0, "num_kl_tokens": 0,
-           **policy_figures(rows, name, None if name == ref else ref, demo)}
-    for key in ("reward", "score") if demo else ("reward",):
-        mean, se = paired_difference([r[name][key] for r in rows], [r[ref][key] for r in rows])
-        out[f"{key}_diff"], out[f"{key}_ci"] = mean, [mean - Z95 * se, mean + Z95 * se] if se == se else None
-    return out
+    """`rlhf_trl.evaluate.policy_figures` of ``name`` against ``ref`` (``reward_diff`` / ``reward_ci``, ...) as the
+    module docstring says. The reference itself: win rate 0.5, KL 0, differences 0."""
+    if name != ref:
+        return policy_figures(rows, name, ref, demo)
+    out = policy_figures(rows, name, None, demo)
+    return {**out, **{f"{k}_{s}": 0.0 if s == "diff" else [0.0, 0.0] for k in sample_values(rows[0][name], demo)
+                      for s in ("diff", "ci")}, "win_rate": 0.5, "kl_per_token": 0.0, "num_kl_tokens": 0}
 
 
 def verdict(methods: dict[str, dict], ref: str, demo: bool) -> str:
@@ -161,14 +160,17 @@ def write_md(path: str, result: dict, rows: list[dict], num_examples: int = 4) -
 
 def compare(data_args, training_args, policies: dict[str, tuple[str, str | None]], out_dir: str,
             num_prompts: int | None = None, samples_per_prompt: int = 4, demo: bool = False,
-            trust_remote_code: bool = False, rm_hint: str | None = None) -> dict:
+            trust_remote_code: bool = False, rm_hint: str | None = None, functions=None) -> dict:
     """Compare ``policies`` (`parse_policies`) into ``out_dir``; return compare.json's content. Raises, before
-    anything is loaded or written, as `rlhf_trl.evaluate.sample_and_score`; `StageInputError`: no reward model."""
-    rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint)
-    require_reward_model(rm_path, rm_hint)
+    anything is loaded or written, as `rlhf_trl.evaluate.sample_and_score`; `StageInputError`: no reward model and
+    no reward ``functions`` (`rlhf_trl.rewards.RewardFunctions`, which also score every sample)."""
+    rm_path = None
+    if training_args.reward_model_path or functions is None:
+        rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint)
+        require_reward_model(rm_path, rm_hint)
     ref = next(iter(policies))
     rows, n_prompts, _ = sample_and_score(data_args, training_args, {n: p[0] for n, p in policies.items()}, rm_path,
-                                          num_prompts, samples_per_prompt, demo, trust_remote_code)
+                                          num_prompts, samples_per_prompt, demo, trust_remote_code, None, functions)
     methods = {n: {**method_figures(rows, n, ref, demo), **stage_metrics(p[1])} for n, p in policies.items()}
     result = {"reference": ref, "methods": methods, "demo": demo, "reward_model_path": rm_path,
               "policies": {n: {"model": p[0], "stage_dir": p[1]} for n, p in policies.items()},
@@ -206,7 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     data_args, ppo_args, training_args, *_ = parse_recipe(recipe_types(), rest)
     out_dir = own.output_dir or os.path.join(os.path.dirname(os.path.normpath(training_args.output_dir)), "compare")
     result = compare(data_args, training_args, policies, out_dir, own.num_prompts, own.samples_per_prompt, own.demo,
-                     ppo_args.trust_remote_code, sibling_recipe(own.config, "rm"))
+                     ppo_args.trust_remote_code, sibling_recipe(own.config, "rm"),
+                     load_reward_functions(ppo_args.reward_funcs, ppo_args.reward_weights))
     metrics = {f"{n}_{k}": m[k] for n, m in result["methods"].items()
                for k in ("reward", "win_rate", "kl_per_token", "score") if k in m}
     return {"output_dir": out_dir, "metrics": metrics, **result}

@@ -1,7 +1,19 @@
 """Real weights end to end: ``make demo-real`` (or ``rlhf-trl demo-real --model DIR``).
+
 Runs ``recipes/qwen2.5-0.5b-cpu/{sft,rm,ppo}.yaml`` on a stock Qwen2 / Qwen2.5 Instruct directory (``make
-real-model``), then ``rlhf-trl eval``, and writes ``<output_dir>/summary.json``: each stage's wall time (seconds) and
-the figures of ``eval.json`` with side-by-side samples. CPU-scale smoke runs: figures, no targets."""
+real-model``), then ``rlhf-trl eval``, and writes ``<output_dir>/summary.json``: per stage the effect on held-out data
+with its 95% interval (normal approximation, paired where the same rows are scored twice), the targets and whether
+they are met, each stage's wall time (seconds) and side-by-side samples.
+
+- SFT: completion loss (nats per token) of the same held-out rows before and after; target: the interval of the
+  difference below 0.
+- RM: pairwise accuracy on held-out pairs minus the length-only baseline ("the longer answer wins"), paired per pair;
+  target: its interval above 0. The pairs (`relevance_pairs`) are built from real human-written answers: a question's
+  best answer against the best answer to the question whose best answer is nearest in length, a sharper preference than
+  the human rankings (which a 0.5B RM does not learn above the length baseline in CPU minutes).
+- PPO: the optimised reward (RM score minus the missing-EOS penalty) of PPO's responses minus SFT's, same held-out
+  prompts and seed; targets: its interval above 0, KL per token in (0, `KL_BUDGET`); EOS rate and length reported;
+  a second scorer the reward does not contain, `question_overlap`, with its interval."""
 
 from __future__ import annotations
 
@@ -9,45 +21,135 @@ import argparse
 import json
 import logging
 import os
+import re
 import time
 
 from .models import require_model_dir, write_json
 
 logger = logging.getLogger(__name__)
 
-QUALITY_KEYS = ["rm_accuracy", "rm_length_baseline_accuracy", "rm_num_pairs", "sft_reward", "ppo_reward", "win_rate",
-                "kl_per_token", "sft_eos_rate", "ppo_eos_rate", "sft_mean_length", "ppo_mean_length"]
+KL_BUDGET = 0.3  # nats per token of log-prob gap, PPO vs SFT policy, on PPO's responses; 0.43 was repetition
+RANKED_SOURCE = "../shared/data/zh/oaast_rm_zh.json"  # 775 questions with human-ranked answers (best first)
+MAX_ANSWER_CHARS = 300  # longer best answers are skipped (counted): both sides of a pair fit the RM's 256 tokens
+_UNIT = re.compile(r"[\u4e00-\u9fff]|[A-Za-z0-9]+")  # one CJK character or one latin word / number
+
+
+def relevance_pairs(source: str, path: str) -> dict:
+    """Write ``path`` (JSON lines ``{question, chosen, rejected}``) from a ranked file (``instruction``, ``input``,
+    ``output`` best first): for each question its best answer (chosen) and the best answer of its neighbour by
+    best-answer length (rejected; neighbours in pairs, the shorter and the longer one of each): lengths nearly match
+    and either side is the longer as often, so the length-only baseline is near 0.5. Rows with history or no answer,
+    repeated questions, best answers over `MAX_ANSWER_CHARS` and answers shared with the neighbour are skipped and
+    counted. Returns the counts. Raises `OSError` / `ValueError`: ``source`` unreadable or not a JSON list."""
+    with open(source, encoding="utf-8") as f:
+        rows = json.load(f)
+    if not isinstance(rows, list):
+        raise ValueError(f"{source}: expected a JSON list of ranked rows")
+    answered = [r for r in rows if not r.get("history") and isinstance(r.get("output"), list) and r["output"]]
+    first = {_question(r): r for r in reversed(answered)}  # a question asked twice ("你好"): its first row only
+    usable = [r for r in answered if first[_question(r)] is r and len(r["output"][0]) <= MAX_ANSWER_CHARS]
+    usable.sort(key=lambda r: (len(r["output"][0]), r["output"][0]))
+    pairs = []
+    for i, row in enumerate(usable):
+        other = usable[i ^ 1] if i ^ 1 < len(usable) else usable[i - 1]  # neighbours 0-1, 2-3, ...: either longer
+        if other["output"][0] != row["output"][0]:
+            pairs.append({"question": _question(row), "chosen": row["output"][0], "rejected": other["output"][0]})
+    order = sorted(range(len(pairs)), key=lambda k: pairs[k]["question"])  # not by length: splits stay mixed
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(pairs[k], ensure_ascii=False) + "\n" for k in order)
+    counts = {"rows": len(rows), "skipped_history_or_no_answer": len(rows) - len(answered),
+              "skipped_repeated_question": len(answered) - len(first),
+              f"skipped_best_answer_over_{MAX_ANSWER_CHARS}_chars": len(first) - len(usable),
+              "skipped_same_answer": len(usable) - len(pairs), "pairs": len(pairs)}
+    logger.info("demo-real: %s -> %s: %s", source, path, counts)
+    return counts
+
+
+def _question(row: dict) -> str:
+    return "\n".join(x for x in (row["instruction"], row.get("input") or "") if x)
+
+
+def _units(text: str) -> set[str]:
+    chars = _UNIT.findall(text.lower())
+    return {a + b for a, b in zip(chars, chars[1:])}
+
+
+def question_overlap(prompts: list[str], completions: list[str], question: list[str], **kwargs) -> list[float]:
+    """The second scorer, a reward function the PPO reward does not contain: ``[batch]`` share in [0, 1] of the
+    question's distinct bigrams (of CJK characters and latin words) found in the completion (does the answer stay on
+    the question's terms?)."""
+    out = []
+    for q, c in zip(question, completions):
+        want = _units(q)
+        out.append(len(want & _units(c)) / len(want) if want else 0.0)
+    return out
+
+
+def _ci_dict(mean: float, ci: list[float] | None) -> dict:
+    return {"diff": mean, "ci95": ci}
+
+
+def quality(sft_metrics: dict, evaluation: dict, rows: list[dict]) -> dict:
+    """The summary's effects and targets from the SFT stage's metrics, ``rlhf-trl eval``'s result and its rows."""
+    from .evaluate import paired_ci
+
+    before, after = sft_metrics.get("eval_row_losses_before"), sft_metrics.get("eval_row_losses")
+    sft = ({"loss_before": sum(before) / len(before), "loss_after": sum(after) / len(after), "rows": len(after),
+            **_ci_dict(*paired_ci(after, before))} if before and after else {})
+    rm = {k: evaluation.get(f"rm_{k}") for k in ("accuracy", "accuracy_ci", "length_baseline_accuracy", "length_gap",
+                                                 "length_gap_ci", "num_pairs")}
+    overlap = {name: question_overlap([], [r[name]["text"] for r in rows], [r["question"] for r in rows])
+               for name in ("sft", "ppo")}
+    ppo = {"objective_sft": evaluation["sft_objective"], "objective_ppo": evaluation["ppo_objective"],
+           "objective": _ci_dict(evaluation["objective_diff"], evaluation["objective_ci"]),
+           "rm_reward": _ci_dict(evaluation["reward_diff"], evaluation["reward_ci"]),
+           "kl_per_token": evaluation["kl_per_token"], "kl_budget": KL_BUDGET, "win_rate": evaluation["win_rate"],
+           **{f"{k}_{p}": evaluation[f"{p}_{k}"] for k in ("eos_rate", "mean_length") for p in ("sft", "ppo")},
+           **{f"question_overlap_{k}": sum(v) / len(rows) for k, v in overlap.items()},
+           "question_overlap": _ci_dict(*paired_ci(overlap["ppo"], overlap["sft"])), "prompts": len(rows)}
+    low = lambda d: d.get("ci95") is not None and d["ci95"][0] > 0  # noqa: E731
+    targets = {"sft_loss_down": bool(sft) and sft["ci95"] is not None and sft["ci95"][1] < 0,
+               "rm_above_length_baseline": rm["length_gap_ci"] is not None and rm["length_gap_ci"][0] > 0,
+               "ppo_objective_up": low(ppo["objective"]), "ppo_kl_in_budget": 0 < ppo["kl_per_token"] < KL_BUDGET}
+    return {"sft": sft, "rm": rm, "ppo": ppo, "targets": targets, "targets_met": all(targets.values())}
 
 
 def run(model_dir: str, recipes_dir: str = "recipes/qwen2.5-0.5b-cpu", output_dir: str = "outputs/qwen2.5-0.5b-cpu",
-        eval_prompts: int = 16) -> dict:
-    """SFT -> RM -> PPO -> eval (``eval_prompts`` held-out prompts) on ``model_dir``; returns the summary, also written
-    to ``summary.json``. Raises `StageInputError`: ``model_dir`` is not a model directory; stage errors."""
+        eval_prompts: int = 40, overrides: dict[str, list[str]] | None = None) -> dict:
+    """Pairs -> SFT -> RM -> PPO -> eval (``eval_prompts`` held-out prompts, one sample each) on ``model_dir``;
+    ``overrides``: extra ``--key value`` arguments per stage (``sft`` / ``rm`` / ``ppo``; smoke runs). Returns the
+    summary, also written to ``summary.json``. Raises `StageInputError`: ``model_dir`` is not a model directory; stage
+    errors; `OSError`: the ranked source is missing."""
     from . import evaluate, ppo, rm, sft
 
     require_model_dir(model_dir, "base model", "make real-model")
-    seconds: dict[str, float] = {}
+    t0 = time.time()
+    pairs_path = os.path.join(output_dir, "data", "relevance_pairs.jsonl")
+    pair_counts = relevance_pairs(RANKED_SOURCE, pairs_path)
+    seconds: dict[str, float] = {"pairs": round(time.time() - t0, 1)}
     argv = {"sft": ["--model_name_or_path", model_dir, "--output_dir", f"{output_dir}/sft"],
-            "rm": ["--model_name_or_path", f"{output_dir}/sft/merged", "--output_dir", f"{output_dir}/rm"],
+            "rm": ["--model_name_or_path", f"{output_dir}/sft/merged", "--output_dir", f"{output_dir}/rm",
+                   "--dataset_name", pairs_path],
             "ppo": ["--sft_model_path", f"{output_dir}/sft/merged", "--reward_model_path", f"{output_dir}/rm/merged",
                     "--output_dir", f"{output_dir}/ppo"]}
     results = {}
     for name, module in (("sft", sft), ("rm", rm), ("ppo", ppo)):
         t0 = time.time()
-        results[name] = module.main(["--config", os.path.join(recipes_dir, f"{name}.yaml"), *argv[name]])
+        results[name] = module.main(["--config", os.path.join(recipes_dir, f"{name}.yaml"), *argv[name],
+                                     *(overrides or {}).get(name, [])])
         seconds[name] = round(time.time() - t0, 1)
         logger.info("demo-real: %s done in %.0f s", name, seconds[name])
     t0, trainer = time.time(), results["ppo"].get("trainer")
     evaluation = evaluate.main(["--config", os.path.join(recipes_dir, "ppo.yaml"), *argv["ppo"], "--num_prompts",
-                                str(eval_prompts), "--samples_per_prompt", "1"],
+                                str(eval_prompts), "--samples_per_prompt", "1", *(overrides or {}).get("ppo", [])],
                                ppo_logs=trainer.state.log_history if trainer is not None else None)
     seconds["eval"] = round(time.time() - t0, 1)
-    samples = [json.loads(line) for line in open(evaluation["samples"], encoding="utf-8")][:3]
+    rows = [json.loads(line) for line in open(evaluation["samples"], encoding="utf-8")]
     summary = {"model": model_dir, "stage_seconds": seconds, "seconds": round(sum(seconds.values()), 1),
-               **{k: evaluation[k] for k in QUALITY_KEYS if k in evaluation},
-               "sft_eval_loss": results["sft"]["metrics"].get("eval_loss"),
-               "examples": [{"question": s["question"], "sft": s["sft"]["text"], "ppo": s["ppo"]["text"]}
-                            for s in samples], "report": evaluation["report"]}
+               "rm_pairs_file": pair_counts, **quality(results["sft"]["metrics"], evaluation, rows),
+               "examples": [{"question": r["question"], "sft": r["sft"]["text"], "ppo": r["ppo"]["text"]}
+                            for r in rows[:3]], "report": evaluation["report"]}
     write_json(os.path.join(output_dir, "summary.json"), summary)
     return summary
 
@@ -59,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", required=True, help="a stock Qwen2 / Qwen2.5 Instruct directory (make real-model)")
     p.add_argument("--recipes", default="recipes/qwen2.5-0.5b-cpu", help="directory with sft.yaml, rm.yaml, ppo.yaml")
     p.add_argument("--output_dir", default="outputs/qwen2.5-0.5b-cpu", help="where the stages write")
-    p.add_argument("--eval_prompts", type=int, default=16, help="held-out prompts for the SFT vs PPO evaluation")
+    p.add_argument("--eval_prompts", type=int, default=40, help="held-out prompts for the SFT vs PPO evaluation")
     args = p.parse_args(argv)
     summary = run(args.model, args.recipes, args.output_dir, args.eval_prompts)
     return {"output_dir": args.output_dir, "real_summary": summary}

@@ -29,6 +29,7 @@ from .demo_task import on_topic, score_response
 from .models import (eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir,
                      write_json, write_jsonl, write_text)
 from .reward_models import require_reward_model
+from .rewards import load_reward_functions, reward_columns
 from .scoring import pad_left, pad_right, response_logprobs, sample, score_sequences
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ RM_CURVES = ["loss", "eval_loss", "train_loss", "eval_accuracy", "accuracy", "ma
 FIGURES = ["sft_reward", "ppo_reward", "win_rate", "kl_per_token", "sft_mean_length", "ppo_mean_length",
            "sft_eos_rate", "ppo_eos_rate"]
 RM_FIGURES = ["rm_accuracy", "rm_margin", "rm_length_baseline_accuracy", "rm_num_pairs"]
+Z95 = 1.96  # two-sided 95% normal quantile
 DEMO_FIGURES = ["sft_score", "ppo_score", "sft_on_topic_rate", "ppo_on_topic_rate"]  # with --demo
 
 
@@ -60,18 +62,32 @@ def policy_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
     return out
 
 
+def sample_values(m: dict, demo: bool = False) -> dict[str, float]:
+    """One policy's scored values in a `sample_and_score` row: ``reward``, ``objective``, ``fn_<name>`` per reward
+    function and, with ``demo``, ``score``."""
+    out = {"reward": m["reward"], "objective": m.get("objective", m["reward"]),
+           **{f"fn_{k}": v for k, v in m.get("functions", {}).items()}}
+    return {**out, "score": m["score"]} if demo else out
+
+
 def policy_figures(rows: list[dict], name: str, ref: str | None = None, demo: bool = False) -> dict:
-    """Policy ``name``'s unprefixed figures over `sample_and_score` rows (see the module docstring); ``win_rate``,
-    ``kl_per_token`` and ``num_kl_tokens`` against the policy ``ref``. Raises `ValueError`: no rows."""
+    """Policy ``name``'s unprefixed figures over `sample_and_score` rows (see the module docstring): the mean of each
+    of `sample_values`, ``mean_length``, ``eos_rate``; against the policy ``ref``: ``<value>_diff`` / ``<value>_ci``
+    (`paired_ci`), ``win_rate`` (on ``reward``), ``kl_per_token`` and ``num_kl_tokens``. Raises `ValueError`: no
+    rows."""
     if not rows:
         raise ValueError("no eval samples")
     n, mine = len(rows), [r[name] for r in rows]
-    out = {"reward": sum(m["reward"] for m in mine) / n,
+    values = [sample_values(m, demo) for m in mine]
+    out = {**{k: sum(v[k] for v in values) / n for k in values[0]},
            "mean_length": sum(len(m["response_ids"]) - int(m["eos"]) for m in mine) / n,
            "eos_rate": sum(int(m["eos"]) for m in mine) / n}
     if demo:
-        out.update(score=sum(m["score"] for m in mine) / n, on_topic_rate=sum(int(m["on_topic"]) for m in mine) / n)
+        out["on_topic_rate"] = sum(int(m["on_topic"]) for m in mine) / n
     if ref:
+        theirs = [sample_values(r[ref], demo) for r in rows]
+        for k in values[0]:
+            out[f"{k}_diff"], out[f"{k}_ci"] = paired_ci([v[k] for v in values], [t[k] for t in theirs])
         pairs = [(r[name]["reward"], r[ref]["reward"]) for r in rows]
         out["win_rate"] = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs) / n
         diffs = [a - b for m in mine for a, b in zip(m[f"logprobs_{name}"], m[f"logprobs_{ref}"])]
@@ -80,11 +96,11 @@ def policy_figures(rows: list[dict], name: str, ref: str | None = None, demo: bo
 
 
 def figures(rows: list[dict], demo: bool = False) -> dict:
-    """The eval figures from ``eval_samples.jsonl`` rows: `policy_figures` of ``sft`` and ``ppo``. Raises as it."""
+    """The eval figures from ``eval_samples.jsonl`` rows: `policy_figures` of ``sft`` and ``ppo`` (``sft_*`` /
+    ``ppo_*``) and PPO's against SFT unprefixed (``reward_diff``, ``objective_ci``, ...). Raises as it."""
     sft, ppo = policy_figures(rows, "sft", demo=demo), policy_figures(rows, "ppo", "sft", demo)
     per_policy = {f"{name}_{k}": f[k] for name, f in (("sft", sft), ("ppo", ppo)) for k in sft}
-    return {**per_policy, "win_rate": ppo["win_rate"], "kl_per_token": ppo["kl_per_token"], "num_samples": len(rows),
-            "num_kl_tokens": ppo["num_kl_tokens"]}
+    return {**per_policy, **{k: v for k, v in ppo.items() if k not in sft}, "num_samples": len(rows)}
 
 
 def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
@@ -92,6 +108,12 @@ def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
     diffs = [x - y for x, y in zip(a, b)]
     n, mean = len(diffs), sum(diffs) / len(diffs)
     return mean, (sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
+
+
+def paired_ci(a: list[float], b: list[float]) -> tuple[float, list[float] | None]:
+    """Mean of ``a[i] - b[i]`` and its 95% interval (mean +- `Z95` standard errors; None for fewer than 2 pairs)."""
+    mean, se = paired_difference(a, b)
+    return mean, [mean - Z95 * se, mean + Z95 * se] if se == se else None
 
 
 def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
@@ -253,7 +275,7 @@ def _stage_dir(model_path: str) -> str | None:
 
 def evaluate(data_args, training_args, num_prompts: int | None = None, samples_per_prompt: int = 4,
              demo: bool = False, ppo_logs: list[dict] | None = None, trust_remote_code: bool = False,
-             hints: dict[str, str] | None = None) -> dict:
+             hints: dict[str, str] | None = None, functions=None) -> dict:
     """Evaluate a PPO recipe (`DataArguments`, `PPOConfig`) as the module docstring says, into its output_dir.
     ``ppo_logs``: the PPO trainer's ``log_history`` (default: from the newest checkpoint); ``hints``: the command
     making each input (``sft`` / ``rm`` / ``ppo``), named when it is missing. Returns eval.json's content plus
@@ -262,13 +284,15 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     out_dir = training_args.output_dir
     hints = hints or {}
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", hints.get("sft"))
-    rm_path = require_model_dir(training_args.reward_model_path, "reward model", hints.get("rm"))
-    require_reward_model(rm_path, hints.get("rm"))
+    rm_path = None
+    if training_args.reward_model_path or functions is None:
+        rm_path = require_model_dir(training_args.reward_model_path, "reward model", hints.get("rm"))
+        require_reward_model(rm_path, hints.get("rm"))
     ppo_path = require_model_dir(os.path.join(out_dir, "merged"), "PPO policy", hints.get("ppo", "make ppo"))
     pairs = os.path.join(_stage_dir(rm_path) or "", "eval_pairs.jsonl")
     rows, n_prompts, rm_figures = sample_and_score(
         data_args, training_args, {"sft": sft_path, "ppo": ppo_path}, rm_path, num_prompts, samples_per_prompt, demo,
-        trust_remote_code, pairs)
+        trust_remote_code, pairs, functions)
     if not rm_figures:
         logger.warning("eval: no RM held-out pairs at %s; rm_accuracy is not reported", pairs)
     result = {"figures": {**figures(rows, demo), **rm_figures}, "rm_pairs": pairs if rm_figures else None,
@@ -284,19 +308,25 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     result["report"] = write_report(out_dir, result, rows, stage_logs)
     result["samples"] = samples_path
     write_json(os.path.join(out_dir, "eval.json"), {**result["figures"], **result})
-    logger.info("eval: %s", ", ".join(f"{k} {v:.4g}" for k, v in result["figures"].items()))
+    logger.info("eval: %s", ", ".join(f"{k} {v:.4g}" for k, v in result["figures"].items() if isinstance(v, float)))
     return {**result["figures"], **result}
 
 
-def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: str, num_prompts: int | None,
+def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: str | None, num_prompts: int | None,
                      samples_per_prompt: int, demo: bool = False, trust_remote_code: bool = False,
-                     pairs_file: str | None = None) -> tuple[list[dict], int, dict]:
+                     pairs_file: str | None = None, functions=None) -> tuple[list[dict], int, dict]:
     """Each policy of ``paths`` (name -> model dir; the first, the reference, gives tokenizer and EOS ids) samples
     the PPO recipe's held-out prompts as PPO does, same seed; the RM scores each (raw). Returns ``(rows, number of
     prompts, rm_* figures on pairs_file or {})``: a row per prompt and sample index, per policy ``response_ids``,
-    ``eos``, ``text``, ``reward`` (``score``, ``on_topic`` with ``demo``) and, but for the reference,
-    ``logprobs_<name>`` / ``logprobs_<reference>``. Raises, before loading anything, `DataError`: bad prompt rows;
-    `ValueError`: no held-out prompt, bad template settings, a count < 1."""
+    ``eos``, ``text``, ``reward`` (the raw RM score; without ``rm_path``, the reward functions' weighted sum),
+    ``objective`` (PPO's reward before the KL penalty, less the constant ``reward_baseline``: ``reward`` plus the
+    functions' sum with an RM, minus ``missing_eos_penalty`` without EOS), ``functions`` (name -> value of each of
+    ``functions``, a `rlhf_trl.rewards.RewardFunctions`, fed the prompt file's columns), ``score`` / ``on_topic``
+    with ``demo`` and, but for the reference, ``logprobs_<name>`` / ``logprobs_<reference>``. Raises, before loading
+    anything, `DataError`: bad prompt rows; `ValueError`: no held-out prompt, no reward, bad template settings, a
+    count < 1; then `rlhf_trl.rewards.RewardFunctionError`."""
+    if rm_path is None and functions is None:
+        raise ValueError("nothing scores the samples: set reward_model_path and/or reward_funcs")
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     if num_prompts is not None and num_prompts < 1:
@@ -312,20 +342,31 @@ def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: s
     prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
     pad, eos = tokenizer.pad_token_id, eos_token_ids(tokenizer, ref_path)  # every EOS id ends a response
     responses, logprobs = _sample_policies(training_args, paths, prompts, pad, eos, trust_remote_code)
-    reward_model = load_sequence_classifier(rm_path, None, trust_remote_code)
-    reward_model.config.pad_token_id = pad
+    reward_model = load_sequence_classifier(rm_path, None, trust_remote_code) if rm_path else None
+    if reward_model is not None:
+        reward_model.config.pad_token_id = pad
     rows = [{"prompt_index": i // samples_per_prompt, "sample_index": i % samples_per_prompt,
              "question": eval_records[i // samples_per_prompt]["question"], "prompt_ids": p}
             for i, p in enumerate(prompts)]
+    columns = {k: [v for v in col for _ in range(samples_per_prompt)]
+               for k, col in reward_columns(eval_records).items()} if functions else {}
+    penalty = getattr(training_args, "missing_eos_penalty", None) or 0.0
     for name, resp in responses.items():
-        rewards = score_sequences(reward_model, [p + r for p, (r, _) in zip(prompts, resp)], pad).tolist()
-        for i, (row, (ids, ended)) in enumerate(zip(rows, resp)):
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            row[name] = {"response_ids": ids, "eos": ended, "text": text, "reward": rewards[i]}
+        texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in resp]
+        total, values = (functions.compute(tokenizer.batch_decode(prompts, skip_special_tokens=True), texts, 0,
+                                           **columns) if functions else (torch.zeros(len(texts)), {}))
+        rewards = (score_sequences(reward_model, [p + r for p, (r, _) in zip(prompts, resp)], pad)
+                   if reward_model is not None else total)
+        for i, (row, (ids, ended), text) in enumerate(zip(rows, resp, texts)):
+            objective = float(rewards[i]) + (float(total[i]) if reward_model is not None else 0.0)
+            row[name] = {"response_ids": ids, "eos": ended, "text": text, "reward": float(rewards[i]),
+                         "objective": objective - (0.0 if ended else penalty),
+                         "functions": {k: float(v[i]) for k, v in values.items()}}
             if demo:
                 row[name].update(score=score_response(row["question"], text), on_topic=on_topic(row["question"], text))
             row[name].update({f"logprobs_{k}": v[i] for k, v in logprobs.get(name, {}).items()})
-    rm_figures = rm_pair_figures(reward_model, pairs_file, pad) if pairs_file and os.path.isfile(pairs_file) else {}
+    rm_figures = (rm_pair_figures(reward_model, pairs_file, pad)
+                  if reward_model is not None and pairs_file and os.path.isfile(pairs_file) else {})
     return rows, len(eval_records), rm_figures
 
 
@@ -366,6 +407,7 @@ def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> d
     data_args, ppo_args, training_args, model_args, run_args, _ = parse_recipe(recipe_types(), rest)
     result = evaluate(data_args, training_args, own.num_prompts, own.samples_per_prompt, own.demo,
                       ppo_logs=ppo_logs, trust_remote_code=ppo_args.trust_remote_code,
+                      functions=load_reward_functions(ppo_args.reward_funcs, ppo_args.reward_weights),
                       hints={stage: sibling_recipe(own.config, stage) for stage in ("sft", "rm", "ppo")})
     return {"output_dir": training_args.output_dir, "metrics": dict(result["figures"]), **result}
 

@@ -191,8 +191,17 @@ def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_
 
 
 def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, rejected_len) -> dict:
-    """Pairwise accuracy, mean margin and length-only baseline (longer wins, ties half) of ``[num_pairs]`` scores."""
+    """Pairwise accuracy, mean margin and length-only baseline (longer wins, ties half) of ``[num_pairs]`` scores, with
+    95% intervals (normal approximation, mean +- 1.96 standard errors; None for one pair): ``accuracy_ci`` and
+    ``length_gap_ci`` of ``length_gap`` (accuracy minus the baseline, paired per pair: does the RM beat length?)."""
     chosen_len, rejected_len = (torch.as_tensor(n, dtype=torch.float) for n in (chosen_len, rejected_len))
     longer = (chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()
-    return {"accuracy": float((chosen > rejected).float().mean()), "margin": float((chosen - rejected).mean()),
-            "length_baseline_accuracy": float(longer.mean()), "num_pairs": int(chosen.numel())}
+    correct, n = (chosen > rejected).float().cpu(), int(chosen.numel())
+
+    def ci(x: torch.Tensor) -> list[float] | None:
+        half = 1.96 * float(x.std()) / n ** 0.5 if n > 1 else None
+        return None if half is None else [float(x.mean()) - half, float(x.mean()) + half]
+
+    return {"accuracy": float(correct.mean()), "margin": float((chosen - rejected).mean()),
+            "length_baseline_accuracy": float(longer.mean()), "num_pairs": n, "accuracy_ci": ci(correct),
+            "length_gap": float((correct - longer).mean()), "length_gap_ci": ci(correct - longer)}

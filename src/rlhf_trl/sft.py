@@ -11,6 +11,7 @@ import logging
 import torch
 
 from datasets import Dataset
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .checkpoints import begin_writing, keeps_earlier_run, save_stage_outputs, start_run, with_atomic_checkpoints
 from .config import RunArguments, parse_recipe
@@ -83,12 +84,19 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
         peft_config=get_peft_config(model_args), callbacks=callbacks)
     fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
+    # per-row held-out losses before / after (paired); not under ZeRO-3, whose weights are partitioned until train()
+    rows_loss = eval_ds is not None and not is_deepspeed_zero3_enabled()
+    before = completion_losses(trainer.model, eval_ds, training_args.max_length) if rows_loss and not resume else None
     train_result = trainer.train(resume_from_checkpoint=resume)
 
     # evaluate (held-out loss on completion tokens), before the adapter is merged away
     metrics = dict(train_result.metrics, global_step=trainer.state.global_step)
     if eval_ds is not None:
         metrics.update(trainer.evaluate())
+        if rows_loss:
+            metrics["eval_row_losses"] = completion_losses(trainer.model, eval_ds, training_args.max_length)
+        if before is not None:
+            metrics["eval_row_losses_before"] = before
     metrics.update(num_train_rows=len(train_ds), num_eval_rows=len(eval_ds) if eval_ds is not None else 0)
 
     # save (under `accelerate launch`: every process calls save_model, only the main process writes)
@@ -97,6 +105,24 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     if trainer.is_world_process_zero():
         logger.info("SFT done: merged model at %s", result["merged"])
     return result
+
+
+@torch.no_grad()
+def completion_losses(model, dataset, max_length: int | None = None) -> list[float]:
+    """``[num_rows]`` mean NLL (nats per token) of each row's completion tokens (``completion_mask``, EOS included)
+    under ``model``, rows cut to ``max_length`` tokens as the trainer cuts them; one forward per row (eval mode, then
+    the mode it had). For a paired before / after comparison of the same held-out rows."""
+    was_training, device = model.training, next(model.parameters()).device
+    model.eval()
+    out = []
+    for row in dataset:
+        ids = torch.tensor(row["input_ids"][:max_length], device=device)
+        mask = torch.tensor(row["completion_mask"][:max_length], device=device)[1:].bool()
+        logits = model(input_ids=ids[None]).logits[0, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
+        out.append(float(nll[mask].mean()) if mask.any() else float("nan"))
+    model.train(was_training)
+    return out
 
 
 def _trainer_class(model, model_path: str, training_args):
