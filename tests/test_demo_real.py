@@ -42,19 +42,22 @@ def test_question_overlap_counts_the_questions_bigrams():
     assert question_overlap([], ["今天天气很好"], q) == [0.0] and question_overlap([], ["x"], ["?"]) == [0.0]
 
 
+SFT_LOSS = {"sft_loss_before": 2.1, "sft_loss_after": 1.2, "sft_loss_diff": -0.9, "sft_loss_ci": [-1.1, -0.7],
+            "sft_loss_rows": 2}
+
+
 def _evaluation(objective_ci, gap_ci, kl):
     return {"rm_accuracy": 0.8, "rm_accuracy_ci": [0.7, 0.9], "rm_length_baseline_accuracy": 0.5, "rm_length_gap": 0.3,
             "rm_length_gap_ci": gap_ci, "rm_num_pairs": 64, "sft_objective": -1.0, "ppo_objective": -0.5,
             "objective_diff": 0.5, "objective_ci": objective_ci, "reward_diff": 0.2, "reward_ci": [-0.1, 0.5],
             "kl_per_token": kl, "win_rate": 0.6, "sft_eos_rate": 0.2, "ppo_eos_rate": 0.5, "sft_mean_length": 40.0,
-            "ppo_mean_length": 30.0}
+            "ppo_mean_length": 30.0, **SFT_LOSS}
 
 
 def test_targets_follow_the_intervals():
     rows = [{"question": "学习编程", "sft": {"text": "学习"}, "ppo": {"text": "学习编程"}},
             {"question": "学习编程", "sft": {"text": "编程"}, "ppo": {"text": "学习编程吧"}}]
-    sft = {"eval_row_losses_before": [2.0, 2.2], "eval_row_losses": [1.0, 1.4]}
-    good = demo_real.quality(sft, _evaluation([0.1, 0.9], [0.1, 0.5], 0.05), rows)
+    good = demo_real.quality(_evaluation([0.1, 0.9], [0.1, 0.5], 0.05), rows)
     assert good["targets_met"] and good["sft"]["diff"] == pytest.approx(-0.9) and good["sft"]["rows"] == 2
     assert good["ppo"]["question_overlap_sft"] == pytest.approx(1 / 3) and good["ppo"]["question_overlap_ppo"] == 1.0
     assert good["ppo"]["question_overlap"]["diff"] == pytest.approx(2 / 3)
@@ -62,9 +65,12 @@ def test_targets_follow_the_intervals():
                                (_evaluation([0.1, 0.9], [-0.1, 0.5], 0.05), "rm_above_length_baseline"),
                                (_evaluation([0.1, 0.9], [0.1, 0.5], 0.0), "ppo_kl_in_budget"),
                                (_evaluation([0.1, 0.9], [0.1, 0.5], demo_real.KL_BUDGET), "ppo_kl_in_budget")):
-        out = demo_real.quality(sft, evaluation, rows)
+        out = demo_real.quality(evaluation, rows)
         assert not out["targets_met"] and [k for k, v in out["targets"].items() if not v] == [failed]
-    assert not demo_real.quality({}, _evaluation([0.1, 0.9], [0.1, 0.5], 0.05), rows)["targets"]["sft_loss_down"]
+    no_sft = {k: v for k, v in _evaluation([0.1, 0.9], [0.1, 0.5], 0.05).items() if not k.startswith("sft_loss")}
+    assert not demo_real.quality(no_sft, rows)["targets"]["sft_loss_down"]
+    worse = {**_evaluation([0.1, 0.9], [0.1, 0.5], 0.05), "sft_loss_ci": [-0.2, 0.1]}
+    assert not demo_real.quality(worse, rows)["targets"]["sft_loss_down"]
 
 
 @pytest.mark.slow

@@ -203,19 +203,30 @@ def test_stage_without_logs_is_reported(tmp_path):
 
 
 def test_quality_lines_read_the_figures_honestly():
+    from rlhf_trl.evaluate import figures as eval_figures
     from rlhf_trl.evaluate import quality_lines
 
-    figures = {"rm_accuracy": 0.6, "rm_length_baseline_accuracy": 0.7, "rm_num_pairs": 10, "sft_reward": 0.0,
-               "ppo_reward": 0.5, "kl_per_token": 0.01, "sft_eos_rate": 0.5, "ppo_eos_rate": 1.0,
-               "sft_mean_length": 10.0, "ppo_mean_length": 8.0}
-    rows = [{"sft": {"reward": 0.0}, "ppo": {"reward": d}} for d in (0.4, 0.5, 0.6)]  # mean 0.5, se 0.0577
+    def row(sft, ppo):
+        return {name: {"reward": r, "objective": r - 1.0, "response_ids": [1, 2], "eos": True, "logprobs_ppo": [0.1],
+                       "logprobs_sft": [0.0]} for name, r in (("sft", sft), ("ppo", ppo))}
+
+    rows = [row(0.0, d) for d in (0.4, 0.5, 0.6)]  # differences: mean 0.5, standard error 0.0577
+    figures = {**eval_figures(rows), "rm_accuracy": 0.6, "rm_length_baseline_accuracy": 0.7, "rm_num_pairs": 10,
+               "rm_length_gap_ci": [-0.3, 0.1], "sft_loss_before": 2.0, "sft_loss_after": 1.5, "sft_loss_diff": -0.5,
+               "sft_loss_ci": [-0.7, -0.3], "sft_loss_rows": 9}
     lines = quality_lines(figures, rows)
-    assert lines[2] == ("- Reward model: accuracy 0.600 on 10 held-out pairs, not above the length-only baseline "
-                        "(0.700, gap -0.100).")
-    assert lines[3] == ("- PPO vs SFT: mean RM reward 0.500 vs 0.000, paired difference +0.500 +- 0.058 (standard "
-                        "error, 3 pairs): larger than two standard errors.")
-    noisy = quality_lines(figures, [{"sft": {"reward": 0.0}, "ppo": {"reward": d}} for d in (-1.0, 1.2)])
-    assert noisy[3].endswith("within two standard errors of zero (noise at this scale).")
+    assert lines[2] == ("- SFT: held-out completion loss 2.000 -> 1.500 nats per token (9 rows, difference -0.500, 95% "
+                        "CI [-0.700, -0.300]: lower: SFT fitted held-out rows.)")
+    assert lines[3] == ("- Reward model: accuracy 0.600 on 10 held-out pairs vs 0.700 for the length-only baseline (gap "
+                        "-0.100, 95% CI [-0.300, +0.100]: not above the baseline: it may have learned little beyond "
+                        "length.)")
+    assert lines[4] == ("- PPO vs SFT, optimised reward: -0.500 vs -1.000 (difference +0.500 over 3 paired samples, 95% "
+                        "CI [+0.387, +0.613]: PPO higher.)")
+    assert lines[5].startswith("- PPO vs SFT, raw RM score: 0.500 vs 0.000 (difference +0.500")
+    assert lines[6] == ("- Cost: 0.1000 nats per token of log-prob gap to the SFT policy; EOS rate 1.00 (SFT) -> 1.00 "
+                        "(PPO); mean length 1.0 -> 1.0 tokens.")
+    noisy = [row(0.0, d) for d in (-1.0, 1.2)]
+    assert quality_lines(eval_figures(noisy), noisy)[2].endswith("not told apart from 0 at this size)")
 
 
 def test_eval_refuses_a_causal_lm_as_reward_model(assets, sft_run, tmp_path):

@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, SHARED
 from transformers import TrainerCallback
 
 pytestmark = pytest.mark.slow
@@ -120,7 +120,8 @@ def qlora_rm(real_model, ids, module_tmp):
 
     probe = Probe(ids)
     out = module_tmp("qlora_rm")
-    result = rm.main(["--config", str(RECIPES / "rm.yaml"), "--model_name_or_path", real_model,
+    result = rm.main(["--config", str(RECIPES / "rm.yaml"), "--model_name_or_path", real_model, "--dataset_name",
+                      str(SHARED / "data" / "zh" / "oaast_rm_zh.json"), "--dataset_format", "ranked",
                       "--output_dir", str(out), "--max_steps", "1", "--max_length", "64",
                       "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
                       "--learning_rate", "1e-3", "--eval_split_size", "4", *QLORA], callbacks=[probe])

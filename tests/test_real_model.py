@@ -20,6 +20,9 @@ from conftest import REPO, SHARED
 pytestmark = pytest.mark.slow
 
 RECIPES = REPO / "recipes" / "qwen2.5-0.5b-cpu"
+# the human-ranked pairs themselves (the recipe's own file is the relevance pairs `make demo-real` builds first)
+OAAST_PAIRS = ["--dataset_name", str(SHARED / "data" / "zh" / "oaast_rm_zh.json"), "--dataset_format", "ranked",
+               "--ranked_pairs", "adjacent"]
 IM_END, ENDOFTEXT = 151645, 151643  # the EOS list of the stock generation_config
 
 
@@ -30,20 +33,6 @@ def heldout_rows(dataset, kind, n, eval_split_size, **data_fields):
 
     records = read_records(DataArguments(dataset_name=str(dataset), **data_fields), kind)
     return split_records(records, eval_split_size, 42)[1][:n]
-
-
-def completion_loss(model, feats) -> float:
-    """Mean NLL (nats per token) of the completion tokens (answer + EOS) of ``sft_features`` rows."""
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ids, mask in zip(feats["input_ids"], feats["completion_mask"]):
-            x = torch.tensor([ids])
-            logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
-            target = torch.tensor(ids[1:])
-            nll = -logp[torch.arange(len(target)), target]
-            keep = torch.tensor(mask[1:], dtype=torch.bool)
-            total, count = total + float(nll[keep].sum()), count + int(keep.sum())
-    return total / count
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +51,7 @@ def real_rm(real_sft, module_tmp):
     from rlhf_trl import rm
 
     out = module_tmp("real_rm")
-    return rm.main(["--config", str(RECIPES / "rm.yaml"), "--model_name_or_path", real_sft["merged"],
+    return rm.main(["--config", str(RECIPES / "rm.yaml"), "--model_name_or_path", real_sft["merged"], *OAAST_PAIRS,
                     "--output_dir", str(out), "--max_steps", "3", "--max_length", "192",
                     "--gradient_accumulation_steps", "1", "--eval_split_size", "8", "--report_to", "none"])
 
@@ -89,18 +78,25 @@ def test_stock_tokenizer_pads_with_a_token_that_is_no_eos(real_model):
 
 
 def test_sft_lowers_heldout_loss_on_real_rows(real_model, real_sft):
-    """Held-out rows (never trained on): completion loss of the merged SFT model < that of the stock model."""
+    """Held-out rows (never trained on): completion loss of the merged SFT model < that of the stock model, row by
+    row as the stage itself measured them before and after training (``eval_row_losses_before`` / ``eval_row_losses``,
+    the adapter unmerged then)."""
     from transformers import AutoModelForCausalLM
 
     from rlhf_trl.data import Template, sft_features
     from rlhf_trl.models import load_tokenizer
+    from rlhf_trl.sft import completion_losses
 
     tok = load_tokenizer(real_model)
     rows = heldout_rows(SHARED / "data" / "zh" / "oaast_sft_zh.json", "sft", 3, 4)
-    feats = sft_features(rows, tok, Template(), max_length=128)
-    before = completion_loss(AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32), feats)
-    after = completion_loss(AutoModelForCausalLM.from_pretrained(real_sft["merged"], dtype=torch.float32), feats)
-    assert after < before - 0.05, (before, after)
+    feats = [dict(zip(("input_ids", "completion_mask"), f)) for f in zip(*sft_features(
+        rows, tok, Template(), max_length=128).values())]
+    before = completion_losses(AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32), feats)
+    after = completion_losses(AutoModelForCausalLM.from_pretrained(real_sft["merged"], dtype=torch.float32), feats)
+    assert sum(after) / len(after) < sum(before) / len(before) - 0.05, (before, after)
+    metrics = real_sft["metrics"]
+    assert before == pytest.approx(metrics["eval_row_losses_before"][:len(before)], rel=1e-3)
+    assert after == pytest.approx(metrics["eval_row_losses"][:len(after)], rel=1e-3)
     # the merged model keeps the stock generation settings and EOS list (deployable as downloaded)
     gen = json.load(open(os.path.join(real_sft["merged"], "generation_config.json")))
     assert gen["eos_token_id"] == [IM_END, ENDOFTEXT]

@@ -134,3 +134,16 @@ def test_zero3_recipe_is_full_parameter_under_zero3():
     assert os.path.isfile(os.path.join(ROOT, "recipes", "accelerate_configs", "zero3.yaml"))
     assert recipe["use_peft"] is False and recipe["gradient_checkpointing"] is True and recipe["bf16"] is True
     assert "per GPU" in text
+
+
+def test_math_recipes_share_their_held_out_problems():
+    """`make math-real`: grpo.yaml trains, eval.yaml (a PPO recipe: compare reads it) scores the same held-out split
+    with the same rule reward and no reward model."""
+    math = os.path.join(ROOT, "recipes", "qwen2.5-0.5b-cpu-math")
+    data, ppo_args, training_args, *_ = parse_recipe(import_ppo().recipe_types(), ["--config", f"{math}/eval.yaml"])
+    g_data, g_args, g_training, *_ = parse_recipe(grpo.recipe_types(), ["--config", f"{math}/grpo.yaml"])
+    assert ppo_args.reward_funcs == ["rlhf_trl.math_rewards:correct"] == g_args.reward_funcs
+    assert not training_args.reward_model_path and not g_args.reward_model_path
+    keys = ("dataset_name", "question_key", "max_samples", "eval_split_size", "max_prompt_length")
+    assert [getattr(data, k) for k in keys] == [getattr(g_data, k) for k in keys]
+    assert training_args.seed == g_training.seed and training_args.response_length == g_training.max_completion_length

@@ -24,7 +24,6 @@ About 8 minutes on 2 CPU cores (on top of the DDP runs). Needs DeepSpeed (``make
 import json
 import os
 import re
-import shutil
 
 import pytest
 import torch

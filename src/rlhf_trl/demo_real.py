@@ -90,13 +90,14 @@ def _ci_dict(mean: float, ci: list[float] | None) -> dict:
     return {"diff": mean, "ci95": ci}
 
 
-def quality(sft_metrics: dict, evaluation: dict, rows: list[dict]) -> dict:
-    """The summary's effects and targets from the SFT stage's metrics, ``rlhf-trl eval``'s result and its rows."""
+def quality(evaluation: dict, rows: list[dict]) -> dict:
+    """The summary's effects and targets from ``rlhf-trl eval``'s result (with the SFT stage's ``sft_loss_*``) and its
+    sample rows."""
     from .evaluate import paired_ci
 
-    before, after = sft_metrics.get("eval_row_losses_before"), sft_metrics.get("eval_row_losses")
-    sft = ({"loss_before": sum(before) / len(before), "loss_after": sum(after) / len(after), "rows": len(after),
-            **_ci_dict(*paired_ci(after, before))} if before and after else {})
+    sft = ({"loss_before": evaluation["sft_loss_before"], "loss_after": evaluation["sft_loss_after"],
+            "rows": evaluation["sft_loss_rows"], **_ci_dict(evaluation["sft_loss_diff"], evaluation["sft_loss_ci"])}
+           if "sft_loss_diff" in evaluation else {})
     rm = {k: evaluation.get(f"rm_{k}") for k in ("accuracy", "accuracy_ci", "length_baseline_accuracy", "length_gap",
                                                  "length_gap_ci", "num_pairs")}
     overlap = {name: question_overlap([], [r[name]["text"] for r in rows], [r["question"] for r in rows])
@@ -147,7 +148,7 @@ def run(model_dir: str, recipes_dir: str = "recipes/qwen2.5-0.5b-cpu", output_di
     seconds["eval"] = round(time.time() - t0, 1)
     rows = [json.loads(line) for line in open(evaluation["samples"], encoding="utf-8")]
     summary = {"model": model_dir, "stage_seconds": seconds, "seconds": round(sum(seconds.values()), 1),
-               "rm_pairs_file": pair_counts, **quality(results["sft"]["metrics"], evaluation, rows),
+               "rm_pairs_file": pair_counts, **quality(evaluation, rows),
                "examples": [{"question": r["question"], "sft": r["sft"]["text"], "ppo": r["ppo"]["text"]}
                             for r in rows[:3]], "report": evaluation["report"]}
     write_json(os.path.join(output_dir, "summary.json"), summary)

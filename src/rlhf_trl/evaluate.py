@@ -103,17 +103,15 @@ def figures(rows: list[dict], demo: bool = False) -> dict:
     return {**per_policy, **{k: v for k, v in ppo.items() if k not in sft}, "num_samples": len(rows)}
 
 
-def paired_difference(a: list[float], b: list[float]) -> tuple[float, float]:
-    """Mean of ``a[i] - b[i]`` over paired samples and its standard error (sample sd / sqrt(n); nan for n < 2)."""
+def paired_ci(a: list[float], b: list[float]) -> tuple[float, list[float] | None]:
+    """Mean of ``a[i] - b[i]`` over paired samples and its 95% interval: mean +- `Z95` standard errors (sample sd /
+    sqrt(n)); None for fewer than 2 pairs."""
     diffs = [x - y for x, y in zip(a, b)]
     n, mean = len(diffs), sum(diffs) / len(diffs)
-    return mean, (sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
-
-
-def paired_ci(a: list[float], b: list[float]) -> tuple[float, list[float] | None]:
-    """Mean of ``a[i] - b[i]`` and its 95% interval (mean +- `Z95` standard errors; None for fewer than 2 pairs)."""
-    mean, se = paired_difference(a, b)
-    return mean, [mean - Z95 * se, mean + Z95 * se] if se == se else None
+    if n < 2:
+        return mean, None
+    se = (sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5
+    return mean, [mean - Z95 * se, mean + Z95 * se]
 
 
 def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
@@ -200,26 +198,54 @@ def _cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", "⏎")
 
 
+def _interval(ci: list[float] | None, up: str, down: str, none: str = "not told apart from 0 at this size") -> str:
+    if ci is None:
+        return "no interval (one sample)"
+    return f"95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]: " + (up if ci[0] > 0 else down if ci[1] < 0 else none)
+
+
 def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
-    """Markdown lines: does the RM beat "the longer response wins", is PPO's reward gain over SFT above its noise
-    (paired mean difference over ``rows`` and its standard error, reward units), at what KL, EOS rate, length."""
+    """Markdown lines: each effect with its 95% interval and what it shows. SFT: held-out completion loss after -
+    before (``sft_loss_*``); RM: accuracy - the length-only baseline ("the longer response wins"), paired per pair;
+    PPO - SFT over ``rows``' pairs: the optimised reward, the raw RM score and each reward function; KL, EOS, length."""
     out = ["## Quality at this scale", ""]
-    if "rm_accuracy" in figures:
-        gap = figures["rm_accuracy"] - figures["rm_length_baseline_accuracy"]
-        out.append(f"- Reward model: accuracy {figures['rm_accuracy']:.3f} on {figures['rm_num_pairs']} held-out "
-                   f"pairs, {'above' if gap > 0 else 'not above'} the length-only baseline "
-                   f"({figures['rm_length_baseline_accuracy']:.3f}, gap {gap:+.3f}).")
+    f = figures
+    if "sft_loss_diff" in f:
+        out.append(f"- SFT: held-out completion loss {f['sft_loss_before']:.3f} -> {f['sft_loss_after']:.3f} nats per "
+                   f"token ({f['sft_loss_rows']} rows, difference {f['sft_loss_diff']:+.3f}, "
+                   + _interval(f["sft_loss_ci"], "higher after training.", "lower: SFT fitted held-out rows.") + ")")
+    if "rm_accuracy" in f:
+        gap, ci = f["rm_accuracy"] - f["rm_length_baseline_accuracy"], f.get("rm_length_gap_ci")
+        out.append(f"- Reward model: accuracy {f['rm_accuracy']:.3f} on {f['rm_num_pairs']} held-out pairs vs "
+                   f"{f['rm_length_baseline_accuracy']:.3f} for the length-only baseline (gap {gap:+.3f}, "
+                   + _interval(ci, "above the baseline: it learned more than length.", "below the baseline.",
+                               "not above the baseline: it may have learned little beyond length.") + ")")
     if rows:
-        n, (mean, se) = len(rows), paired_difference(*([r[k]["reward"] for r in rows] for k in ("ppo", "sft")))
-        clear = n > 1 and abs(mean) > 2 * se
-        out.append(f"- PPO vs SFT: mean RM reward {figures['ppo_reward']:.3f} vs {figures['sft_reward']:.3f}, paired "
-                   f"difference {mean:+.3f} +- {se:.3f} (standard error, {n} pairs): "
-                   + ("larger than two standard errors." if clear else "within two standard errors of zero (noise at "
-                      "this scale)."))
-        out.append(f"- Cost: {figures['kl_per_token']:.4f} nats per token of log-prob gap to the SFT policy; EOS rate "
-                   f"{figures['sft_eos_rate']:.2f} (SFT) -> {figures['ppo_eos_rate']:.2f} (PPO); mean length "
-                   f"{figures['sft_mean_length']:.1f} -> {figures['ppo_mean_length']:.1f} tokens.")
+        names = [("objective", "optimised reward"), ("reward", "raw RM score"),
+                 *((f"fn_{k}", f"reward function {k}") for k in rows[0]["ppo"].get("functions", {}))]
+        for key, what in names:
+            if f"{key}_diff" in f:
+                out.append(f"- PPO vs SFT, {what}: {f[f'ppo_{key}']:.3f} vs {f[f'sft_{key}']:.3f} (difference "
+                           f"{f[f'{key}_diff']:+.3f} over {len(rows)} paired samples, "
+                           + _interval(f[f"{key}_ci"], "PPO higher.", "PPO lower.") + ")")
+        out.append(f"- Cost: {f['kl_per_token']:.4f} nats per token of log-prob gap to the SFT policy; EOS rate "
+                   f"{f['sft_eos_rate']:.2f} (SFT) -> {f['ppo_eos_rate']:.2f} (PPO); mean length "
+                   f"{f['sft_mean_length']:.1f} -> {f['ppo_mean_length']:.1f} tokens.")
     return out + [""]
+
+
+def sft_loss_figures(stage_dir: str | None) -> dict:
+    """``sft_loss_before`` / ``_after`` / ``_diff`` / ``_ci`` / ``_rows`` from the SFT stage's ``metrics.json``
+    (``eval_row_losses_before`` / ``eval_row_losses``, nats per token per held-out row); {} when absent."""
+    try:
+        with open(os.path.join(stage_dir or "", "metrics.json"), encoding="utf-8") as fh:
+            m = json.load(fh)
+        before, after = m["eval_row_losses_before"], m["eval_row_losses"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    diff, ci = paired_ci(after, before)
+    return {"sft_loss_before": sum(before) / len(before), "sft_loss_after": sum(after) / len(after),
+            "sft_loss_diff": diff, "sft_loss_ci": ci, "sft_loss_rows": len(after)}
 
 
 def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[str, tuple[list[dict], str | None]],
@@ -295,7 +321,8 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
         trust_remote_code, pairs, functions)
     if not rm_figures:
         logger.warning("eval: no RM held-out pairs at %s; rm_accuracy is not reported", pairs)
-    result = {"figures": {**figures(rows, demo), **rm_figures}, "rm_pairs": pairs if rm_figures else None,
+    result = {"figures": {**figures(rows, demo), **rm_figures, **sft_loss_figures(_stage_dir(sft_path))},
+              "rm_pairs": pairs if rm_figures else None,
               "ppo_output_dir": out_dir, "sft_model_path": sft_path, "reward_model_path": rm_path,
               "ppo_model_path": ppo_path, "num_prompts": n_prompts, "samples_per_prompt": samples_per_prompt,
               "temperature": training_args.temperature, "response_length": training_args.response_length,
