@@ -36,6 +36,11 @@ def test_relevance_pairs_are_real_answers_matched_in_length(tmp_path):
     assert 0.4 < longer / len(pairs) < 0.6
 
 
+def test_complete_sentence_reads_the_last_character():
+    texts = ["好的。", "是的！ ", "Yes.", "因为", "1. 第一", "他说：“走吧。”"]
+    assert demo_real.complete_sentence([], texts) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+
+
 def test_question_overlap_counts_the_questions_bigrams():
     q = ["怎样学习 Python 编程？"]  # units 怎 样 学 习 python 编 程: 6 bigrams, 4 of them in the answer
     assert question_overlap([], ["学习python编程要多练习"], q) == [pytest.approx(4 / 6)]
@@ -55,12 +60,15 @@ def _evaluation(objective_ci, gap_ci, kl):
 
 
 def test_targets_follow_the_intervals():
-    rows = [{"question": "学习编程", "sft": {"text": "学习"}, "ppo": {"text": "学习编程"}},
+    rows = [{"question": "学习编程", "sft": {"text": "学习"}, "ppo": {"text": "学习编程。"}},
             {"question": "学习编程", "sft": {"text": "编程"}, "ppo": {"text": "学习编程吧"}}]
     good = demo_real.quality(_evaluation([0.1, 0.9], [0.1, 0.5], 0.05), rows)
     assert good["targets_met"] and good["sft"]["diff"] == pytest.approx(-0.9) and good["sft"]["rows"] == 2
-    assert good["ppo"]["question_overlap_sft"] == pytest.approx(1 / 3) and good["ppo"]["question_overlap_ppo"] == 1.0
-    assert good["ppo"]["question_overlap"]["diff"] == pytest.approx(2 / 3)
+    overlap, complete = good["ppo"]["second_scorers"]["question_overlap"], good["ppo"]["second_scorers"][
+        "complete_sentence"]
+    assert overlap["sft"] == pytest.approx(1 / 3) and overlap["ppo"] == 1.0 and overlap["diff"] == pytest.approx(2 / 3)
+    assert (complete["sft"], complete["ppo"], complete["diff"], complete["ci95"]) == (0.0, 0.5, 0.5, pytest.approx(
+        [0.5 - 1.96 * 0.5, 0.5 + 1.96 * 0.5]))
     for evaluation, failed in ((_evaluation([-0.1, 0.9], [0.1, 0.5], 0.05), "ppo_objective_up"),
                                (_evaluation([0.1, 0.9], [-0.1, 0.5], 0.05), "rm_above_length_baseline"),
                                (_evaluation([0.1, 0.9], [0.1, 0.5], 0.0), "ppo_kl_in_budget"),

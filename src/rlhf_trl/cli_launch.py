@@ -144,7 +144,8 @@ def print_real_summary(summary: dict, path: str) -> None:
             ("RM accuracy - length baseline", ci(gap), rm.get("num_pairs"), "pairs", t["rm_above_length_baseline"]),
             ("PPO - SFT optimised reward", ci(ppo["objective"]), ppo["prompts"], "prompts", t["ppo_objective_up"]),
             ("PPO - SFT raw RM score", ci(ppo["rm_reward"]), ppo["prompts"], "prompts", None),
-            ("PPO - SFT question overlap (2nd scorer)", ci(ppo["question_overlap"]), ppo["prompts"], "prompts", None)]
+            *((f"PPO - SFT {k} (2nd scorer)", ci(v), ppo["prompts"], "prompts", None)
+              for k, v in ppo["second_scorers"].items())]
     for name, text, n, unit, met in rows:
         print(f"  {name:40s} {text:28s} {n} {unit}" + ("" if met is None else f"  target met: {met}"))
     print(f"  RM accuracy {rm['accuracy']:.3f} vs length-only {rm['length_baseline_accuracy']:.3f}; KL "

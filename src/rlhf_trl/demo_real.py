@@ -13,7 +13,8 @@ they are met, each stage's wall time (seconds) and side-by-side samples.
   the human rankings (which a 0.5B RM does not learn above the length baseline in CPU minutes).
 - PPO: the optimised reward (RM score minus the missing-EOS penalty) of PPO's responses minus SFT's, same held-out
   prompts and seed; targets: its interval above 0, KL per token in (0, `KL_BUDGET`); EOS rate and length reported;
-  a second scorer the reward does not contain, `question_overlap`, with its interval."""
+  two second scorers the reward does not contain (`SECOND_SCORERS`: `question_overlap`, `complete_sentence`), with
+  their intervals (reported, not gated)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 KL_BUDGET = 0.3  # nats per token of log-prob gap, PPO vs SFT policy, on PPO's responses; 0.43 was repetition
 RANKED_SOURCE = "../shared/data/zh/oaast_rm_zh.json"  # 775 questions with human-ranked answers (best first)
 MAX_ANSWER_CHARS = 300  # longer best answers are skipped (counted): both sides of a pair fit the RM's 256 tokens
+SENTENCE_ENDS = ("。", "！", "？", "!", "?", ".", "…", "”", "\"", "）", ")")
 _UNIT = re.compile(r"[\u4e00-\u9fff]|[A-Za-z0-9]+")  # one CJK character or one latin word / number
 
 
@@ -86,6 +88,15 @@ def question_overlap(prompts: list[str], completions: list[str], question: list[
     return out
 
 
+def complete_sentence(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
+    """The other second scorer: ``[batch]`` 1.0 where the completion ends with sentence-final punctuation (an answer
+    that finishes its sentence rather than being cut at the token budget; the reward sees EOS tokens, not text)."""
+    return [1.0 if c.strip().endswith(SENTENCE_ENDS) else 0.0 for c in completions]
+
+
+SECOND_SCORERS = {"question_overlap": question_overlap, "complete_sentence": complete_sentence}
+
+
 def _ci_dict(mean: float, ci: list[float] | None) -> dict:
     return {"diff": mean, "ci95": ci}
 
@@ -100,15 +111,16 @@ def quality(evaluation: dict, rows: list[dict]) -> dict:
            if "sft_loss_diff" in evaluation else {})
     rm = {k: evaluation.get(f"rm_{k}") for k in ("accuracy", "accuracy_ci", "length_baseline_accuracy", "length_gap",
                                                  "length_gap_ci", "num_pairs")}
-    overlap = {name: question_overlap([], [r[name]["text"] for r in rows], [r["question"] for r in rows])
-               for name in ("sft", "ppo")}
+    second = {k: {name: fn([], [r[name]["text"] for r in rows], question=[r["question"] for r in rows])
+                  for name in ("sft", "ppo")} for k, fn in SECOND_SCORERS.items()}
     ppo = {"objective_sft": evaluation["sft_objective"], "objective_ppo": evaluation["ppo_objective"],
            "objective": _ci_dict(evaluation["objective_diff"], evaluation["objective_ci"]),
            "rm_reward": _ci_dict(evaluation["reward_diff"], evaluation["reward_ci"]),
            "kl_per_token": evaluation["kl_per_token"], "kl_budget": KL_BUDGET, "win_rate": evaluation["win_rate"],
            **{f"{k}_{p}": evaluation[f"{p}_{k}"] for k in ("eos_rate", "mean_length") for p in ("sft", "ppo")},
-           **{f"question_overlap_{k}": sum(v) / len(rows) for k, v in overlap.items()},
-           "question_overlap": _ci_dict(*paired_ci(overlap["ppo"], overlap["sft"])), "prompts": len(rows)}
+           "second_scorers": {k: {"sft": sum(v["sft"]) / len(rows), "ppo": sum(v["ppo"]) / len(rows),
+                                  **_ci_dict(*paired_ci(v["ppo"], v["sft"]))} for k, v in second.items()},
+           "prompts": len(rows)}
     low = lambda d: d.get("ci95") is not None and d["ci95"][0] > 0  # noqa: E731
     targets = {"sft_loss_down": bool(sft) and sft["ci95"] is not None and sft["ci95"][1] < 0,
                "rm_above_length_baseline": rm["length_gap_ci"] is not None and rm["length_gap_ci"][0] > 0,
