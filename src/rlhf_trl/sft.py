@@ -84,9 +84,10 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
         peft_config=get_peft_config(model_args), callbacks=callbacks)
     fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
-    # per-row held-out losses before / after (paired); not under ZeRO-3, whose weights are partitioned until train()
+    # per-row held-out losses before / after (paired); not under ZeRO-3, whose weights are partitioned until train().
+    # A resumed run measures "before" too: train() loads the checkpoint later, so these are the start weights' losses
     rows_loss = eval_ds is not None and not is_deepspeed_zero3_enabled()
-    before = completion_losses(trainer.model, eval_ds, training_args.max_length) if rows_loss and not resume else None
+    before = completion_losses(trainer.model, eval_ds, training_args.max_length) if rows_loss else None
     train_result = trainer.train(resume_from_checkpoint=resume)
 
     # evaluate (held-out loss on completion tokens), before the adapter is merged away
@@ -94,9 +95,8 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     if eval_ds is not None:
         metrics.update(trainer.evaluate())
         if rows_loss:
-            metrics["eval_row_losses"] = completion_losses(trainer.model, eval_ds, training_args.max_length)
-        if before is not None:
-            metrics["eval_row_losses_before"] = before
+            metrics.update(eval_row_losses_before=before, eval_row_losses=completion_losses(
+                trainer.model, eval_ds, training_args.max_length))
     metrics.update(num_train_rows=len(train_ds), num_eval_rows=len(eval_ds) if eval_ds is not None else 0)
 
     # save (under `accelerate launch`: every process calls save_model, only the main process writes)
