@@ -91,8 +91,8 @@ def test_sft_lowers_heldout_loss_on_real_rows(real_model, real_sft):
     rows = heldout_rows(SHARED / "data" / "zh" / "oaast_sft_zh.json", "sft", 3, 4)
     feats = [dict(zip(("input_ids", "completion_mask"), f)) for f in zip(*sft_features(
         rows, tok, Template(), max_length=128).values())]
-    before = completion_losses(AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32), feats)
-    after = completion_losses(AutoModelForCausalLM.from_pretrained(real_sft["merged"], dtype=torch.float32), feats)
+    before = completion_losses(AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32), feats, 128)
+    after = completion_losses(AutoModelForCausalLM.from_pretrained(real_sft["merged"], dtype=torch.float32), feats, 128)
     assert sum(after) / len(after) < sum(before) / len(before) - 0.05, (before, after)
     metrics = real_sft["metrics"]
     assert before == pytest.approx(metrics["eval_row_losses_before"][:len(before)], rel=1e-3)
