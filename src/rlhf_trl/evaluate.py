@@ -30,7 +30,7 @@ from .models import (eos_token_ids, load_causal_lm, load_sequence_classifier, lo
                      write_json, write_jsonl, write_text)
 from .reward_models import require_reward_model
 from .rewards import load_reward_functions, reward_columns
-from .scoring import pad_left, pad_right, response_logprobs, sample, score_sequences
+from .scoring import paired_ci, pad_left, pad_right, response_logprobs, sample, score_sequences
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ RM_CURVES = ["loss", "eval_loss", "train_loss", "eval_accuracy", "accuracy", "ma
 FIGURES = ["sft_reward", "ppo_reward", "win_rate", "kl_per_token", "sft_mean_length", "ppo_mean_length",
            "sft_eos_rate", "ppo_eos_rate"]
 RM_FIGURES = ["rm_accuracy", "rm_margin", "rm_length_baseline_accuracy", "rm_num_pairs"]
-Z95 = 1.96  # two-sided 95% normal quantile
 DEMO_FIGURES = ["sft_score", "ppo_score", "sft_on_topic_rate", "ppo_on_topic_rate"]  # with --demo
 
 
@@ -101,17 +100,6 @@ def figures(rows: list[dict], demo: bool = False) -> dict:
     sft, ppo = policy_figures(rows, "sft", demo=demo), policy_figures(rows, "ppo", "sft", demo)
     per_policy = {f"{name}_{k}": f[k] for name, f in (("sft", sft), ("ppo", ppo)) for k in sft}
     return {**per_policy, **{k: v for k, v in ppo.items() if k not in sft}, "num_samples": len(rows)}
-
-
-def paired_ci(a: list[float], b: list[float]) -> tuple[float, list[float] | None]:
-    """Mean of ``a[i] - b[i]`` over paired samples and its 95% interval: mean +- `Z95` standard errors (sample sd /
-    sqrt(n)); None for fewer than 2 pairs."""
-    diffs = [x - y for x, y in zip(a, b)]
-    n, mean = len(diffs), sum(diffs) / len(diffs)
-    if n < 2:
-        return mean, None
-    se = (sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5
-    return mean, [mean - Z95 * se, mean + Z95 * se]
 
 
 def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:

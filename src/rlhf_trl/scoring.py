@@ -196,12 +196,23 @@ def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, r
     ``length_gap_ci`` of ``length_gap`` (accuracy minus the baseline, paired per pair: does the RM beat length?)."""
     chosen_len, rejected_len = (torch.as_tensor(n, dtype=torch.float) for n in (chosen_len, rejected_len))
     longer = (chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()
-    correct, n = (chosen > rejected).float().cpu(), int(chosen.numel())
+    correct, n = (chosen > rejected).float().cpu().tolist(), int(chosen.numel())
+    longer = longer.tolist()
+    gap, gap_ci = paired_ci(correct, longer)
+    return {"accuracy": sum(correct) / n, "margin": float((chosen - rejected).mean()),
+            "length_baseline_accuracy": sum(longer) / n, "num_pairs": n,
+            "accuracy_ci": paired_ci(correct, [0.0] * n)[1], "length_gap": gap, "length_gap_ci": gap_ci}
 
-    def ci(x: torch.Tensor) -> list[float] | None:
-        half = 1.96 * float(x.std()) / n ** 0.5 if n > 1 else None
-        return None if half is None else [float(x.mean()) - half, float(x.mean()) + half]
 
-    return {"accuracy": float(correct.mean()), "margin": float((chosen - rejected).mean()),
-            "length_baseline_accuracy": float(longer.mean()), "num_pairs": n, "accuracy_ci": ci(correct),
-            "length_gap": float((correct - longer).mean()), "length_gap_ci": ci(correct - longer)}
+Z95 = 1.96  # two-sided 95% normal quantile
+
+
+def paired_ci(a: list[float], b: list[float]) -> tuple[float, list[float] | None]:
+    """Mean of ``a[i] - b[i]`` over paired samples and its 95% interval: mean +- `Z95` standard errors (sample sd /
+    sqrt(n)); None for fewer than 2 pairs."""
+    diffs = [x - y for x, y in zip(a, b)]
+    n, mean = len(diffs), sum(diffs) / len(diffs)
+    if n < 2:
+        return mean, None
+    se = (sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) ** 0.5
+    return mean, [mean - Z95 * se, mean + Z95 * se]
