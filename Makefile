@@ -39,7 +39,7 @@ help:
 	@echo "make zh-oasst             the three stages on ../shared real Chinese data with a tiny Qwen2"
 	@echo "make real-model           fetch real weights (Qwen2.5-Coder-0.5B-Instruct) once; prints the directory"
 	@echo "make demo-real [MODEL=dir] SFT -> RM -> PPO -> eval on real weights and real zh data (~25-35 min on 2 cores)"
-	@echo "make math-real [MODEL=dir] GRPO on CMATH with a correctness rule reward; held-out accuracy before/after (~20 min)"
+	@echo "make math-real [MODEL=dir] GRPO on CMATH with a correctness rule reward; held-out accuracy before/after (~45 min)"
 	@echo "make bench-real           PPO on real weights vs TRL 1.12: seconds per update by phase, peak RSS -> outputs/bench-real/"
 	@echo "make gpu-check [ARGS=--tiny]  timed bf16 steps of SFT/RM/PPO on a Qwen2.5-0.5B-shaped model -> outputs/gpu_check/gpu_check.json"
 	@echo "make bench                wrapper overhead, PPO breakdown, memory, scaling -> outputs/bench/ (~15 min, idle machine)"

@@ -183,6 +183,12 @@ def test_reward_functions_alone_score_every_sample(assets, dirs):
                            "--policies", f"sft={dirs['sft']}", f"other={dirs['other']}"])
     rows = [json.loads(line) for line in open(os.path.join(out, "compare_samples.jsonl"), encoding="utf-8")]
     assert result["reward_model_path"] is None and len(rows) == 6
+    assert result["reward_name"] == "reward (ground_truth_reward)"  # not an RM's score: the report says so
+    assert result["verdict"].startswith(("other scored highest on mean reward (ground_truth_reward): ",
+                                         "No method beat the reference sft on mean reward (ground_truth_reward)"))
+    report = open(result["report"], encoding="utf-8").read()
+    assert "Rewards: the reward functions' weighted sum." in report and "| reward (ground_truth_reward) |" in report
+    assert "RM reward" not in report
     for r in rows:
         for name in ("sft", "other"):
             m = r[name]

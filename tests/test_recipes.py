@@ -144,6 +144,7 @@ def test_math_recipes_share_their_held_out_problems():
     g_data, g_args, g_training, *_ = parse_recipe(grpo.recipe_types(), ["--config", f"{math}/grpo.yaml"])
     assert ppo_args.reward_funcs == ["rlhf_trl.math_rewards:correct"] == g_args.reward_funcs
     assert not training_args.reward_model_path and not g_args.reward_model_path
-    keys = ("dataset_name", "question_key", "max_samples", "eval_split_size", "max_prompt_length")
+    keys = ("dataset_name", "question_key", "max_samples", "eval_split_size", "max_prompt_length", "chat_template",
+            "system_prompt")
     assert [getattr(data, k) for k in keys] == [getattr(g_data, k) for k in keys]
     assert training_args.seed == g_training.seed and training_args.response_length == g_training.max_completion_length

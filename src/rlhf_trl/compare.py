@@ -82,9 +82,10 @@ def method_figures(rows: list[dict], name: str, ref: str, demo: bool = False) ->
                       for s in ("diff", "ci")}, "win_rate": 0.5, "kl_per_token": 0.0, "num_kl_tokens": 0}
 
 
-def verdict(methods: dict[str, dict], ref: str, demo: bool) -> str:
-    """Which method scored highest on ground truth (``demo``) or RM reward, by how much over ``ref``, at what KL."""
-    key, what = ("score", "the demo's ground-truth score") if demo else ("reward", "mean RM reward")
+def verdict(methods: dict[str, dict], ref: str, demo: bool, reward_name: str = "RM reward") -> str:
+    """Which method scored highest on ground truth (``demo``) or ``reward_name``, by how much over ``ref``, at what
+    KL."""
+    key, what = ("score", "the demo's ground-truth score") if demo else ("reward", f"mean {reward_name}")
     best = max(methods, key=lambda m: methods[m][key])  # ties: the earlier, the reference first
     if best == ref:
         return f"No method beat the reference {ref} on {what} ({ref}: {methods[ref][key]:.3f})."
@@ -99,8 +100,8 @@ def verdict(methods: dict[str, dict], ref: str, demo: bool) -> str:
             f"{m[f'{key}_diff']:+.3f}{span}), at a KL of {m['kl_per_token']:.4f} nats per token to {ref}.{tie}")
 
 
-def plot_reward_vs_kl(methods: dict[str, dict], ref: str, path: str) -> str:
-    """PNG: mean RM reward against KL per token, a labelled point per method, reward CIs as error bars."""
+def plot_reward_vs_kl(methods: dict[str, dict], ref: str, path: str, reward_name: str = "RM reward") -> str:
+    """PNG: mean ``reward_name`` against KL per token, a labelled point per method, reward CIs as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,7 +112,7 @@ def plot_reward_vs_kl(methods: dict[str, dict], ref: str, path: str) -> str:
         err = (m["reward_ci"][1] - m["reward_ci"][0]) / 2 if m["reward_ci"] else 0.0
         ax.errorbar(m["kl_per_token"], m["reward"], yerr=err, fmt="o", capsize=4)
         ax.annotate(name, (m["kl_per_token"], m["reward"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
-    ax.set(xlabel=f"KL to {ref} (nats per token)", ylabel="mean RM reward (raw)")
+    ax.set(xlabel=f"KL to {ref} (nats per token)", ylabel=f"mean {reward_name}")
     ax.set_title(f"error bars: 95% CI of the paired reward difference to {ref}", fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -126,8 +127,8 @@ def _fmt(value, spec: str) -> str:
 
 def write_md(path: str, result: dict, rows: list[dict], num_examples: int = 4) -> str:
     """``compare.md``: the table (a row per method), the verdict, the plot, side-by-side samples."""
-    ref, methods, demo = result["reference"], result["methods"], result["demo"]
-    cols = [("reward", "RM reward", ".3f"), ("reward_ci", f"reward - {ref}, 95% CI", "ci"),
+    ref, methods, demo, reward_name = result["reference"], result["methods"], result["demo"], result["reward_name"]
+    cols = [("reward", reward_name, ".3f"), ("reward_ci", f"reward - {ref}, 95% CI", "ci"),
             ("win_rate", f"win rate vs {ref}", ".3f"), ("kl_per_token", "KL (nats/token)", ".4f"),
             ("eos_rate", "EOS rate", ".2f"), ("mean_length", "mean length", ".1f"),
             ("train_seconds", "train s", ".0f"), ("peak_memory_mb", "peak MB", ".0f")]
@@ -139,16 +140,17 @@ def write_md(path: str, result: dict, rows: list[dict], num_examples: int = 4) -
              + f". Reward model `{result['reward_model_path']}`.", "",
              f"{result['num_prompts']} held-out prompts x {result['samples_per_prompt']} samples, the same for every "
              f"policy: temperature {result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} "
-             f"tokens, seed {result['seed']}. Rewards are raw reward-model scores.", "",
+             f"tokens, seed {result['seed']}. " + ("Rewards are raw reward-model scores." if result["reward_model_path"]
+                                                    else "Rewards: the reward functions' weighted sum."), "",
              "| method | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, m in methods.items():
         label = f"{name} (reference)" if name == ref else name
         lines.append(f"| {label} | " + " | ".join(_fmt(m[k], spec) for k, _, spec in cols) + " |")
     lines += ["", f"95% CI: paired over the same (prompt, sample) pairs, mean of (method - {ref}) +- 1.96 x its "
-              f"standard error (sample standard deviation / sqrt(pairs)). Win rate: pairs where the method's RM reward "
-              f"is above {ref}'s, ties 1/2. KL: mean over the method's own response tokens (EOS included) of log "
-              f"p_method - log p_{ref} at temperature 1. Lengths in tokens, EOS excluded. Training seconds and peak "
-              "memory: the stage's metrics.json (— when absent).", "", verdict(methods, ref, demo), "",
+              f"standard error (sample standard deviation / sqrt(pairs)). Win rate: pairs where the method's "
+              f"{reward_name} is above {ref}'s, ties 1/2. KL: mean over the method's own response tokens (EOS "
+              f"included) of log p_method - log p_{ref} at temperature 1. Lengths in tokens, EOS excluded. Training "
+              "seconds and peak memory: the stage's metrics.json (— when absent).", "", result["verdict"], "",
               "![reward vs KL](compare/reward_vs_kl.png)", "", "## Samples", "",
               "| prompt | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for r in [r for r in rows if r["sample_index"] == 0][:num_examples]:
@@ -172,13 +174,16 @@ def compare(data_args, training_args, policies: dict[str, tuple[str, str | None]
     rows, n_prompts, _ = sample_and_score(data_args, training_args, {n: p[0] for n, p in policies.items()}, rm_path,
                                           num_prompts, samples_per_prompt, demo, trust_remote_code, None, functions)
     methods = {n: {**method_figures(rows, n, ref, demo), **stage_metrics(p[1])} for n, p in policies.items()}
+    reward_name = "RM reward" if rm_path else f"reward ({' + '.join(functions.names)})"
     result = {"reference": ref, "methods": methods, "demo": demo, "reward_model_path": rm_path,
+              "reward_name": reward_name,
               "policies": {n: {"model": p[0], "stage_dir": p[1]} for n, p in policies.items()},
               "num_prompts": n_prompts, "samples_per_prompt": samples_per_prompt,
               "temperature": training_args.temperature, "response_length": training_args.response_length,
-              "seed": training_args.seed, "verdict": verdict(methods, ref, demo),
+              "seed": training_args.seed, "verdict": verdict(methods, ref, demo, reward_name),
               "samples": os.path.join(out_dir, "compare_samples.jsonl"), "report": os.path.join(out_dir, "compare.md"),
-              "plot": plot_reward_vs_kl(methods, ref, os.path.join(out_dir, "compare", "reward_vs_kl.png"))}
+              "plot": plot_reward_vs_kl(methods, ref, os.path.join(out_dir, "compare", "reward_vs_kl.png"),
+                                        reward_name)}
     write_jsonl(result["samples"], rows)
     write_md(result["report"], result, rows)
     write_json(os.path.join(out_dir, "compare.json"), result)

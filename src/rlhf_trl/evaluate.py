@@ -391,6 +391,8 @@ def _sample_policies(training_args, paths: dict[str, str], prompts: list[list[in
     log-probs of each non-reference policy's responses under it and the reference. At most two models loaded."""
     ref, responses, logprobs = next(iter(paths)), {}, {}
     for name, path in paths.items():
+        logger.info("sampling %s: %d responses of at most %d tokens (%s)", name, len(prompts),
+                    training_args.response_length, path)
         model = load_causal_lm(path, None, trust_remote_code)
         model.generation_config.pad_token_id = pad
         responses[name] = sample(model, prompts, pad, eos, max_new_tokens=training_args.response_length,
