@@ -25,7 +25,8 @@ import re
 import sys
 
 from .config import RecipeError, one_line_arguments, parse_recipe, sibling_recipe
-from .evaluate import _cell, _stage_dir, policy_figures, sample_and_score, sample_values
+from .evaluate import (_cell, _stage_dir, policy_figures, rewards_sentence, sample_and_score,
+                       sample_values)
 from .models import StageInputError, require_model_dir, write_json, write_jsonl, write_text
 from .reward_models import require_reward_model
 from .rewards import load_reward_functions
@@ -140,8 +141,7 @@ def write_md(path: str, result: dict, rows: list[dict], num_examples: int = 4) -
              + f". Reward model `{result['reward_model_path']}`.", "",
              f"{result['num_prompts']} held-out prompts x {result['samples_per_prompt']} samples, the same for every "
              f"policy: temperature {result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} "
-             f"tokens, seed {result['seed']}. " + ("Rewards are raw reward-model scores." if result["reward_model_path"]
-                                                    else "Rewards: the reward functions' weighted sum."), "",
+             f"tokens, seed {result['seed']}. {rewards_sentence(result['reward_model_path'])}.", "",
              "| method | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, m in methods.items():
         label = f"{name} (reference)" if name == ref else name

@@ -222,6 +222,11 @@ def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
     return out + [""]
 
 
+def rewards_sentence(rm_path: str | None) -> str:
+    """What a report's ``reward`` column is: the raw RM score, or without ``rm_path`` the reward functions' sum."""
+    return "Rewards are raw reward-model scores" if rm_path else "Rewards: the reward functions' weighted sum"
+
+
 def sft_loss_figures(stage_dir: str | None) -> dict:
     """``sft_loss_before`` / ``_after`` / ``_diff`` / ``_ci`` / ``_rows`` from the SFT stage's ``metrics.json``
     (``eval_row_losses_before`` / ``eval_row_losses``, nats per token per held-out row); {} when absent."""
@@ -245,7 +250,8 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
              f"reward model `{result['reward_model_path']}`.", "",
              f"{result['num_prompts']} held-out prompts x {result['samples_per_prompt']} samples, temperature "
              f"{result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} tokens, seed "
-             f"{result['seed']}. Rewards are raw reward-model scores (no baseline, no missing-EOS penalty).", "",
+             f"{result['seed']}. {rewards_sentence(result['reward_model_path'])} (no baseline, no missing-EOS "
+             "penalty).", "",
              "## Figures", "", "| figure | value |", "|---|---|"]
     for key in FIGURES + [k for k in (*DEMO_FIGURES, *RM_FIGURES) if k in result["figures"]]:
         value = result["figures"][key]
