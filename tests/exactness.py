@@ -55,7 +55,7 @@ WALL_TIME_FIELDS = frozenset({
 })
 # recipe keys naming where a run writes (differ between the runs compared)
 PATH_KEYS = frozenset({"output_dir", "logging_dir", "resume_from_checkpoint"})
-NOT_COMPARED = frozenset({"training_args.bin"})
+NOT_COMPARED = frozenset({"training_args.bin", ".rlhf-trl.lock"})  # the lock names its holder: not run state
 SET_VALUED = ("target_modules", "modules_to_save")  # adapter_config.json: sets, compared as sets
 SKIPPED_DIRS = frozenset({"runs"})
 CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
@@ -216,7 +216,7 @@ class StageConfig:
 
 
 def stage_configs(assets: dict, sft_merged: str, rm_merged: str) -> dict[str, StageConfig]:
-    """The ten configurations: tiny runs of the demo assets, three checkpoints each, the second in the middle of
+    """The eleven configurations: tiny runs of the demo assets, three checkpoints each, the second in the middle of
     the run. SFT / RM: 8 steps of 2 accumulated micro-batches, 2 passes over the data, checkpoints between two
     logging steps (so the loop's running loss sums matter). PPO: 3 updates, adaptive KL control, a sample table
     every update, the 2nd checkpoint at the end of a pass over the prompts (2 processes: in the second pass)."""
@@ -253,6 +253,10 @@ def stage_configs(assets: dict, sft_merged: str, rm_merged: str) -> dict[str, St
     # 2 prompts x 4 completions a step; 12 training prompts / 2 = 6 steps: one pass
     rloo = [*grpo]
     rloo[rloo.index(f"{RECIPES}/grpo.yaml")] = f"{RECIPES}/rloo.yaml"
+    kto = ["--config", f"{RECIPES}/kto.yaml", "--dataset_name", assets["rm"], "--model_name_or_path", sft_merged,
+           "--max_samples", "6", "--eval_split_size", "4", "--num_train_epochs", "2", "--per_device_train_batch_size",
+           "4", "--gradient_accumulation_steps", "2", "--save_steps", "3", "--logging_steps", "2", *common]
+    # 6 ranked lists x 3 pairs x 2 examples = 36 - 4 held out = 32 / 8 = 4 steps a pass, 8 steps (as DPO)
     lora_value = ["--value_use_peft", "true", "--value_lora_r", "4"]
     configs = [
         StageConfig("sft", "sft", sft, [3, 6, 8]),
@@ -266,6 +270,7 @@ def stage_configs(assets: dict, sft_merged: str, rm_merged: str) -> dict[str, St
         StageConfig("dpo", "dpo", dpo, [3, 6, 8]),
         StageConfig("grpo", "grpo", grpo, [2, 4, 6]),
         StageConfig("rloo", "rloo", rloo, [2, 4, 6]),
+        StageConfig("kto", "kto", kto, [3, 6, 8]),
     ]
     return {c.name: c for c in configs}
 
@@ -375,6 +380,8 @@ def _zygote_main() -> None:  # pragma: no cover (runs in the zygote process)
                         os.environ[k] = v
                 if req.get("sweep"):
                     _install_sweep(req["sweep"])
+                if req.get("signals"):
+                    _install_signals(req["signals"])
                 try:
                     code = cli.main([req["stage"], *req["argv"]]) or 0
                 except SystemExit as exc:
@@ -442,9 +449,11 @@ class Zygote:
             if select.select([self.proc.stdout], [], [], left)[0]:
                 self._fill()
 
-    def start(self, stage: str, argv: list[str], log: str, env: dict | None = None, sweep: dict | None = None) -> int:
-        """Fork a child running the stage; returns its pid (then call `wait`). ``sweep``: see `_install_sweep`."""
-        req = {"stage": stage, "argv": argv, "env": env or {}, "log": log, "sweep": sweep}
+    def start(self, stage: str, argv: list[str], log: str, env: dict | None = None, sweep: dict | None = None,
+              signals: dict | None = None) -> int:
+        """Fork a child running the stage; returns its pid (then call `wait`). ``sweep``: see `_install_sweep`;
+        ``signals``: see `_install_signals`."""
+        req = {"stage": stage, "argv": argv, "env": env or {}, "log": log, "sweep": sweep, "signals": signals}
         self.proc.stdin.write((json.dumps(req) + "\n").encode())
         self.proc.stdin.flush()
         return self._read(60)["pid"]
@@ -460,8 +469,8 @@ class Zygote:
             raise
 
     def run(self, stage: str, argv: list[str], log: str, env: dict | None = None, sweep: dict | None = None,
-            timeout: float = 600) -> int:
-        return self.wait(self.start(stage, argv, log, env, sweep), timeout)
+            timeout: float = 600, signals: dict | None = None) -> int:
+        return self.wait(self.start(stage, argv, log, env, sweep, signals), timeout)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -620,6 +629,26 @@ def _install_sweep(spec: dict) -> None:  # pragma: no cover (runs in a zygote ch
         os._exit(0)
 
     checkpoints.AtomicCheckpointMixin._save_checkpoint = patched
+
+
+def _install_signals(spec: dict) -> None:  # pragma: no cover (runs in a zygote child)
+    """Make this run send itself ``spec["signal"]`` (``"SIGTERM"`` / ``"SIGINT"``) at the end of step (PPO: update)
+    ``spec["step"]``, just before the stage's `StopOnSignal` looks; ``spec["again_after"]`` seconds later (if set) a
+    second one, as a user who insists."""
+    from rlhf_trl import checkpoints
+
+    original = checkpoints.StopOnSignal.on_step_end
+    signum = getattr(signal, spec["signal"])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == spec["step"]:
+            os.kill(os.getpid(), signum)
+            if spec.get("again_after") is not None:
+                time.sleep(spec["again_after"])
+                os.kill(os.getpid(), signum)
+        return original(self, args, state, control, **kwargs)
+
+    checkpoints.StopOnSignal.on_step_end = on_step_end
 
 
 def read_fault_log(path, save: int, rank: int = 0) -> list[tuple[int, str, str]]:

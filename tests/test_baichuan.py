@@ -16,7 +16,7 @@ from baichuan_fixture import TOPICS_ZH, write_tiny_baichuan
 from conftest import write_jsonl
 from safetensors.torch import load_file
 
-from rlhf_trl import baichuan, models
+from rlhf_trl import atomic, baichuan, models
 from rlhf_trl.data import Template, encode_prompt, encode_response, pair_features
 from rlhf_trl.scoring import pad_right, score_sequences
 
@@ -257,7 +257,7 @@ def test_classifier_reads_the_last_non_pad_token(classifier, bc_tok):
 
 def test_classifier_saves_and_reloads_its_score_head(classifier, bc_tok, tmp_path):
     out = str(tmp_path / "rm")
-    models.save_pretrained_atomic(classifier, bc_tok, out)
+    atomic.save_pretrained_atomic(classifier, bc_tok, out)
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["architectures"] == ["BaichuanForSequenceClassification"] and cfg["model_type"] == "baichuan"
     assert cfg["auto_map"]["AutoConfig"] == "configuration_baichuan.BaichuanConfig"

@@ -15,7 +15,7 @@ from conftest import REPO
 TOP_KEYS = {
     "mode", "repeats", "overhead_ratio", "train_runtime_ratio", "overhead", "ppo_breakdown", "rollout_vs_generate",
     "memory", "ppo_model_copies", "ppo_base_weight_copies", "scaling", "targets", "targets_met", "machine",
-    "versions", "seconds", "failures",
+    "versions", "seconds", "failures", "reencode", "reencode_ratio",
 }
 OVERHEAD_KEYS = {
     "steps", "step_unit", "overhead_ratio", "train_runtime_ratio", "setup_ratio",
@@ -49,6 +49,10 @@ def test_bench_quick_writes_every_key(tmp_path):
         assert entry["overhead_ratio"] is not None and entry["train_runtime_ratio"] is not None
     assert BREAKDOWN_KEYS <= set(bench["ppo_breakdown"]), BREAKDOWN_KEYS - set(bench["ppo_breakdown"])
     assert bench["rollout_vs_generate"] is not None
+    # a reward model of another tokenizer: the re-encoding time as a ratio of the PPO update time
+    if (REPO.parent / "shared" / "tokenizers" / "qwen2").is_dir():
+        assert bench["reencode_ratio"] >= 1.0 and bench["reencode"]["reencode_seconds_per_update"] > 0
+        assert bench["reencode"]["rm_tokens"] > 0
 
     memory = bench["memory"]
     assert {"model", "stages", "peak_rss_mb", "ppo_model_copies_by_layout", "ppo_base_weight_copies_by_layout"} <= set(
@@ -71,10 +75,10 @@ def test_bench_quick_writes_every_key(tmp_path):
         assert {"response_length", "batch", "seconds_per_update", "peak_rss_mb"} <= set(p)
         assert p["seconds_per_update"] is not None and p["peak_rss_mb"] is not None
     assert set(bench["targets_met"]) == {"overhead_ratio", "rollout_vs_generate", "ppo_base_weight_copies",
-                                          "ppo_model_copies", "seconds"}
+                                          "ppo_model_copies", "seconds", "reencode_ratio"}
     assert {"cpu_count", "torch_threads"} <= set(bench["machine"])
 
     png = (out / "scaling.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
     md = (out / "bench.md").read_text(encoding="utf-8")
-    assert "overhead_ratio" in md and "rollout_vs_generate" in md and "ppo_model_copies" in md
+    assert "overhead_ratio" in md and "rollout_vs_generate" in md and "ppo_model_copies" in md and "reencode_ratio" in md

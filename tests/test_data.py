@@ -72,8 +72,10 @@ def test_prompt_features_keep_the_right_end(tokenizer):
 
 def test_alpaca_with_input_and_history():
     rows = [{"instruction": "翻译", "input": "hello", "output": "你好", "history": [["在吗", "在"]]}]
-    (rec,) = sft_records(rows, DataArguments(), "f.json")
+    (rec,) = sft_records(rows, DataArguments(mask_history=True), "f.json")
     assert rec == {"question": "翻译\nhello", "history": [("在吗", "在")], "answer": "你好"}
+    # by default (mask_history: false) the history's answers are targets too (tests/test_turns.py)
+    assert sft_records(rows, DataArguments(), "f.json") == [{**rec, "train_history": True}]
 
 
 def test_column_mapping():
@@ -103,8 +105,9 @@ def test_sharegpt_sft_pairs_and_prompts():
         {"from": "human", "value": "第一问"}, {"from": "gpt", "value": "第一答"},
         {"from": "human", "value": "第二问"}, {"from": "gpt", "value": "第二答"},
     ]
-    (rec,) = sft_records([{"conversations": conv}], DataArguments(), "f")
+    (rec,) = sft_records([{"conversations": conv}], DataArguments(mask_history=True), "f")
     assert rec == {"question": "第二问", "history": [("第一问", "第一答")], "answer": "第二答"}
+    assert sft_records([{"conversations": conv}], DataArguments(), "f") == [{**rec, "train_history": True}]
     pair_row = {"conversations": conv[:3], "chosen": {"from": "gpt", "value": "好"}, "rejected": "坏"}
     (pair,) = pair_records([pair_row], DataArguments(), "f")
     assert pair == {"question": "第二问", "history": [("第一问", "第一答")], "chosen": "好", "rejected": "坏"}

@@ -98,7 +98,7 @@ def test_tool_calling_rows_render_through_the_chat_template_with_calls_as_target
     chat = DataArguments(chat_template=True)
     for name, row in (("sharegpt", SHAREGPT_TOOLS), ("openai", OPENAI_TOOLS)):
         path = write_jsonl(tmp_path / f"{name}.jsonl", [row])
-        (rec,) = read_records(DataArguments(dataset_name=path, chat_template=True), "sft")
+        (rec,) = read_records(DataArguments(dataset_name=path, chat_template=True, mask_history=True), "sft")
         assert rec["answer"] == "北京今天晴，25度。" and rec["tools"] == TOOLS, name
         messages = rec["messages"]
         assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"], name
@@ -141,7 +141,8 @@ def test_firefly_sharegpt_and_messages_give_the_same_records(tmp_path):
     want = {"question": "1+1?", "history": [("你好", "你好！")], "answer": "2"}
     for name, row in (("firefly", firefly), ("sharegpt", sharegpt), ("messages", messages)):
         path = write_jsonl(tmp_path / f"{name}.jsonl", [row])
-        assert read_records(DataArguments(dataset_name=path), "sft") == [want], name
+        assert read_records(DataArguments(dataset_name=path, mask_history=True), "sft") == [want], name
+        assert read_records(DataArguments(dataset_name=path), "sft") == [{**want, "train_history": True}], name
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"conversation": [{"human": "q", "assistant": None}]}])
     with pytest.raises(DataError) as err:
         read_records(DataArguments(dataset_name=bad), "sft")
@@ -184,7 +185,17 @@ def test_kto_rows_train_sft_on_desirable_answers_and_are_refused_by_the_reward_m
     with pytest.raises(DataError) as err:
         read_records(DataArguments(dataset_name=path), "pairs")
     assert str(err.value) == (f"{path}, row 0, field 'label': holds unpaired KTO rows (a boolean 'label' per answer); "
-                              f"a reward model needs chosen / rejected pairs{SKIP_HINT}")
+                              f"a reward model needs chosen / rejected pairs (make kto trains on them){SKIP_HINT}")
+    # LLaMA-Factory's KTO rows say kto_tag: the same, by that name
+    tagged = write_jsonl(tmp_path / "kto_tag.jsonl", [{**{k: v for k, v in r.items() if k != "label"},
+                                                        "kto_tag": r["label"]} for r in rows])
+    report = DataReport("sft")
+    assert [r["answer"] for r in read_records(DataArguments(dataset_name=tagged), "sft", report)] == [
+        "a0", "a2", "a4", "a6", "a8"]
+    assert {r: e["count"] for r, e in report.skipped.items()} == {
+        "kto_tag: false (an undesirable KTO row: not a target)": 5}
+    with pytest.raises(DataError, match="field 'kto_tag': holds unpaired KTO rows"):
+        read_records(DataArguments(dataset_name=tagged), "pairs")
 
 
 def test_json_array_of_lists_is_read_as_prompt_answer_rows(tmp_path):
@@ -192,11 +203,11 @@ def test_json_array_of_lists_is_read_as_prompt_answer_rows(tmp_path):
     path.write_text(json.dumps([["你好", "你好！"], ["1+1?", "2"]], ensure_ascii=False), encoding="utf-8")
     assert read_records(DataArguments(dataset_name=str(path)), "sft") == [
         {"question": "你好", "history": [], "answer": "你好！"}, {"question": "1+1?", "history": [], "answer": "2"}]
-    path.write_text(json.dumps([["q", "a"], ["q", "a", "extra"]]), encoding="utf-8")
+    path.write_text(json.dumps([["q", "a"], ["q", "a", 7]]), encoding="utf-8")  # dialogue lists: test_data_read.py
     with pytest.raises(DataError) as err:
         read_records(DataArguments(dataset_name=str(path)), "sft")
-    assert str(err.value) == (f"{path}, row 1: holds a JSON array of lists; only [prompt, answer] lists of two strings "
-                              "are read, this one holds ['q', 'a', 'extra']")
+    assert str(err.value) == (f"{path}, row 1, field '[2]': must be a string (a dialogue list alternates user / "
+                              f"assistant turns), got a JSON number{SKIP_HINT}")
 
 
 # --- encodings, columns, split, truncation -----------------------------------------------------------------------

@@ -80,7 +80,9 @@ def need_shared(path):
 def test_messages_rows_in_every_stage(tmp_path):
     path = write_gz(tmp_path / "chat.jsonl.gz", [{"messages": MESSAGES}])
     args = DataArguments(dataset_name=path)
-    assert read_records(args, "sft") == [
+    assert read_records(args, "sft") == [{"question": "2+2?", "history": [("Hi", "Hello!")], "answer": "4",
+                                          "system": "Be brief.", "train_history": True}]  # every turn a target
+    assert read_records(DataArguments(dataset_name=path, mask_history=True), "sft") == [
         {"question": "2+2?", "history": [("Hi", "Hello!")], "answer": "4", "system": "Be brief."}]
     assert read_records(args, "prompts") == [{"question": "2+2?", "history": [("Hi", "Hello!")], "system": "Be brief."}]
     with_pair = write_gz(tmp_path / "pairs.jsonl.gz", [{"messages": MESSAGES[:4], "chosen": "4", "rejected": "5"}])
@@ -227,7 +229,7 @@ def test_chat_template_ids_rm_equals_ppo_on_the_real_qwen2_tokenizer(qwen):
         answer = qwen(records[0][key], add_special_tokens=False)["input_ids"]
         assert feats[f"{key}_ids"][0] == prompt + answer + [IM_END]  # RM ids == PPO prompt + response + EOS
     assert feats["prompt_length"] == [len(prompt)]
-    sft = sft_features(sft_records([{"messages": MESSAGES}], DataArguments(), "f"), qwen, template)
+    sft = sft_features(sft_records([{"messages": MESSAGES}], DataArguments(mask_history=True), "f"), qwen, template)
     sft_prompt = apply(qwen, MESSAGES[:4])  # the row's own system turn wins over system_prompt
     assert sft["input_ids"][0] == sft_prompt + qwen("4", add_special_tokens=False)["input_ids"] + [IM_END]
     assert sft["completion_mask"][0] == [0] * len(sft_prompt) + [1, 1]

@@ -680,7 +680,7 @@ def test_merge_replaces_an_earlier_merged_model_only_once_the_new_one_is_complet
 
     ops = merge_ops(assets, adapter, tmp_path, monkeypatch)
     kinds = [kind for _op, kind, _path in ops]
-    publishing = kinds.index("fsync")  # publishing the new model starts here (`faults.publish`)
+    publishing = kinds.index("fsync")  # publishing the new model starts here (`atomic.publish`)
     writes = ops[:publishing]
     assert {kind for _op, kind, _path in writes} == {"write"}
     assert {"config.json", "model.safetensors", "tokenizer_config.json",

@@ -7,7 +7,8 @@ import torch
 from conftest import REPO, reward_stand_in
 
 from rlhf_trl import models
-from rlhf_trl.models import StageInputError, atomic_dir, load_tokenizer, require_model_dir
+from rlhf_trl.models import StageInputError, load_tokenizer, require_model_dir
+from rlhf_trl.atomic import atomic_dir
 
 
 def test_pad_equal_to_eos_is_replaced(tokenizer, tmp_path):
@@ -350,7 +351,7 @@ def test_sharded_lora_model_is_merged_from_the_saved_adapter(sft_run, rm_run, tm
 
 def test_saved_model_directories_get_the_usual_mode(tmp_path):
     """atomic_dir writes under a private temporary name; the final directory has the umask's mode, not 0700."""
-    from rlhf_trl.models import atomic_dir
+    from rlhf_trl.atomic import atomic_dir
 
     umask = os.umask(0o022)
     try:

@@ -90,9 +90,9 @@ def checkpoints(root: str) -> list[int]:
     return sorted(int(m.group(1)) for d in os.listdir(root) if (m := re.fullmatch(r"checkpoint-(\d+)", d)))
 
 
-def expected_checkpoints(steps: int, save_steps: int) -> list[int]:
-    """Every save_steps updates, and at the end of training."""
-    return sorted(set(range(save_steps, steps + 1, save_steps)) | {steps})
+def expected_checkpoints(steps: int, save_steps: int, kept: int = 3) -> list[int]:
+    """Every save_steps updates, and at the end of training; the newest ``kept`` (the default save_total_limit)."""
+    return sorted(set(range(save_steps, steps + 1, save_steps)) | {steps})[-kept:]
 
 
 def assert_written_once(root: str, proc: subprocess.CompletedProcess, stage: str, nproc: int) -> None:

@@ -10,13 +10,13 @@ from conftest import import_ppo
 
 from types import SimpleNamespace
 
-from rlhf_trl import dpo, grpo, rm, sft
+from rlhf_trl import dpo, grpo, kto, rm, sft
 from rlhf_trl.config import parse_recipe
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 STAGES = {"sft": lambda: sft, "rm": lambda: rm, "ppo": import_ppo}  # stage -> its module (PPO: imported when used)
 STAGE3 = {"dpo": lambda: dpo, "grpo": lambda: grpo,  # the other stage-3 methods: demo, CPU and 7B recipes
-          "rloo": lambda: SimpleNamespace(recipe_types=lambda: grpo.recipe_types("rloo"))}
+          "rloo": lambda: SimpleNamespace(recipe_types=lambda: grpo.recipe_types("rloo")), "kto": lambda: kto}
 PARSERS = {**STAGES, **STAGE3}
 RECIPES = sorted(
     p for p in glob.glob(os.path.join(ROOT, "recipes", "**", "*.yaml"), recursive=True)
@@ -32,7 +32,7 @@ def test_there_are_recipes_for_every_stage():
         for stage in STAGES:
             assert os.path.isfile(os.path.join(ROOT, "recipes", run, f"{stage}.yaml")), (run, stage)
     assert os.path.isfile(os.path.join(ROOT, "recipes", "qwen2.5-7b-full", "sft.yaml"))  # full-parameter, ZeRO-3
-    for run, methods in (("demo", STAGE3), ("qwen2.5-0.5b-cpu", STAGE3), ("qwen2.5-7b", ("dpo", "grpo"))):
+    for run, methods in (("demo", STAGE3), ("qwen2.5-0.5b-cpu", STAGE3), ("qwen2.5-7b", ("dpo", "grpo", "kto"))):
         for method in methods:
             assert os.path.isfile(os.path.join(ROOT, "recipes", run, f"{method}.yaml")), (run, method)
 

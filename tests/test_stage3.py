@@ -1,10 +1,11 @@
-"""Stage 3 beyond PPO: DPO, GRPO and RLOO (TRL's trainers) on the demo, as the project runs them.
+"""Stage 3 beyond PPO: DPO, GRPO, RLOO and KTO (TRL's trainers) on the demo, as the project runs them.
 
 - DPO trains on the very token ids the reward model trains on (`pair_features`), not on TRL's own tokenization;
 - GRPO / RLOO rewards equal PPO's: the reward model's score read at the EOS over the same ids (queries left-padded
   in a PPO batch or not), minus the baseline and the missing-EOS penalty; reward functions get the columns their
   signature names, weighted as in PPO;
-- short runs change the policy and write loadable ``merged/`` models; bad input stops in one line before anything
+- short runs change the policy and write loadable ``merged/`` models (KTO: and open a held-out margin between
+  desirable and undesirable answers; its data: tests/test_kto.py); bad input stops in one line before anything
   is written. (Exact resume after a kill: tests/test_exact_resume.py; ``make demo-compare``'s targets: CI.)
 """
 
@@ -112,6 +113,24 @@ def test_dpo_trains_the_policy(models, assets, tmp_path):
     assert m["peak_memory_mb"] > 0 and m["train_runtime"] > 0
     assert changed(models[0], out["merged"]) > 0
     assert json.load(open(tmp_path / "dpo" / "data_report.json"))["stage"] == "dpo"
+
+
+def test_kto_trains_the_policy_and_separates_desirable_from_undesirable(models, assets, tmp_path):
+    """A short KTO run (the demo's ranked lists, unpaired) changes the policy and opens a margin on held-out examples:
+    ``eval_rewards/margins`` = beta x (mean log-ratio policy / reference of desirable answers - that of undesirable
+    ones) is exactly 0 before training (the policy is the reference) and positive after."""
+    from rlhf_trl import kto
+
+    out = kto.main(["--config", f"{RECIPES}/kto.yaml", "--dataset_name", assets["rm"], "--model_name_or_path",
+                    models[0], "--max_samples", "120", "--eval_split_size", "64", "--max_steps", "40",
+                    "--output_dir", str(tmp_path / "kto"), "--report_to", "none"])  # ~10 s; 10 steps: no margin yet
+    m = out["metrics"]
+    assert m["global_step"] == 40 and m["num_train_examples"] == 120 * 3 * 2 - 64 and m["num_eval_examples"] == 64
+    assert m["eval_rewards/margins"] > 0.3 and m["eval_rewards/chosen"] > m["eval_rewards/rejected"]  # measured ~1.0
+    assert m["num_train_desirable"] + m["num_eval_desirable"] == 120 * 3
+    assert changed(models[0], out["merged"]) > 0
+    report = json.load(open(tmp_path / "kto" / "data_report.json"))
+    assert report["stage"] == "kto" and report["labels"]["train"]["desirable"] == m["num_train_desirable"]
 
 
 @pytest.mark.parametrize("method", ["grpo", "rloo"])

@@ -196,17 +196,17 @@ def test_zero3_ppo_killed_in_a_checkpoint_resumes_exactly(assets, sft_runs, rm_r
     assert os.path.exists(os.path.join(straight, "merged", "model.safetensors"))  # the earlier run is intact
 
 
-@pytest.mark.parametrize("stage", ["dpo", "grpo"])
+@pytest.mark.parametrize("stage", ["dpo", "grpo", "kto"])
 def test_trl_stage3_trainers_under_zero3(stage, assets, sft_runs, rm_runs, tmp_path):
-    """DPO and GRPO (TRL's trainers) under ZeRO-3, 2 processes: they train (the merged policy differs from the SFT
+    """DPO, GRPO and KTO (TRL's trainers) under ZeRO-3, 2 processes: they train (the merged policy differs from the SFT
     model), checkpoint with DeepSpeed's shards and end with a policy that loads. (Not compared with DDP here.)"""
     from safetensors.torch import load_file
 
     sft = os.path.join(sft_runs[1][0], "merged")
     common = ["--model_name_or_path", sft, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1",
               "--logging_steps", "1", "--report_to", "none", "--overwrite_output_dir", "true"]
-    if stage == "dpo":
-        args = ["--config", f"{RECIPES}/dpo.yaml", "--dataset_name", assets["rm"], "--max_samples", "12",
+    if stage in ("dpo", "kto"):  # KTO: 12 ranked lists -> 72 labelled examples; 2 a process (its KL term needs > 1)
+        args = ["--config", f"{RECIPES}/{stage}.yaml", "--dataset_name", assets["rm"], "--max_samples", "12",
                 "--eval_split_size", "4", "--per_device_train_batch_size", "2", *common]
     else:  # 4 completions per process and step: 2 prompts x 4 generations over both processes
         args = ["--config", f"{RECIPES}/grpo.yaml", "--dataset_name", assets["prompts"], "--reward_model_path",

@@ -13,12 +13,23 @@ import zipfile
 from contextlib import contextmanager
 from types import SimpleNamespace
 
-from . import faults
+from . import atomic, faults
+from .atomic import CheckpointWriteError, write_json
 from .config import RecipeError, RunArguments, check_output_dir, save_recipe
-from .faults import CheckpointWriteError
 from .merge import merge_adapter
-from .models import (StageInputError, load_causal_lm, load_sequence_classifier, merge_and_save, peak_memory_mb,
-                     write_json)
+from .models import StageInputError, load_causal_lm, load_sequence_classifier, merge_and_save, peak_memory_mb
+from .run_dir import (
+    OutputDirError,
+    RunBusyError,
+    RunLock,
+    StoppedBySignal,
+    catch_stop_signals,
+    checkpoint_room,
+    preflight,
+    release_stop_signals,
+    stop_signal,
+    training_begins,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +38,48 @@ MANIFEST = "manifest.json"  # in every checkpoint-N: its files and their sizes (
 DAMAGED_PREFIX = "damaged-"  # damaged-checkpoint-N: set aside by a resume from an older one (`set_aside_damaged`)
 
 
+class StopOnSignal:
+    """Trainer callback: after a step during which a stop signal came (`run_dir.stop_signal`, agreed by every process
+    at each step's end), save a checkpoint, then stop training. ``signum``: the agreed signal, or None."""
+
+    signum: int | None = None
+
+    def __getattr__(self, name):  # every other `transformers.TrainerCallback` event: nothing to do
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        training_begins()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.signum = stop_signal()
+        if self.signum is not None:
+            control.should_save = True
+
+    def on_save(self, args, state, control, **kwargs):  # after the save: the checkpoint holds the TrainerControl
+        if self.signum is not None:  # state of an uninterrupted run, so its resume trains on
+            control.should_training_stop = True
+
+
 class AtomicCheckpointMixin:
-    """Trainer mixin: ``checkpoint-N`` is written under ``.tmp-checkpoint-N``, renamed into place only when complete."""
+    """Trainer mixin: ``checkpoint-N`` is written under ``.tmp-checkpoint-N``, renamed into place only when complete;
+    a stop signal ends training after the current step with a checkpoint, then `train` raises `StoppedBySignal`."""
+
+    stop_unit = "step"  # what a stop message counts (PPO: "update")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stop_on_signal = StopOnSignal()
+        self.add_callback(self.stop_on_signal)
+
+    def train(self, *args, **kwargs):
+        result = super().train(*args, **kwargs)
+        if (signum := self.stop_on_signal.signum) is not None:
+            step = self.state.global_step
+            raise StoppedBySignal(signum, step, os.path.join(self.args.output_dir, f"checkpoint-{step}"),
+                                  self.stop_unit)
+        return result
 
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
         """Add files to a checkpoint before it is renamed into place; called on every process, the main one writes."""
@@ -53,7 +104,7 @@ class AtomicCheckpointMixin:
                 self.accelerator.wait_for_everyone()  # every process's files are in staging
                 if self.args.should_save:
                     write_manifest(ckpt)  # last: after every process's files (the barrier above), before publishing
-                    faults.publish(ckpt, os.path.join(root, name))  # a re-saved step: the old copy aside
+                    atomic.publish(ckpt, os.path.join(root, name))  # a re-saved step: the old copy aside
                     faults.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
                     faults.file_op("rotate", root, lambda: rotate_checkpoints(
                         root, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False))
@@ -72,15 +123,57 @@ def with_atomic_checkpoints(trainer_cls):
     return type(trainer_cls.__name__, (AtomicCheckpointMixin, trainer_cls), {})
 
 
-def start_run(training_args, run_args=None):
-    """Every stage's checks before reading its inputs: seed every RNG, put back an earlier run a killed run set aside,
-    resolve ``resume_from_checkpoint``, refuse (unless ``overwrite_output_dir``) a run in the way, remove a killed run's
-    ``.tmp-*``. Returns ``(run_args or defaults, checkpoint or None)``. Raises `StageInputError`: no intact checkpoint
-    to resume, or the named one damaged; `RecipeError`: a run in the way."""
+_locks: list[RunLock] = []  # the output_dir locks this process holds (released by `keeps_earlier_run`)
+
+
+def _on_main_first(state, fn) -> None:
+    """Run ``fn`` on the main process; its `RunBusyError` / `OutputDirError` is raised on every process."""
+    error = None
+    if state.is_main_process:
+        try:
+            fn()
+        except (RunBusyError, OutputDirError) as exc:
+            error = exc
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        error = broadcast_object_list([error], from_process=0)[0]
+    if error is not None:
+        raise error
+
+
+def claim_output_dir(output_dir: str, model_path: str | None = None, full_training: bool = False) -> None:
+    """The first thing a run does (main process): lock ``output_dir`` (`run_dir.RunLock`: a second run is refused
+    at once, naming the holder), prove it takes files (`run_dir.preflight`) and estimate whether one checkpoint fits
+    (`run_dir.checkpoint_room`, from ``model_path``'s weights). Raises `RunBusyError`, `OutputDirError`."""
+    lock = RunLock(output_dir).acquire()
+    _locks.append(lock)
+    preflight(lock.output_dir)
+    checkpoint_room(lock.output_dir, model_path, full_training)
+
+
+def end_run() -> None:
+    """How every run ends, however it ends: release this process's ``output_dir`` lock (a refused run's empty
+    directories go too) and put back the signal handlers `start_run` replaced."""
+    while _locks:
+        _locks.pop().release()
+    release_stop_signals()
+
+
+def start_run(training_args, run_args=None, model_path: str | None = None, full_training: bool = False):
+    """Every stage's checks before reading its inputs: catch SIGTERM / SIGINT (`run_dir.catch_stop_signals`), lock
+    ``output_dir`` and prove it writable (`claim_output_dir`),
+    seed every RNG, put back an earlier run a killed run set aside, resolve ``resume_from_checkpoint``, refuse (unless
+    ``overwrite_output_dir``) a run in the way, remove a killed run's ``.tmp-*``. Returns ``(run_args or defaults,
+    checkpoint or None)``. Raises `RunBusyError`: another run holds ``output_dir``; `OutputDirError`: not writable or
+    no room; `StageInputError`: no intact checkpoint to resume, or the named one damaged; `RecipeError`: a run in the
+    way."""
     from transformers import set_seed
 
     set_seed(training_args.seed)
     state, out, run_args = distributed_state(training_args), training_args.output_dir, run_args or RunArguments()
+    catch_stop_signals()
+    _on_main_first(state, lambda: claim_output_dir(out, model_path, full_training))
     if state.is_main_process:
         restore_earlier_run(out)
     state.wait_for_everyone()
@@ -171,18 +264,22 @@ def drop_earlier_run(output_dir: str) -> None:
 
 
 def keeps_earlier_run(run):
-    """Decorator for a stage's ``run``: a raise (Ctrl-C too) puts the set-aside earlier run back; a return drops it."""
+    """Decorator for a stage's ``run``: a raise (Ctrl-C too) puts the set-aside earlier run back; a return drops it;
+    either way the run ends last (`end_run`: its lock released, its signal handlers put back)."""
     @functools.wraps(run)
     def wrapper(*args, **kwargs):
         try:
-            result = run(*args, **kwargs)
-        except BaseException:
+            try:
+                result = run(*args, **kwargs)
+            except BaseException:
+                for out in sorted(_set_aside):
+                    restore_earlier_run(out)
+                raise
             for out in sorted(_set_aside):
-                restore_earlier_run(out)
-            raise
-        for out in sorted(_set_aside):
-            drop_earlier_run(out)
-        return result
+                drop_earlier_run(out)
+            return result
+        finally:
+            end_run()
 
     return wrapper
 

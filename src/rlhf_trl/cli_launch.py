@@ -37,13 +37,16 @@ def one_line(exc: BaseException) -> str:
 
 def run_stage(stage: str, argv: list[str] | None = None) -> int:
     """Run one stage's ``main(argv)``. Exit status 2: bad input (one line on stderr, progress bars closed first); 3: a
-    diverged PPO run; 4: a refused checkpoint write (`faults.CheckpointWriteError`). ``RLHF_TRL_DEBUG=1`` re-raises."""
+    diverged PPO run; 4: a refused checkpoint write (`atomic.CheckpointWriteError`) or an unwritable ``output_dir``
+    (`run_dir.OutputDirError`); a busy ``output_dir`` (`run_dir.RunBusyError`) is bad input (2); 143 / 130: stopped
+    by SIGTERM / SIGINT (`run_dir.StoppedBySignal`), one line naming the checkpoint written. ``RLHF_TRL_DEBUG=1`` re-raises."""
     quiet_libraries()  # before any import of bitsandbytes (through transformers / peft)
+    from .atomic import CheckpointWriteError
     from .config import RecipeError
     from .data import DataError
-    from .faults import CheckpointWriteError
     from .models import StageInputError
     from .rewards import RewardFunctionError
+    from .run_dir import OutputDirError, RunBusyError, StoppedBySignal
 
     diverged = (importlib.import_module("rlhf_trl.ppo_engine").TrainingDivergedError,) if stage == "ppo" else ()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -57,7 +60,7 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
     transformers.utils.logging.set_verbosity_warning()
     main = stage_main(stage)
     user_errors = (RecipeError, DataError, StageInputError, ValueError, FileNotFoundError, RewardFunctionError,
-                   CheckpointWriteError)
+                   CheckpointWriteError, OutputDirError, RunBusyError)
     try:
         result = main(sys.argv[1:] if argv is None else argv)
     except BaseException as exc:
@@ -65,29 +68,54 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
 
         for bar in list(getattr(tqdm, "_instances", ())):  # a trainer's stays open when training raises
             bar.close()  # ends its line
+        if isinstance(exc, StoppedBySignal):
+            if is_main_rank():
+                print(f"rlhf-trl {stage}: {exc}{resume_hint(stage, argv, exc)}", file=sys.stderr)
+            sys.exit(exc.exit_code)
         if isinstance(exc, user_errors) and not os.environ.get("RLHF_TRL_DEBUG"):
-            print(f"rlhf-trl {stage}: error: {one_line(exc)}", file=sys.stderr)
-            sys.exit(4 if isinstance(exc, CheckpointWriteError) else 2)
+            if is_main_rank():  # every process meets the same bad input: the user reads it once
+                print(f"rlhf-trl {stage}: error: {one_line(exc)}", file=sys.stderr)
+            sys.exit(4 if isinstance(exc, (CheckpointWriteError, OutputDirError)) else 2)
         if isinstance(exc, diverged):
             print(f"rlhf-trl {stage}: training stopped: {exc}", file=sys.stderr)
             sys.exit(3)
         raise
     end_process_group()
-    if stage == "demo" and "summary" in result:
-        print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
-        return 0
-    if stage == "demo-real":
-        print_real_summary(result["real_summary"], os.path.join(result["output_dir"], "summary.json"))
-        return 0
     if not is_main_rank():
         return 0
-    metrics = result.get("metrics", {}) if isinstance(result, dict) else {}
-    summary = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.endswith("_runtime")}
-    if summary:
-        print(f"rlhf-trl {stage}: done -> {result.get('output_dir')}")
+    if stage == "demo" and "summary" in result:
+        print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
+    elif stage == "demo-real":
+        print_real_summary(result["real_summary"], os.path.join(result["output_dir"], "summary.json"))
+    else:
+        metrics = result.get("metrics", {}) if isinstance(result, dict) else {}
+        summary = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.endswith("_runtime")}
         for key in sorted(summary)[:30]:
             print(f"  {key}: {summary[key]:.4g}" if isinstance(summary[key], float) else f"  {key}: {summary[key]}")
+    if line := outputs_line(stage, result):
+        print(line)
     return 0
+
+
+def outputs_line(stage: str, result) -> str | None:
+    """The last line of a successful command: where its outputs are, and what is there (hidden files aside)."""
+    out = result.get("output_dir") if isinstance(result, dict) else None
+    if not out or not os.path.isdir(out):
+        return None
+    names = sorted(n + ("/" if os.path.isdir(os.path.join(out, n)) else "") for n in os.listdir(out)
+                   if not n.startswith("."))
+    shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+    return f"rlhf-trl {stage}: done; outputs in {out}: {shown}"
+
+
+def resume_hint(stage: str, argv: list[str] | None, stop) -> str:
+    """``; resume with make <stage> RECIPE=... resume_from_checkpoint=true`` for a run stopped with a checkpoint."""
+    if stop.checkpoint is None:
+        return ""
+    argv = sys.argv[1:] if argv is None else argv
+    recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    command = f"make {stage} RECIPE={recipe}" if recipe else f"make {stage}"
+    return f"; resume with `{command} resume_from_checkpoint=true` (or --resume_from_checkpoint true)"
 
 
 def end_process_group() -> None:

@@ -1,6 +1,6 @@
 """Compare stage-3 methods on the same held-out prompts: ``rlhf-trl compare --config recipes/<run>/ppo.yaml
---policies sft=DIR ppo=DIR dpo=DIR grpo=DIR [--num_prompts N] [--samples_per_prompt K] [--demo] [--output_dir DIR]``
-plus any PPO recipe override.
+--policies sft=DIR ppo=DIR dpo=DIR grpo=DIR kto=DIR [--num_prompts N] [--samples_per_prompt K] [--demo]
+[--output_dir DIR]`` plus any PPO recipe override.
 
 Each DIR is a stage's output_dir (its ``merged/`` is sampled, its ``metrics.json`` read) or a model directory; the
 policy named ``sft`` (else the first) is the reference. Every policy samples the PPO recipe's held-out prompts with the
@@ -24,10 +24,10 @@ import os
 import re
 import sys
 
+from .atomic import write_json, write_jsonl, write_text
 from .config import RecipeError, one_line_arguments, parse_recipe, sibling_recipe
-from .evaluate import (_cell, _stage_dir, policy_figures, rewards_sentence, sample_and_score,
-                       sample_values)
-from .models import StageInputError, require_model_dir, write_json, write_jsonl, write_text
+from .evaluate import _cell, _stage_dir, policy_figures, rewards_sentence, sample_and_score, sample_values
+from .models import StageInputError, require_model_dir
 from .reward_models import require_reward_model
 from .rewards import load_reward_functions
 

@@ -8,6 +8,8 @@ import enum
 import os
 import re
 import sys
+import types
+import typing
 from dataclasses import dataclass, field
 
 import yaml
@@ -47,6 +49,9 @@ def one_line_arguments(parser):
 
 
 DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; offline
+# checkpoints kept unless the recipe says (transformers keeps all): the newest (resume) and two older ones (a resume
+# falls back to them when the newest is damaged); older ones are deleted as new ones are published
+DEFAULT_SAVE_TOTAL_LIMIT = "3"
 
 
 def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | None = None):
@@ -72,8 +77,10 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
             raise RecipeError(f"{path}: a recipe must be a YAML mapping of key: value")
         if unknown := sorted(set(data) - known - {"env"}):
             raise RecipeError(f"{path}: unknown key(s) {unknown}; {did_you_mean(unknown, known | {'env'}, '`--help`')}")
-    if "report_to" in known and "report_to" not in data and not any(a.split("=")[0] == "--report_to" for a in argv):
-        argv += ["--report_to", DEFAULT_REPORT_TO]
+        check_types(dataclass_types, data, path)
+    for key, default in (("report_to", DEFAULT_REPORT_TO), ("save_total_limit", DEFAULT_SAVE_TOTAL_LIMIT)):
+        if key in known and key not in data and not any(a.split("=")[0] == f"--{key}" for a in argv):
+            argv += [f"--{key}", default]
     parser = TrlParser(dataclass_types, prog=f"rlhf-trl {stage}" if stage else None,
                        usage=f"rlhf-trl {stage or '<stage>'} --config RECIPE.yaml [--key value ...]",
                        description="Run a stage from a YAML recipe (--config); any field below can also be set on the "
@@ -106,6 +113,93 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
     for cfg in (c for c in parsed if hasattr(c, "bf16")):
         check_launch(cfg, path)
     return (*parsed, path)
+
+
+_TRUE_FALSE = {"true", "false", "yes", "no", "1", "0", "t", "f", "y", "n"}  # what HfArgumentParser reads as a bool
+
+
+def _fits(value, hint) -> bool:
+    """Whether a YAML ``value`` can stand for a field annotated ``hint``: numbers where numbers belong, never booleans
+    (strings go on to argparse, which converts ``"1e-4"`` or refuses ``"fast"`` in one line); lists / dicts only where
+    the type allows them."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is typing.Any or hint is object:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is typing.Literal:
+        return any(type(value) is type(a) for a in args)  # the stage's own check names the allowed values
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return isinstance(value, (str, hint))
+    if hint is bool:
+        return isinstance(value, bool) or isinstance(value, str) and value.lower() in _TRUE_FALSE
+    if hint in (int, float):
+        if isinstance(value, str):
+            return True  # argparse converts it ("1e-4"), or refuses it in one line naming the file and key
+        return isinstance(value, int) and not isinstance(value, bool) or hint is float and isinstance(value, float)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (list, tuple) or hint in (list, tuple):
+        item = args[0] if args else typing.Any
+        if isinstance(value, (list, tuple)):
+            return all(_fits(v, item) for v in value)
+        return item is str and isinstance(value, str)  # `report_to: tensorboard`: argparse's one-item list
+    if origin is dict or hint is dict:
+        return isinstance(value, dict) and (len(args) < 2 or all(_fits(v, args[1]) for v in value.values()))
+    return True  # another class (accelerate's ParallelismConfig): the library checks it
+
+
+def _describe(hint) -> str:
+    """A field type in a user's words: ``a number``, ``an integer``, ``true or false``, ``a list of strings``..."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(_describe(a) for a in args if a is not type(None)))
+    if origin is typing.Literal:
+        return " or ".join(repr(a) for a in args)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return "a string"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
+    if hint in names:
+        return names[hint]
+    if origin in (list, tuple) or hint in (list, tuple):
+        return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
+    if origin is dict:
+        return "a mapping"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _shown(value) -> str:
+    kind = {list: "a list", tuple: "a list", dict: "a mapping", bool: "a boolean", str: "a string",
+            type(None): "null"}.get(type(value), "a number")
+    return f"{kind} {value!r}" if value is not None else kind
+
+
+def check_types(dataclass_types: tuple, data: dict, path: str) -> None:
+    """Check every value of a parsed YAML recipe against the type of the dataclass field(s) of its key (`typing`
+    hints of every stage's and TRL's config classes, or the class's ``yaml_types`` where it says more; a key in several classes
+    must fit each), and each
+    ``datasets`` entry against `DataArguments`' fields. Raises `RecipeError` naming the file and the key."""
+    hints = [(t, typing.get_type_hints(t)) for t in dataclass_types]
+    for key, value in data.items():
+        for cls, types_ in hints:
+            named = key in {f.name for f in dataclasses.fields(cls)}
+            hint = named and getattr(cls, "yaml_types", {}).get(key, types_.get(key))
+            if not hint or _fits(value, hint):
+                continue
+            fix = f"write e.g. `{key}: {value[0]}`" if isinstance(value, list) and len(value) == 1 and not isinstance(
+                value[0], (list, dict)) else "see `--help` for its type"
+            if hint is str or set(typing.get_args(hint)) <= {str, type(None)} and not isinstance(value, (list, dict)):
+                fix = f"quote it: `{key}: \"{value}\"`"
+            raise RecipeError(f"{path}: {key} must be {_describe(hint)}, got {_shown(value)}; {fix}")
+    for j, entry in enumerate(data.get("datasets") or []):
+        source = next((t for t in dataclass_types if "datasets" in {f.name for f in dataclasses.fields(t)}), None)
+        if isinstance(entry, dict) and source is not None:
+            try:
+                check_types((source,), {k: v for k, v in entry.items() if k != "datasets"}, path)
+            except RecipeError as exc:
+                raise RecipeError(str(exc).replace(f"{path}: ", f"{path}: datasets[{j}].", 1)) from None
 
 
 NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf$")

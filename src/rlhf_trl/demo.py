@@ -1,7 +1,7 @@
 """The embedded demo: build a tiny Qwen2 and a generated Chinese preference task, then run SFT -> RM -> PPO.
 
 Run: ``make demo`` (or ``rlhf-trl demo``). Offline; about 3-5 minutes on 2 CPU cores. ``make demo-compare``
-(``rlhf-trl demo --compare``): SFT -> RM -> {PPO, DPO, GRPO}, compared in ``outputs/demo/compare/compare.md``.
+(``rlhf-trl demo --compare``): SFT -> RM -> {PPO, DPO, GRPO, KTO}, compared in ``outputs/demo/compare/compare.md``.
 1. Assets, cached in ``outputs/demo/assets``: task data (`rlhf_trl.demo_task`), a byte-level BPE tokenizer (Qwen-style
    special tokens, a distinct pad token) and a random-init tiny Qwen2 model.
 2. The stages with ``recipes/demo/{sft,rm,ppo}.yaml``, in this process.
@@ -23,8 +23,9 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from . import demo_task, evaluate
+from .atomic import write_json, write_jsonl, write_text
 from .data import DEFAULT_PROMPT_TEMPLATE, DataArguments, Template, encode_prompt, pair_features, pair_records
-from .models import eos_token_ids, load_tokenizer, write_json, write_jsonl, write_text
+from .models import eos_token_ids, load_tokenizer
 from .scoring import sample
 from .tiny import build_tiny_qwen2, train_bpe_tokenizer
 
@@ -71,7 +72,8 @@ def sample_responses(model_dir: str, questions: list[str], samples_per_prompt: i
 
 def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo", rebuild: bool = False,
              methods: tuple[str, ...] = ("ppo",)) -> dict:
-    """Build the assets, run SFT, RM and ``methods`` (``ppo``, ``dpo``, ``grpo``, ``rloo``; recipes in ``recipes_dir``)
+    """Build the assets, run SFT, RM and ``methods`` (``ppo``, ``dpo``, ``grpo``, ``rloo``, ``kto``; recipes in
+    ``recipes_dir``)
     and evaluate; returns the summary (``summary.json``; several methods: ``compare/summary.json``, with compare's)."""
     from .cli_launch import stage_main
     from .rm import evaluate_pairs
@@ -147,10 +149,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output_dir", default="outputs/demo", help="must match the output paths in the recipes")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached assets (data, tokenizer, base model)")
     p.add_argument("--assets_only", action="store_true", help="only build the assets")
-    p.add_argument("--compare", action="store_true", help="stage 3 as PPO, DPO and GRPO, compared in one report")
+    p.add_argument("--compare", action="store_true", help="stage 3 as PPO, DPO, GRPO and KTO, compared in one report")
     args = p.parse_args(argv)
     if args.assets_only:
         return {"output_dir": build_assets(os.path.join(args.output_dir, "assets"), force=args.rebuild)["base_model"]}
-    methods = ("ppo", "dpo", "grpo") if args.compare else ("ppo",)
+    methods = ("ppo", "dpo", "grpo", "kto") if args.compare else ("ppo",)
     return {"output_dir": os.path.join(args.output_dir, "compare") if args.compare else args.output_dir,
             "summary": run_demo(args.recipes, args.output_dir, args.rebuild, methods)}

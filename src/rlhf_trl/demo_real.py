@@ -25,7 +25,8 @@ import os
 import re
 import time
 
-from .models import require_model_dir, write_json
+from .atomic import write_json
+from .models import require_model_dir
 
 logger = logging.getLogger(__name__)
 

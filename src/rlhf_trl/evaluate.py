@@ -3,7 +3,8 @@
 
 Both policies (``sft_model_path``, ``<output_dir>/merged``) sample ``samples_per_prompt`` responses to each of the
 first ``num_prompts`` held-out prompts of the PPO recipe with the same seed and settings, as PPO samples; the reward
-model scores each ``prompt + response`` (raw: no ``reward_baseline`` or ``missing_eos_penalty``). Figures over the
+model scores each ``prompt + response`` (raw: no ``reward_baseline`` or ``missing_eos_penalty``; a reward model of
+another tokenizer: the decoded text re-encoded, `rlhf_trl.reward_models.score_responses`). Figures over the
 pairs (same prompt, same sample index): ``sft_reward`` / ``ppo_reward`` (mean RM score, reward units); ``win_rate``
 (PPO's score above SFT's, ties 1/2); ``kl_per_token`` (nats per token: mean of ``log p_ppo - log p_sft`` over the PPO
 responses' tokens at temperature 1); ``*_mean_length`` (tokens, EOS excluded); ``*_eos_rate``; with ``--demo`` the
@@ -22,15 +23,15 @@ import sys
 
 import torch
 
+from .atomic import write_json, write_jsonl, write_text
 from .checkpoints import complete_checkpoints
 from .config import one_line_arguments, parse_recipe, sibling_recipe
 from .data import DataError, Template, prompt_features, read_records, split_records
 from .demo_task import on_topic, score_response
-from .models import (eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir,
-                     write_json, write_jsonl, write_text)
-from .reward_models import require_reward_model
+from .models import eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir
+from .reward_models import require_reward_model, reward_tokens, score_responses
 from .rewards import load_reward_functions, reward_columns
-from .scoring import paired_ci, pad_left, pad_right, response_logprobs, sample, score_sequences
+from .scoring import pad_left, pad_right, paired_ci, response_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -364,8 +365,12 @@ def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: s
     pad, eos = tokenizer.pad_token_id, eos_token_ids(tokenizer, ref_path)  # every EOS id ends a response
     responses, logprobs = _sample_policies(training_args, paths, prompts, pad, eos, trust_remote_code)
     reward_model = load_sequence_classifier(rm_path, None, trust_remote_code) if rm_path else None
+    tokens = reward_tokens(rm_path, tokenizer, template, trust_remote_code)  # None: the same tokenizer, ids as they are
+    if tokens is not None:
+        tokens.add_prompts("eval", [r for r in eval_records for _ in range(samples_per_prompt)])
+    rm_pad = pad if tokens is None else tokens.pad_token_id
     if reward_model is not None:
-        reward_model.config.pad_token_id = pad
+        reward_model.config.pad_token_id = rm_pad
     rows = [{"prompt_index": i // samples_per_prompt, "sample_index": i % samples_per_prompt,
              "question": eval_records[i // samples_per_prompt]["question"], "prompt_ids": p}
             for i, p in enumerate(prompts)]
@@ -376,7 +381,8 @@ def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: s
         texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in resp]
         total, values = (functions.compute(tokenizer.batch_decode(prompts, skip_special_tokens=True), texts, 0,
                                            **columns) if functions else (torch.zeros(len(texts)), {}))
-        rewards = (score_sequences(reward_model, [p + r for p, (r, _) in zip(prompts, resp)], pad)
+        rewards = (score_responses(reward_model, prompts if tokens is None else tokens.prompts["eval"],
+                                   [r for r, _ in resp], [e for _, e in resp], pad, tokens)
                    if reward_model is not None else total)
         for i, (row, (ids, ended), text) in enumerate(zip(rows, resp, texts)):
             objective = float(rewards[i]) + (float(total[i]) if reward_model is not None else 0.0)
@@ -386,7 +392,7 @@ def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: s
             if demo:
                 row[name].update(score=score_response(row["question"], text), on_topic=on_topic(row["question"], text))
             row[name].update({f"logprobs_{k}": v[i] for k, v in logprobs.get(name, {}).items()})
-    rm_figures = (rm_pair_figures(reward_model, pairs_file, pad)
+    rm_figures = (rm_pair_figures(reward_model, pairs_file, rm_pad)  # the RM's own held-out ids
                   if reward_model is not None and pairs_file and os.path.isfile(pairs_file) else {})
     return rows, len(eval_records), rm_figures
 

@@ -1,4 +1,4 @@
-"""Test-only fault injection for checkpoint saves, and the fsync helpers that make a published checkpoint durable.
+"""Test-only fault injection for checkpoint saves (the file operations of `rlhf_trl.atomic` are counted here).
 Nothing here is active unless an environment variable asks for it (the tests set them on subprocesses):
 - ``RLHF_TRL_FAULT="<save>:<op>[:<action>]"``: in this process's ``<save>``-th checkpoint save (`checkpoint_save`),
   at its ``<op>``-th file operation (both 1-based), do ``<action>``: ``kill`` (default: SIGKILL before the operation),
@@ -14,7 +14,6 @@ from __future__ import annotations
 import builtins
 import errno
 import os
-import shutil
 import signal
 from contextlib import contextmanager
 
@@ -110,54 +109,3 @@ def checkpoint_save():
     finally:
         torch.save, safetensors.torch.serialize_file, builtins.open = real_save, real_serialize, _real_open
         _active = False
-
-
-# -- durability: fsync before publishing ----------------------------------------------------------------------------
-def fsync_path(path: str) -> None:
-    """fsync one file or directory (a counted file operation). Raises `OSError`: refused (e.g. EIO) or injected."""
-    def do():
-        fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0))
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    file_op("fsync", path, do)
-
-
-def publish(staged: str, final: str, aside: str | None = None) -> None:
-    """fsync ``staged``, rename it to ``final``, fsync the parent: after a crash ``final`` is absent or complete (an old
-    one waits at ``aside``, default ``final.old``). Raises `OSError`: a write, fsync or rename failed."""
-    for folder, _dirs, files in sorted(os.walk(staged, topdown=False)):  # every file, then each directory bottom-up
-        for name in sorted(files):
-            fsync_path(os.path.join(folder, name))
-        fsync_path(folder)
-    old = None
-    if os.path.exists(final):
-        old = aside or final + ".old"
-        file_op("rename", old, lambda: os.rename(final, old))
-    try:
-        file_op("rename", final, lambda: os.rename(staged, final))
-    except BaseException:
-        if old is not None:
-            os.rename(old, final)  # the earlier one back in place
-        raise
-    try:
-        fsync_path(os.path.dirname(os.path.abspath(final)))
-    finally:
-        if old is not None:
-            file_op("remove", old, lambda: shutil.rmtree(old, ignore_errors=True))
-
-
-class CheckpointWriteError(OSError):
-    """Writing ``checkpoint-N`` failed, nothing published; one line naming the path and the newest good checkpoint."""
-
-    def __init__(self, name: str, root: str, cause: OSError, newest: str | None = None):
-        where = cause.filename or root
-        kept = f"the newest complete checkpoint is {newest}" if newest else "no checkpoint yet"
-        self.message = (f"cannot write {name} in '{root}': {cause.strerror or cause} ('{where}'); nothing of it was "
-                        f"published, {kept}")
-        super().__init__(cause.errno, self.message, where)
-
-    def __str__(self) -> str:
-        return self.message

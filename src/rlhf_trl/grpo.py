@@ -3,10 +3,11 @@ Run: ``rlhf-trl grpo --config recipes/demo/grpo.yaml`` / ``rlhf-trl rloo --confi
 sampled ``num_generations`` times; a completion's advantage is its reward minus its group's mean (GRPO: Shao et al.
 2024, "DeepSeekMath", arXiv:2402.03300) or the other completions' mean (RLOO: Ahmadian et al. 2024, arXiv:2402.14740),
 as TRL computes them; no critic. Rewards as PPO's: the reward model's score at the EOS of the same token ids
-(`rlhf_trl.scoring.score_sequences`) minus ``reward_baseline`` (it cancels in the advantages: logged rewards only),
-minus ``missing_eos_penalty`` without EOS, plus ``reward_funcs`` x ``reward_weights`` (the reward model's weight is 1).
-Reference: the frozen SFT policy (LoRA: the adapter disabled; ``beta`` 0: none). Outputs as DPO's: ``checkpoint-*/``,
-``adapter/`` (LoRA), ``merged/``, ``metrics.json``, ``log_history.json``, ``run_config.yaml``, ``data_report.json``."""
+(`rlhf_trl.reward_models.score_responses`; of another tokenizer: the text re-encoded) minus ``reward_baseline`` (it
+cancels in the advantages: logged rewards only), minus ``missing_eos_penalty`` without EOS, plus ``reward_funcs`` x
+``reward_weights`` (the reward model's weight is 1). Reference: the frozen SFT policy (LoRA: the adapter disabled;
+``beta`` 0: none). Outputs as DPO's: ``checkpoint-*/``, ``adapter/`` (LoRA), ``merged/``, ``metrics.json``,
+``log_history.json``, ``run_config.yaml``, ``data_report.json``."""
 
 from __future__ import annotations
 
@@ -16,16 +17,30 @@ from dataclasses import dataclass, field
 import torch
 from datasets import Dataset
 
-from .checkpoints import (begin_writing, keeps_earlier_run, loading_on_one_process, save_stage_outputs, start_run,
-                          with_atomic_checkpoints)
+from .checkpoints import (
+    begin_writing,
+    keeps_earlier_run,
+    loading_on_one_process,
+    save_stage_outputs,
+    start_run,
+    with_atomic_checkpoints,
+)
 from .config import RunArguments, parse_recipe, sibling_recipe
 from .data import DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, split_records
 from .loop_state import with_loop_state
-from .models import (eos_token_ids, fp32_adapters_for_fp32_compute, load_causal_lm, load_sequence_classifier,
-                     load_tokenizer, recipe_quantization_config, require_model_dir, resize_for_tokenizer, torch_dtype)
-from .reward_models import apply_reward_baseline, require_reward_model
+from .models import (
+    eos_token_ids,
+    fp32_adapters_for_fp32_compute,
+    load_causal_lm,
+    load_sequence_classifier,
+    load_tokenizer,
+    recipe_quantization_config,
+    require_model_dir,
+    resize_for_tokenizer,
+    torch_dtype,
+)
+from .reward_models import RewardTokens, apply_reward_baseline, require_reward_model, reward_tokens, score_responses
 from .rewards import RewardFunctions, load_reward_functions, reward_columns
-from .scoring import score_sequences
 
 logger = logging.getLogger(__name__)
 
@@ -64,20 +79,26 @@ def main(argv: list[str] | None = None, callbacks: list | None = None, method: s
 class RewardModelReward:
     """TRL reward function ``f(prompts, completions, completion_ids, query_ids, **columns) -> list[float]``: the
     reward model's score of ``query_ids + completion_ids`` ``[batch]`` (reward units, at the EOS when sampled) minus the
-    baseline, minus ``missing_eos_penalty`` where no id of ``eos_ids`` ends it (``reward_model`` None: the penalty)."""
+    baseline, minus ``missing_eos_penalty`` where no id of ``eos_ids`` ends it (``reward_model`` None: the penalty).
+    ``tokens`` (`rlhf_trl.reward_models.RewardTokens`): a reward model of another tokenizer reads the column
+    ``reward_query_ids`` (its prompt ids) and the completions re-encoded (`score_responses`, PPO's path)."""
 
-    def __init__(self, reward_model, pad_token_id: int, eos_ids: list[int], penalty: float | None, batch_size: int):
+    def __init__(self, reward_model, pad_token_id: int, eos_ids: list[int], penalty: float | None, batch_size: int,
+                 tokens: RewardTokens | None = None):
         self.reward_model, self.pad, self.eos, self.penalty = reward_model, pad_token_id, set(eos_ids), penalty
-        self.batch_size = batch_size
+        self.batch_size, self.tokens = batch_size, tokens
         self.__name__ = "reward_model" if reward_model is not None else "missing_eos_penalty"
 
-    def __call__(self, prompts, completions, completion_ids, query_ids, **columns) -> list[float]:
-        n = len(completion_ids)
-        scores = (score_sequences(self.reward_model, [list(q) + list(c) for q, c in zip(query_ids, completion_ids)],
-                                  self.pad, self.batch_size) if self.reward_model is not None else torch.zeros(n))
+    def __call__(self, prompts, completions, completion_ids, query_ids, reward_query_ids=None,
+                 **columns) -> list[float]:
+        n, ended = len(completion_ids), [bool(c) and c[-1] in self.eos for c in completion_ids]
+        if self.tokens is not None and reward_query_ids is None:
+            raise ValueError("a reward model of another tokenizer needs the prompt rows' reward_query_ids column")
+        scores = (score_responses(self.reward_model, query_ids if self.tokens is None else reward_query_ids,
+                                  completion_ids, ended, self.pad, self.tokens, self.batch_size)
+                  if self.reward_model is not None else torch.zeros(n))
         if self.penalty:
-            ended = torch.tensor([bool(c) and c[-1] in self.eos for c in completion_ids])
-            scores = scores - self.penalty * (~ended).float()
+            scores = scores - self.penalty * (~torch.tensor(ended, dtype=torch.bool)).float()
         return scores.tolist()
 
 
@@ -97,12 +118,18 @@ def as_trl_reward(functions: RewardFunctions, k: int, columns: list[str]):
 
 
 def prompt_dataset(records: list[dict], tokenizer, template: Template, data_args: DataArguments, report: DataReport,
-                   split: str) -> Dataset:
+                   split: str, tokens: RewardTokens | None = None) -> Dataset:
     """Prompt rows for TRL: ``prompt`` (the text of the prompt ids, so that TRL's tokenizer gives back the ids PPO
-    samples from), ``query_ids`` (those ids, `prompt_features`) and the reward-function columns (`reward_columns`)."""
+    samples from), ``query_ids`` (those ids, `prompt_features`), with ``tokens`` ``reward_query_ids`` (the reward
+    model's own prompt ids, `RewardTokens.add_prompts`) and the reward-function columns (`reward_columns`)."""
     ids = prompt_features(records, tokenizer, template, data_args.max_prompt_length,
                           f"{describe_sources(data_args)} ({split} split)", report, split)["input_ids"]
-    return Dataset.from_dict({"prompt": tokenizer.batch_decode(ids), "query_ids": ids, **reward_columns(records)})
+    extra = {}
+    if tokens is not None:
+        tokens.add_prompts(split, records)
+        extra["reward_query_ids"] = tokens.prompts[split]
+    return Dataset.from_dict({"prompt": tokenizer.batch_decode(ids), "query_ids": ids, **extra,
+                              **reward_columns(records)})
 
 
 @keeps_earlier_run
@@ -118,7 +145,7 @@ def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_ar
 
     # inputs: models, reward functions
     hints = hints or {}
-    run_args, resume = start_run(training_args, run_args)
+    run_args, resume = start_run(training_args, run_args, model_args.model_name_or_path, not model_args.use_peft)
     pickle_ok = run_args.allow_pickle_weights
     model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", hints.get("sft"), pickle_ok)
     rm_path = reward_args.reward_model_path
@@ -135,8 +162,10 @@ def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_ar
     records = read_records(data_args, "prompts", report)
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
     tokenizer = load_tokenizer(model_path, padding_side="left", trust_remote_code=training_args.trust_remote_code)
-    train_ds = prompt_dataset(train_records, tokenizer, template, data_args, report, "train")
-    eval_ds = prompt_dataset(eval_records, tokenizer, template, data_args, report, "eval") if eval_records else None
+    tokens = reward_tokens(rm_path, tokenizer, template, training_args.trust_remote_code)  # None: the same tokenizer
+    train_ds = prompt_dataset(train_records, tokenizer, template, data_args, report, "train", tokens)
+    eval_ds = prompt_dataset(eval_records, tokenizer, template, data_args, report, "eval", tokens) if eval_records \
+        else None
     if eval_ds is None:
         training_args.eval_strategy = "no"
 
@@ -151,13 +180,15 @@ def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_ar
             reward_model = load_sequence_classifier(rm_path, torch_dtype(model_args.dtype),
                                                     training_args.trust_remote_code, pickle_ok)
         reward_model = apply_reward_baseline(reward_model.to(training_args.device), reward_args.reward_baseline)
+        if tokens is not None:
+            reward_model.config.pad_token_id = tokens.pad_token_id
     rewards, weights = [], []
     if reward_model is not None or reward_args.missing_eos_penalty:
         rewards.append(RewardModelReward(reward_model, tokenizer.pad_token_id, eos, reward_args.missing_eos_penalty,
-                                         training_args.per_device_train_batch_size))
+                                         training_args.per_device_train_batch_size, tokens))
         weights.append(1.0)
     if functions is not None:
-        columns = [c for c in train_ds.column_names if c not in ("prompt", "query_ids")]
+        columns = [c for c in train_ds.column_names if c not in ("prompt", "query_ids", "reward_query_ids")]
         rewards += [as_trl_reward(functions, k, columns) for k in range(len(functions))]
         weights += functions.weights
     training_args.reward_weights = weights

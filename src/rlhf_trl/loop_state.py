@@ -10,6 +10,8 @@ from collections import defaultdict
 import torch
 from accelerate.utils import gather_object
 
+from .atomic import strict_json
+
 logger = logging.getLogger(__name__)
 
 LOOP_STATE_NAME = "loop_state.json"
@@ -38,7 +40,7 @@ class LoopStateMixin:
             states = gather_object(states)
         if self.args.should_save:  # straight into the staged checkpoint (published whole by its rename)
             with open(os.path.join(checkpoint_dir, LOOP_STATE_NAME), "w", encoding="utf-8") as f:
-                json.dump({"processes": states}, f, indent=2)
+                json.dump(strict_json({"processes": states}), f, indent=2, allow_nan=False)  # a NaN sum: null
 
     def _run_epoch(self, *args, **kwargs):
         """The Trainer's pass over the data; the first pass of a resumed run starts with the saved sums."""

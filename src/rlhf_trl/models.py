@@ -7,14 +7,12 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import sys
 import tempfile
-from contextlib import contextmanager
 
 import torch
 
-from .faults import publish
+from .atomic import save_pretrained_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -295,33 +293,6 @@ def torch_dtype(name: str | None):
     return name if name in (None, "auto") else getattr(torch, name)
 
 
-@contextmanager
-def atomic_dir(final_path: str):
-    """Write a directory under a temporary name, published as ``final_path`` on success (`faults.publish`)."""
-    parent = os.path.dirname(os.path.abspath(final_path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final_path)}.tmp-", dir=parent)
-    os.umask(umask := os.umask(0))  # reads the umask
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private (0700); the final directory gets the usual mode
-    try:
-        yield tmp
-        publish(tmp, final_path, aside=tmp + ".old")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def save_pretrained_atomic(model, tokenizer, path: str, files: dict[str, str] | None = None) -> str:
-    """Save a model (safetensors), its tokenizer and ``files`` (name -> text) to ``path`` atomically (`atomic_dir`)."""
-    with atomic_dir(path) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        for name, text in (files or {}).items():
-            write_text(os.path.join(tmp, name), text)
-    return path
-
-
 def merge_and_save(model, tokenizer, path: str):
     """Merge LoRA adapters (SEQ_CLS: with ``score``) into the base and save the plain model. Returns it (merged in
     place), or a QLoRA ``model`` itself (its adapter merged into the base reloaded unquantized on CPU)."""
@@ -355,19 +326,3 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def write_text(path: str, text: str) -> None:
-    """Write a text file atomically (``path.tmp``, then rename), creating its directory."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-def write_json(path: str, data: dict) -> None:
-    """Write JSON atomically (`write_text`)."""
-    write_text(path, json.dumps(data, ensure_ascii=False, indent=2))
-
-
-def write_jsonl(path: str, rows) -> None:
-    """Write one JSON object per line atomically (`write_text`)."""
-    write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))

@@ -2,11 +2,13 @@
 ``rlhf-trl ppo --config recipes/demo/ppo.yaml`` (``make ppo RECIPE=...``; resume: ``resume_from_checkpoint=true`` or
 ``=path/to/checkpoint-N``). The loop: `rlhf_trl.ppo_engine` in `rlhf_trl.ppo_trainer.RLHFPPOTrainer`, with TRL 1.12's
 PPOConfig keys (`rlhf_trl.ppo_config`). Policy: the merged SFT model (``sft_model_path``) + a LoRA adapter
-(``use_peft``; reference: the adapter disabled); frozen reward model (``reward_model_path``) minus ``reward_baseline``;
-value model from the reward model (or ``value_model_path``), in full or through its own adapter (``value_use_peft``),
-optionally on the reward model's weights (``share_reward_value_base``); ``reward_funcs`` (`rlhf_trl.rewards`) add to
-the score or are all of it. Outputs under ``output_dir``: ``checkpoint-N/``, ``adapter/``, ``merged/``,
-``value_model/``, ``samples.jsonl``, ``run_config.yaml``, ``metrics.json``, ``log_history.json``."""
+(``use_peft``; reference: the adapter disabled); frozen reward model (``reward_model_path``; of another tokenizer:
+it scores the re-encoded text, `rlhf_trl.reward_models.RewardTokens`) minus ``reward_baseline``; value model from the
+reward model (another tokenizer: the SFT policy; or ``value_model_path``), in full or through its own adapter
+(``value_use_peft``), optionally on the reward model's weights (``share_reward_value_base``); ``reward_funcs``
+(`rlhf_trl.rewards`) add to the score or are all of it. Outputs under ``output_dir``: ``checkpoint-N/``,
+``adapter/``, ``merged/``, ``value_model/``, ``samples.jsonl``, ``run_config.yaml``, ``metrics.json``,
+``log_history.json``."""
 
 from __future__ import annotations
 
@@ -22,17 +24,34 @@ from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from .atomic import save_pretrained_atomic, write_json
 from .checkpoints import begin_writing, distributed_state, keeps_earlier_run, start_run
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, split_records
-from .models import (BIASING_GENERATION_KEYS, eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer,
-                     merge_and_save, peak_memory_mb, recipe_quantization_config, require_model_dir,
-                     sampling_generation_config, save_pretrained_atomic, torch_dtype, write_json)
+from .models import (
+    BIASING_GENERATION_KEYS,
+    eos_token_ids,
+    load_causal_lm,
+    load_sequence_classifier,
+    load_tokenizer,
+    merge_and_save,
+    peak_memory_mb,
+    recipe_quantization_config,
+    require_model_dir,
+    sampling_generation_config,
+    torch_dtype,
+)
 from .ppo_config import PPOConfig, PPOScriptArguments
 from .ppo_engine import TrainingDivergedError  # noqa: F401 (importable from the stage)
 from .ppo_trainer import AdaptiveKLController, RLHFPPOTrainer, deployable_generation_config  # noqa: F401
-from .reward_models import (SharedBaseRewardModel, apply_reward_baseline, calibrate_reward_baseline,
-                            require_reward_model)
+from .reward_models import (
+    RewardTokens,
+    SharedBaseRewardModel,
+    apply_reward_baseline,
+    calibrate_reward_baseline,
+    require_reward_model,
+    reward_tokens,
+)
 from .rewards import load_reward_functions, reward_columns
 from .scoring import preserved_rng  # noqa: F401 (importable from the stage)
 
@@ -62,7 +81,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
     to run) or no trained classifier; `DataError`: bad rows; `ValueError`: too few eval prompts for a batch per
     process, settings that cannot run (`check_inputs`, `load_models`); then `TrainingDivergedError`: a NaN / inf."""
     # inputs: model directories, reward functions
-    run_args, resume = start_run(training_args, run_args)
+    run_args, resume = start_run(training_args, run_args, training_args.sft_model_path, not model_args.use_peft)
     dist = distributed_state(training_args)  # under `accelerate launch`: this process's place in the group
     paths, reward_functions = check_inputs(ppo_args, training_args, run_args, sft_hint, rm_hint)
 
@@ -81,12 +100,15 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
     train_ds, eval_ds = (Dataset.from_dict(prompt_features(rows, tokenizer, template, data_args.max_prompt_length,
                                                            f"{source} ({split} split)", report, split))
                          for rows, split in ((train_records, "train"), (eval_records, "eval")))
-    policy, reward_model, value_model, eos_ids, stock_config = load_models(
-        paths, tokenizer, ppo_args, training_args, model_args, run_args.allow_pickle_weights)
-    baseline = reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model, tokenizer, train_ds,
-                               eos_ids)
-    if reward_functions is not None:  # rows index the records, whose columns reach the reward functions
+    tokens = other_tokenizer(paths, ppo_args, tokenizer, template, {"train": train_records, "eval": eval_records})
+    if reward_functions is not None or tokens is not None:  # rows index the records (reward functions' columns)
         train_ds = train_ds.add_column("row", list(range(len(train_ds))))
+    if tokens is not None:  # the RM's prompt ids of the sample tables' prompts
+        eval_ds = eval_ds.add_column("row", list(range(len(eval_ds))))
+    policy, reward_model, value_model, eos_ids, stock_config = load_models(
+        paths, tokenizer, ppo_args, training_args, model_args, run_args.allow_pickle_weights, tokens)
+    baseline = reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model, tokenizer, train_ds,
+                               eos_ids, tokens)
 
     # trainer (inputs proven: only now does anything of an earlier run go)
     begin_writing(training_args, run_args, resume)
@@ -97,6 +119,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
         args=training_args, processing_class=tokenizer, model=with_policy_adapter(policy, model_args, training_args),
         ref_model=None,  # with LoRA: the policy with its adapter disabled; else a frozen copy
         reward_model=reward_model, value_model=value_model, train_dataset=train_ds, eval_dataset=eval_ds,
+        reward_tokens=tokens,
         callbacks=callbacks, script_args=ppo_args, eos_token_ids=eos_ids, stock_generation_config=stock_config,
         recipe_configs=(data_args, ppo_args, training_args, model_args, run_args), reward_functions=reward_functions,
         # rows -> {column: [value per row]} of the train records, for the reward functions' keyword columns
@@ -151,10 +174,35 @@ def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_arg
     return {"sft": sft_path, "rm": rm_path, "value": value_path}, reward_functions
 
 
+def other_tokenizer(paths: dict, ppo_args: PPOScriptArguments, tokenizer, template: Template,
+                    records: dict[str, list[dict]]) -> RewardTokens | None:
+    """`RewardTokens` (with the RM's prompt ids of ``records``, split -> prompt records) when the reward model has
+    another tokenizer than the policy (`reward_tokens`), else None; then the value model starts from the SFT policy
+    (``paths["value"]``, a new score head). Raises `ValueError`: ``share_reward_value_base`` or ``value_model_path``
+    on that reward model (its weights read another vocabulary); the RM's template cannot render the prompts."""
+    tokens = reward_tokens(paths["rm"], tokenizer, template, ppo_args.trust_remote_code)
+    if tokens is None:
+        return None
+    if ppo_args.share_reward_value_base:
+        raise ValueError(f"share_reward_value_base: true, but the reward model {paths['rm']} has another tokenizer "
+                         "than the policy (the value model reads the policy's ids); set share_reward_value_base: false")
+    if ppo_args.value_model_path and os.path.normpath(paths["value"]) == os.path.normpath(paths["rm"]):
+        raise ValueError(f"value_model_path: {ppo_args.value_model_path} is the reward model, whose tokenizer is not "
+                         "the policy's; remove value_model_path (the value model then starts from the SFT policy)")
+    if not ppo_args.value_model_path:
+        paths["value"] = paths["sft"]
+        logger.info("value model: the SFT policy %s with a new score head (the reward model %s has another "
+                    "tokenizer; set value_model_path to start it elsewhere)", paths["sft"], paths["rm"])
+    for split, rows in records.items():
+        tokens.add_prompts(split, rows)
+    return tokens
+
+
 def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_args: PPOConfig, model_args,
-                pickle_ok: bool):
+                pickle_ok: bool, tokens: RewardTokens | None = None):
     """Policy (no adapter yet), reward model (None, or `SharedBaseRewardModel`), value model (``value_use_peft``: own
-    LoRA), EOS ids, the policy's stock generation config. Raises `ValueError`: quantization; a vocabulary too small."""
+    LoRA), EOS ids, the policy's stock generation config; ``tokens``: the reward model reads its own tokenizer's ids
+    (`RewardTokens`). Raises `ValueError`: quantization; a vocabulary smaller than its tokenizer's."""
     remote = ppo_args.trust_remote_code
     dtype = torch.bfloat16 if training_args.bf16 else torch_dtype(model_args.dtype)  # TRL ignores bf16
     # load_in_4bit quantizes all three models; policy and value model are then trained through LoRA only
@@ -171,10 +219,11 @@ def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_a
     for name, m in (("policy", policy), ("reward model", reward_model), ("value model", value_model)):
         if m is None:
             continue
-        if m.config.vocab_size < len(tokenizer):
-            raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) is smaller than the tokenizer's "
-                             f"({len(tokenizer)})")
-        m.config.pad_token_id = tokenizer.pad_token_id
+        tok = tokens.tokenizer if tokens is not None and m is reward_model else tokenizer
+        if m.config.vocab_size < len(tok):
+            raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) is smaller than its tokenizer's ({len(tok)}, "
+                             f"{getattr(tok, 'name_or_path', '')}): use the {name} saved with that tokenizer")
+        m.config.pad_token_id = tok.pad_token_id
     eos_ids = eos_token_ids(tokenizer, paths["sft"])  # e.g. Qwen2.5-Instruct: [<|im_end|>, <|endoftext|>]
     stock = rollout_generation_config(policy, paths["sft"], eos_ids, tokenizer.pad_token_id, training_args.temperature)
     if ppo_args.value_use_peft:
@@ -191,15 +240,16 @@ def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_a
     return policy, reward_model, value_model, eos_ids, stock
 
 
-def reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model, tokenizer, train_ds, eos_ids) -> float:
+def reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model, tokenizer, train_ds, eos_ids,
+                    tokens: RewardTokens | None = None) -> float:
     """The baseline (reward units) applied to ``reward_model``: the resumed checkpoint's, the recipe's, or 'auto'
-    (`calibrate_reward_baseline` on the main process, sent to every process)."""
+    (`calibrate_reward_baseline` on the main process, sent to every process; ``tokens``: `RewardTokens`)."""
     if resume:
         saved = os.path.join(resume, "reward_baseline.json")
         baseline = json.load(open(saved))["reward_baseline"] if os.path.exists(saved) else 0.0
     elif ppo_args.reward_baseline_value() is None:  # auto
         baseline = None if not dist.is_main_process else calibrate_reward_baseline(
-            policy, reward_model, tokenizer, train_ds, training_args, ppo_args.reward_baseline_batches, eos_ids)
+            policy, reward_model, tokenizer, train_ds, training_args, ppo_args.reward_baseline_batches, eos_ids, tokens)
         if dist.num_processes > 1:
             baseline = broadcast_object_list([baseline], from_process=0)[0]
     else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from transformers import GenerationConfig, TrainingArguments
 
@@ -107,6 +107,9 @@ def sampling_config(args: PPOConfig, eos_ids: list[int] | None, pad_token_id: in
 @dataclass
 class PPOScriptArguments:
     """PPO fields that TRL's PPOConfig lacks."""
+
+    # what a YAML value may be where the field's type says less (`config.check_types`): argparse needs `str` here
+    yaml_types: ClassVar[dict] = {"reward_baseline": float | str}
 
     reward_baseline: str = _f("0.0", "Subtracted from every reward-model score (reward units): a number, or 'auto' for "
                               "the mean RM score of SFT rollouts on reward_baseline_batches calibration batches before "

@@ -64,12 +64,15 @@ class PPOEngine(Trainer):
     """PPO of a policy (causal LM; peft model for LoRA) and a value model against a reward model (None: the
     ``reward_functions`` alone) and/or `rlhf_trl.rewards.RewardFunctions` (keyword columns: ``reward_columns(rows)``).
     A `transformers.Trainer` without its ``__init__`` (`_set_trainer_machinery`). ``ref_model`` None: the peft policy
-    with its adapter disabled, else a frozen copy; ``eos_token_ids``: default the tokenizer's EOS. Raises `ValueError`:
-    the reference is the policy; ``offload_reward_model`` under DeepSpeed / FSDP or shared reward / value weights."""
+    with its adapter disabled, else a frozen copy; ``eos_token_ids``: default the tokenizer's EOS; ``reward_tokens``: a
+    reward model of another tokenizer (`rlhf_trl.reward_models.RewardTokens`; batches carry ``row``). Raises
+    `ValueError`: the reference is the policy; ``offload_reward_model`` under DeepSpeed / FSDP or shared reward / value
+    weights."""
 
     def __init__(self, args: PPOConfig, processing_class, model, ref_model, reward_model, train_dataset,
                  value_model, data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None,
-                 eos_token_ids: list[int] | None = None, reward_functions=None, reward_columns=None):
+                 eos_token_ids: list[int] | None = None, reward_functions=None, reward_columns=None,
+                 reward_tokens=None):
         from trl.trainer.utils import disable_dropout_in_model
 
         if ref_model is not None and ref_model is model:
@@ -83,6 +86,7 @@ class PPOEngine(Trainer):
             ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.ref_model, self.reward_model, self.value_model = ref_model, reward_model, value_model
         self.reward_functions, self.reward_columns = reward_functions, reward_columns
+        self.reward_tokens = reward_tokens  # a reward model of another tokenizer: `reward_models.RewardTokens`
         self.train_dataset, self.eval_dataset, self.train_dataset_len = train_dataset, eval_dataset, len(train_dataset)
         self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
         self.optimizer, self.lr_scheduler = optimizers
@@ -229,7 +233,11 @@ class PPOEngine(Trainer):
                 out["postprocessed"].append(post)
                 if not self.single_value_forward:  # else `value_step` gives the values
                     out["values"].append(response_values(self.unwrapped.value_model, qr, context, pad))
-                if reward_model is not None:
+                if reward_model is not None and self.reward_tokens is not None:  # re-encoded text, the RM's ids
+                    out["scores"].append(self.reward_tokens.score_batch(
+                        reward_model, "train", None if rows is None else rows[i:i + step], post, self.eos_token_ids,
+                        pad, step))
+                elif reward_model is not None:
                     out["scores"].append(sequence_scores(reward_model, torch.cat((qr[:, :context], post), 1), pad,
                                                          context))
         post = torch.cat(out["postprocessed"])
@@ -371,7 +379,8 @@ class PPOEngine(Trainer):
                           ("val/clipfrac_avg", "vf_clipfrac"), ("policy/entropy_avg", "entropy"),
                           ("val/ratio", "ratio")):
             metrics[name] = g(stats[key]).mean().item()
-        metrics["val/ratio_var"] = g(stats["ratio"]).var().item()
+        ratios = g(stats["ratio"])  # one value per micro-batch; one alone has no spread: 0 (TRL 1.12 logged NaN)
+        metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
         metrics["val/num_eos_tokens"] = (int(g(eos_mask(ro["responses"], self.eos_token_ids).sum()).sum().item())
                                          if self.eos_token_ids is not None else 0)
         metrics["val/eos_rate"] = g(ro["ended"].float().mean()).mean().item()
@@ -408,6 +417,8 @@ class PPOEngine(Trainer):
                 metrics = self.update_metrics(ro, adv, stats, start_time)
             del ro, adv, stats
             self.end_update(update, metrics)
+            if self.control.should_training_stop:  # a stop signal: this update's checkpoint is written
+                break
         if self.reward_offload is not None:  # training is over: the reward model is an ordinary module again
             self.reward_offload.restore()
             self.reward_offload = None

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from transformers.integrations.deepspeed import deepspeed_load_checkpoint
 from transformers.trainer_utils import get_last_checkpoint, load_sharded_checkpoint
 
+from .atomic import strict_json, write_json, write_jsonl
 from .checkpoints import AtomicCheckpointMixin
 from .config import save_recipe
-from .models import write_json, write_jsonl
 from .ppo_config import sampling_config
 from .ppo_engine import OnlineTrainerState, PPOEngine, TrainingDivergedError
 from .scoring import generate_rollouts, preserved_rng, rng_state, sequence_scores, set_rng_state, truncate_at_eos
@@ -105,6 +105,8 @@ class ResumableLoader:
 class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
     """The PPO engine plus resumable, atomic checkpoints, KL control, divergence checks and sample tables."""
 
+    stop_unit = "update"
+
     def __init__(self, *args, script_args, recipe_configs: tuple = (), stock_generation_config=None, **kwargs):
         """``recipe_configs``: saved as each checkpoint's ``run_config.yaml``; ``stock_generation_config``: with the
         merged policies. The rest: `PPOEngine`'s."""
@@ -164,7 +166,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                         response = truncate_at_eos(response, self.eos_token_ids, pad)
                     with torch.no_grad(), self.reward_weights() as reward_model:
                         reward = (torch.zeros(len(query)) if reward_model is None else
-                                  sequence_scores(reward_model, torch.cat((query, response), 1), pad, context))
+                                  sequence_scores(reward_model, torch.cat((query, response), 1), pad, context)
+                                  if self.reward_tokens is None else self.reward_tokens.score_batch(
+                                      reward_model, "eval", batch.get("row"), response, self.eos_token_ids, pad))
                     texts = zip(tok.batch_decode(query, skip_special_tokens=True),
                                 tok.batch_decode(response, skip_special_tokens=True), reward.float().cpu().tolist())
                     rows += [{"step": self.state.global_step, "query": q, "response": r,
@@ -184,7 +188,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         logger.info("\n".join(lines))
         os.makedirs(self.args.output_dir, exist_ok=True)
         with open(os.path.join(self.args.output_dir, "samples.jsonl"), "a", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            f.writelines(json.dumps(strict_json(row), ensure_ascii=False, allow_nan=False) + "\n" for row in rows)
 
     def checkpoint_extras(self, ckpt: str) -> None:
         """What the Trainer's checkpoint files lack: each process's data position and RNG state; from the main

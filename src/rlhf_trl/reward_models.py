@@ -1,5 +1,7 @@
 """The reward model as PPO reads it (baseline-shifted, on the value model's weights, or offloaded between rollouts; the
-'auto' baseline); each wrapper keeps ``base_model_prefix`` and ``score`` for `rlhf_trl.scoring.sequence_scores`."""
+'auto' baseline); each wrapper keeps ``base_model_prefix`` and ``score`` for `rlhf_trl.scoring.sequence_scores`. A
+reward model of another tokenizer scores re-encoded text (`RewardTokens`, `reward_tokens`, `score_responses`): the one
+scoring path of PPO, GRPO / RLOO, ``rlhf-trl eval`` and ``compare``."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import os
 from contextlib import contextmanager
 
 import torch
+import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .models import StageInputError
+from .data import DataReport, Template, encode_response, prompt_features, response_eos_id
+from .models import StageInputError, load_tokenizer
 from .ppo_config import sampling_config
-from .scoring import generate_rollouts, preserved_rng, sequence_scores, truncate_at_eos
+from .ppo_math import first_true_indices
+from .scoring import generate_rollouts, preserved_rng, score_sequences, sequence_scores, truncate_at_eos
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +141,9 @@ class OffloadedWeights:
 
 @torch.no_grad()
 def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset, args, batches: int,
-                              eos_ids: list[int] | None = None) -> float:
-    """Mean RM score (reward units) of PPO-sampled SFT rollouts on ``batches`` batches, RNG seeded and restored."""
+                              eos_ids: list[int] | None = None, tokens: RewardTokens | None = None) -> float:
+    """Mean RM score (reward units) of PPO-sampled SFT rollouts on ``batches`` batches, RNG seeded and restored
+    (``tokens``: a reward model of another tokenizer, `RewardTokens`; the dataset's ``row`` indexes its prompts)."""
     from transformers import DataCollatorWithPadding
 
     collator, eos_ids = DataCollatorWithPadding(tokenizer), eos_ids or [tokenizer.eos_token_id]
@@ -152,8 +158,118 @@ def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset, args, ba
             query = collator(rows)["input_ids"].to(policy.device)
             qr, _ = generate_rollouts(policy, query, tokenizer.pad_token_id, gen, len(rows))
             response = truncate_at_eos(qr[:, query.shape[1]:], eos_ids, tokenizer.pad_token_id)
+            if tokens is not None:
+                index = [dataset[i]["row"] for i in range(b * size, b * size + len(rows))]
+                scores.append(tokens.score_batch(reward_model, "train", index, response, eos_ids,
+                                                 tokenizer.pad_token_id).float().cpu())
+                continue
             scores.append(sequence_scores(reward_model, torch.cat((query, response), 1), tokenizer.pad_token_id,
                                           query.shape[1]).float().cpu())
     value = float(torch.cat(scores).mean())
     logger.info("reward_baseline auto: mean RM score %.4f over %d SFT rollouts", value, sum(len(s) for s in scores))
     return value
+
+
+RM_TEMPLATE_KEYS = ("prompt_template", "completion_template", "chat_template", "system_prompt")
+
+
+def rm_template(rm_path: str, fallback: Template) -> tuple[Template, str]:
+    """The template a reward model was trained with: the data keys of ``run_config.yaml`` in ``rm_path`` or its parent
+    (the RM stage's output_dir above ``merged/``), else ``fallback`` (the running recipe's). Returns ``(template,
+    where it came from)``. Raises `ValueError`: a bad template combination in that file (naming it)."""
+    for folder in (rm_path, os.path.dirname(os.path.normpath(rm_path))):
+        path = os.path.join(folder, "run_config.yaml")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                saved = yaml.safe_load(f) or {}
+            if not any(k in saved for k in RM_TEMPLATE_KEYS):
+                continue
+            defaults = Template()
+            try:
+                return Template(prompt=saved.get("prompt_template") or defaults.prompt,
+                                completion=saved.get("completion_template") or defaults.completion,
+                                chat=bool(saved.get("chat_template")), system_prompt=saved.get("system_prompt")), path
+            except ValueError as exc:
+                raise ValueError(f"{path}: the reward model's template cannot be used: {exc}") from None
+    return fallback, "this recipe (no run_config.yaml beside the reward model)"
+
+
+class RewardTokens:
+    """How a reward model of another tokenizer reads a policy's samples, as its training pairs were built: the prompt
+    rendered from its record by the RM's tokenizer and template (`rlhf_trl.data.prompt_features`, not truncated), the
+    response decoded to text (special tokens skipped) and encoded on its own by `rlhf_trl.data.encode_response`
+    (``raw``: the sampled text as it is), ending with the RM's EOS (chat: its end-of-turn) where the policy's response
+    ended with an EOS id. ``prompts``: split name -> the RM's prompt ids ``[num_records][prompt_len]`` (`add_prompts`).
+    Raises `ValueError`: a chat template without an end-of-turn token (`response_eos_id`)."""
+
+    def __init__(self, tokenizer, template: Template, policy_tokenizer, source: str):
+        self.tokenizer, self.template, self.source = tokenizer, template, source
+        self.policy_tokenizer = policy_tokenizer
+        self.pad_token_id = tokenizer.pad_token_id
+        self.eos_id = response_eos_id(tokenizer, template)
+        self.prompts: dict[str, list[list[int]]] = {}
+
+    def add_prompts(self, split: str, records: list[dict]) -> None:
+        """The RM's prompt ids of ``records`` (prompt records: question, history, system, ...) as ``prompts[split]``."""
+        self.prompts[split] = prompt_features(records, self.tokenizer, self.template, 1 << 30,
+                                              f"reward model {self.source}", DataReport("rm"), split)["input_ids"]
+
+    def sequences(self, prompt_ids: list[list[int]], responses: list[list[int]], ended: list[bool]) -> list[list[int]]:
+        """RM ids ``prompt ids + response ids (+ EOS)`` per row: ``prompt_ids`` the RM's, ``responses`` the policy's
+        ids through the first EOS (kept when ``ended``), no pads."""
+        texts = self.policy_tokenizer.batch_decode([list(r[:-1]) if e else list(r) for r, e in zip(responses, ended)],
+                                                   skip_special_tokens=True)
+        out = []
+        for prompt, text, e in zip(prompt_ids, texts, ended):
+            ids = encode_response(self.tokenizer, self.template, text, raw=True)
+            out.append(list(prompt) + (ids if e else ids[:-1]))
+        return out
+
+    def score_batch(self, reward_model, split: str, rows, responses: torch.Tensor, eos_ids, pad_token_id: int,
+                    batch_size: int = 16) -> torch.Tensor:
+        """RM scores ``[b]`` (reward units, on ``responses.device``) of prompt records ``rows`` (indices into
+        ``prompts[split]``) and the policy's ``responses [b, R]`` (cut after the first EOS, right-padded with the
+        policy's ``pad_token_id``). Raises `ValueError`: no row indices (the prompt dataset lacks its ``row``)."""
+        if rows is None:
+            raise ValueError("a reward model of another tokenizer needs each prompt's record: the dataset has no 'row'")
+        lengths = first_true_indices(responses == pad_token_id).tolist()  # each response ends at its first pad
+        lists = [row[:n].tolist() for row, n in zip(responses.cpu(), lengths)]
+        ended = [bool(r) and eos_ids is not None and r[-1] in eos_ids for r in lists]
+        prompts = [self.prompts[split][int(i)] for i in (rows.tolist() if hasattr(rows, "tolist") else rows)]
+        return score_responses(reward_model, prompts, lists, ended, pad_token_id, self, batch_size).to(
+            responses.device)
+
+
+def reward_tokens(rm_path: str | None, policy_tokenizer, fallback: Template,
+                  trust_remote_code: bool = False) -> RewardTokens | None:
+    """`RewardTokens` for the reward model at ``rm_path`` when its tokenizer (loaded from there) has another vocabulary
+    than ``policy_tokenizer`` (``get_vocab()`` compared, not names); None when they match (the policy's ids are scored
+    as they are), without a reward model, or when ``rm_path`` holds no tokenizer (warned). Raises `ValueError`: as
+    `rm_template` / `RewardTokens`."""
+    if not rm_path or not os.path.isdir(rm_path):
+        return None
+    try:
+        tokenizer = load_tokenizer(rm_path, trust_remote_code=trust_remote_code)
+    except StageInputError:
+        logger.warning("reward model %s holds no tokenizer: its scores read the policy's token ids", rm_path)
+        return None
+    if tokenizer.get_vocab() == policy_tokenizer.get_vocab():
+        return None
+    template, where = rm_template(rm_path, fallback)
+    tokens = RewardTokens(tokenizer, template, policy_tokenizer, rm_path)
+    logger.info("reward model %s has another tokenizer (%d tokens) than the policy (%d): it scores the decoded text "
+                "re-encoded with its own tokenizer and its %s template (from %s)", rm_path, len(tokenizer),
+                len(policy_tokenizer), template.mode, where)
+    return tokens
+
+
+def score_responses(reward_model, prompts: list[list[int]], responses: list[list[int]], ended: list[bool],
+                    pad_token_id: int, tokens: RewardTokens | None = None, batch_size: int = 16) -> torch.Tensor:
+    """RM scores ``[num_rows]`` (float32, CPU, reward units) of policy ``responses`` (ids through the EOS, no pads) to
+    ``prompts``: the same tokenizer (``tokens`` None): ``prompt ids + response ids`` of the policy as they are (no
+    decode); another (`RewardTokens`): ``prompts`` are the RM's prompt ids and the responses are re-encoded. Raises
+    `ValueError`: a row without any token."""
+    if tokens is None:
+        return score_sequences(reward_model, [list(p) + list(r) for p, r in zip(prompts, responses)], pad_token_id,
+                               batch_size)
+    return score_sequences(reward_model, tokens.sequences(prompts, responses, ended), tokens.pad_token_id, batch_size)

@@ -12,13 +12,20 @@ import os
 
 from datasets import Dataset
 
+from .atomic import write_json, write_jsonl
 from .checkpoints import begin_writing, keeps_earlier_run, save_stage_outputs, start_run, with_atomic_checkpoints
 from .config import RunArguments, parse_recipe, sibling_recipe
 from .data import DataArguments, DataReport, Template, describe_sources, pair_features, read_records, split_records
 from .loop_state import with_loop_state
-from .models import (fp32_adapters_for_fp32_compute, load_sequence_classifier, load_tokenizer,
-                     recipe_quantization_config, require_model_dir, resize_for_tokenizer, torch_dtype, write_json,
-                     write_jsonl)
+from .models import (
+    fp32_adapters_for_fp32_compute,
+    load_sequence_classifier,
+    load_tokenizer,
+    recipe_quantization_config,
+    require_model_dir,
+    resize_for_tokenizer,
+    torch_dtype,
+)
 from .scoring import pairwise_metrics, score_sequences
 
 logger = logging.getLogger(__name__)
@@ -47,7 +54,7 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     from trl import RewardTrainer, get_peft_config
 
     # inputs
-    run_args, resume = start_run(training_args, run_args)
+    run_args, resume = start_run(training_args, run_args, model_args.model_name_or_path, not model_args.use_peft)
     pickle_ok = run_args.allow_pickle_weights
     model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by, pickle_ok)
     quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)  # QLoRA: load_in_4bit

@@ -192,8 +192,8 @@ def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_
 
 def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, rejected_len) -> dict:
     """Pairwise accuracy, mean margin and length-only baseline (longer wins, ties half) of ``[num_pairs]`` scores, with
-    95% intervals (normal approximation, mean +- 1.96 standard errors; None for one pair): ``accuracy_ci`` and
-    ``length_gap_ci`` of ``length_gap`` (accuracy minus the baseline, paired per pair: does the RM beat length?)."""
+    95% intervals: ``accuracy_ci`` (Wilson score interval: inside [0, 1]) and ``length_gap_ci`` of ``length_gap``
+    (accuracy minus the baseline, paired per pair, `paired_ci`; None for one pair: does the RM beat length?)."""
     chosen_len, rejected_len = (torch.as_tensor(n, dtype=torch.float) for n in (chosen_len, rejected_len))
     longer = (chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()
     correct, n = (chosen > rejected).float().cpu().tolist(), int(chosen.numel())
@@ -201,10 +201,20 @@ def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, r
     gap, gap_ci = paired_ci(correct, longer)
     return {"accuracy": sum(correct) / n, "margin": float((chosen - rejected).mean()),
             "length_baseline_accuracy": sum(longer) / n, "num_pairs": n,
-            "accuracy_ci": paired_ci(correct, [0.0] * n)[1], "length_gap": gap, "length_gap_ci": gap_ci}
+            "accuracy_ci": wilson_ci(sum(correct), n), "length_gap": gap, "length_gap_ci": gap_ci}
 
 
 Z95 = 1.96  # two-sided 95% normal quantile
+
+
+def wilson_ci(successes: float, n: int) -> list[float] | None:
+    """95% Wilson score interval of a proportion ``successes / n`` (Wilson 1927): inside [0, 1] even at 0 or n
+    successes, where the normal approximation leaves it; None for n = 0."""
+    if n < 1:
+        return None
+    p, z2 = successes / n, Z95 ** 2
+    centre, half = (p + z2 / (2 * n)) / (1 + z2 / n), Z95 / (1 + z2 / n) * (p * (1 - p) / n + z2 / (4 * n * n)) ** 0.5
+    return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
 def paired_ci(a: list[float], b: list[float]) -> tuple[float, list[float] | None]:

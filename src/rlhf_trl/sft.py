@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from datasets import Dataset
 from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -17,8 +16,15 @@ from .checkpoints import begin_writing, keeps_earlier_run, save_stage_outputs, s
 from .config import RunArguments, parse_recipe
 from .data import DataArguments, DataReport, Template, describe_sources, read_records, sft_features, split_records
 from .loop_state import with_loop_state
-from .models import (fp32_adapters_for_fp32_compute, load_causal_lm, load_tokenizer, recipe_quantization_config,
-                     require_model_dir, resize_for_tokenizer, torch_dtype)
+from .models import (
+    fp32_adapters_for_fp32_compute,
+    load_causal_lm,
+    load_tokenizer,
+    recipe_quantization_config,
+    require_model_dir,
+    resize_for_tokenizer,
+    torch_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +52,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     from trl import get_peft_config
 
     # inputs
-    run_args, resume = start_run(training_args, run_args)
+    run_args, resume = start_run(training_args, run_args, model_args.model_name_or_path, not model_args.use_peft)
     pickle_ok = run_args.allow_pickle_weights
     model_path = require_model_dir(model_args.model_name_or_path or "", "base model", None, pickle_ok)
     quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)  # QLoRA: load_in_4bit

@@ -7,7 +7,8 @@ import argparse
 import logging
 import os
 
-from .models import load_tokenizer, save_pretrained_atomic
+from .atomic import save_pretrained_atomic
+from .models import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

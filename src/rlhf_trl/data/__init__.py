@@ -17,16 +17,45 @@ import random
 from typing import Literal
 
 # re-exported: the public API of the data modules
-from .args import (DEFAULT_ASSISTANT_MARKER, DEFAULT_COMPLETION_TEMPLATE, DEFAULT_HUMAN_MARKER,  # noqa: F401
-                   DEFAULT_PROMPT_TEMPLATE, FORMATS, HISTORY_SEPARATOR, RAW_TEMPLATE, DataArguments, DataError,
-                   Template)
-from .features import (chat_end_of_turn_id, encode_prompt, encode_response, pair_features,  # noqa: F401
-                       prompt_features, response_eos_id, sft_features)
+from .args import (  # noqa: F401
+    DEFAULT_ASSISTANT_MARKER,
+    DEFAULT_COMPLETION_TEMPLATE,
+    DEFAULT_HUMAN_MARKER,
+    DEFAULT_PROMPT_TEMPLATE,
+    FORMATS,
+    HISTORY_SEPARATOR,
+    RAW_TEMPLATE,
+    DataArguments,
+    DataError,
+    Template,
+)
+from .features import (  # noqa: F401
+    chat_end_of_turn_id,
+    encode_prompt,
+    encode_response,
+    pair_features,
+    prompt_features,
+    response_eos_id,
+    sft_features,
+    unpaired_features,
+)
 from .normalise import _counted, _normalise
-from .read import BATCH_ROWS, COMPRESSIONS, LOCAL_LOADERS, _arrow_batches, load_rows, source_name  # noqa: F401
+from .read import BATCH_ROWS, COMPRESSIONS, LOCAL_LOADERS, _arrow_batches, dialogue_counts, load_rows, source_name  # noqa: F401
 from .report import DataReport
-from .rows import (ANSWER_KEYS, QUESTION_KEYS, ROLES, SkipRow, _dialogue, _implicit, _pair_rows,  # noqa: F401
-                   _prompt_row, _sft_row, detect_format, prompt_columns, split_transcript)
+from .rows import (  # noqa: F401
+    ANSWER_KEYS,
+    QUESTION_KEYS,
+    ROLES,
+    SkipRow,
+    _dialogue,
+    _implicit,
+    _pair_rows,
+    _prompt_row,
+    _sft_row,
+    detect_format,
+    prompt_columns,
+    split_transcript,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +68,11 @@ def sft_records(rows: list[dict], args: DataArguments, source: str) -> list[dict
 def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
     """In-memory rows as pairs (ranked lists: all ordered or adjacent pairs, `ranked_pairs`). Raises `DataError`."""
     return _normalise("pairs", [rows], args, source)
+
+
+def unpaired_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
+    """In-memory rows as KTO examples (``"answer"``, ``"label"``; a pair: two). Raises `DataError`."""
+    return _normalise("unpaired", [rows], args, source)
 
 
 def prompt_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
@@ -93,7 +127,7 @@ def describe_sources(args: DataArguments) -> str:
     return ", ".join(names) or "<no dataset>"
 
 
-def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts"],
+def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts", "unpaired"],
                  report: DataReport | None = None) -> list[dict]:
     """Read every source of the recipe (`sources`) into records of ``kind``, in Arrow batches. Raises `DataError`."""
     records = []
@@ -101,9 +135,12 @@ def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts"],
         report.template = Template.from_args(args).mode
     for src in sources(args):
         name = source_name(src.dataset_name)
+        shapes: dict = {}  # JSON arrays of dialogue lists: each row's length (`_arrow_batches`)
         counted = _counted(_arrow_batches(src.dataset_name, src.dataset_split, src.dataset_config, BATCH_ROWS,
-                                          src.dataset_encoding), src.max_samples)
+                                          src.dataset_encoding, shapes), src.max_samples)
         part = _normalise(kind, counted, src, name, report)
+        if report is not None and "dialogue_lengths" in shapes:  # in data_report.json, beside the source's counts
+            report.sources[-1]["dialogue_lists"] = dialogue_counts(shapes["dialogue_lengths"][:counted.rows], kind)
         logger.info("%s: %d rows -> %d %s records", name, counted.rows, len(part), kind)
         records.extend(part)
     return records

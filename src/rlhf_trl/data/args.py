@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 DEFAULT_PROMPT_TEMPLATE = "问：{question}\n\n答："
 DEFAULT_COMPLETION_TEMPLATE = "{answer}"
@@ -33,6 +34,9 @@ def _arg(default, help: str):
 @dataclass
 class DataArguments:
     """Data fields shared by every stage's recipe (parsed by `TrlParser` next to the TRL config)."""
+
+    # what a YAML value may be where the field's type says less (`rlhf_trl.config.check_types`)
+    yaml_types: ClassVar[dict] = {"dataset_name": str | list[str]}
 
     dataset_name: str | None = _arg(None, "Local file (.json/.jsonl/.csv/.parquet, optionally .gz/.bz2/.xz/.zst/.lz4), "
                                     "a glob ('data/*.jsonl.gz'), a directory of shards, a YAML list of these, or a hub "
@@ -78,6 +82,10 @@ class DataArguments:
     length_policy: str = _arg("drop", "SFT rows / RM pairs longer than max_length (tokens): 'drop' them (SFT: rows "
                               "whose prompt alone fills max_length), or 'truncate_prompt' from the left (keeping the "
                               "newest turns and the whole response).")
+    mask_history: bool = _arg(False, "SFT on conversations (sharegpt, messages, firefly; alpaca rows with history): "
+                              "false trains every assistant turn (tool calls included, tool results never), a "
+                              "conversation over max_length cut after the last turn that fits; true trains the last "
+                              "turn only, the earlier ones being its prompt (LLaMA-Factory's key).")
     on_bad_row: str = _arg("error", "A bad row (missing / empty / mistyped field): 'error' stops with one line naming "
                            "file, row and field; 'skip' skips it, counted by reason in data_report.json.")
     max_bad_row_fraction: float = _arg(0.05, "on_bad_row: skip: stop when more than this fraction of a source's rows "

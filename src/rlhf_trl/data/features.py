@@ -7,7 +7,7 @@ import os
 import weakref
 from typing import Any, Literal
 
-from .args import DEFAULT_ASSISTANT_MARKER, DEFAULT_HUMAN_MARKER, DataError, Template
+from .args import DEFAULT_ASSISTANT_MARKER, DEFAULT_HUMAN_MARKER, HISTORY_SEPARATOR, DataError, Template
 from .report import DataReport
 from .turns import _markers, split_transcript
 
@@ -147,6 +147,13 @@ def _check_records(records: list[dict], tokenizer, template: Template, source: s
                        len(records))
 
 
+def _length_hint(length_policy: str) -> str:
+    """How to fit more rows into ``max_length``: only what the recipe has not set already."""
+    if length_policy == "truncate_prompt":
+        return "(raise max_length: with length_policy: truncate_prompt the responses alone exceed it)"
+    return "(raise max_length or set length_policy: truncate_prompt)"
+
+
 def _tally(report: DataReport, source: str, split: str, total: int, limit: int | None, counts: tuple, **lengths):
     """Log each non-zero count and add it, and the token ``lengths`` per part, to ``report`` under ``split``."""
     for kind, what, n in counts:
@@ -157,41 +164,132 @@ def _tally(report: DataReport, source: str, split: str, total: int, limit: int |
         report.lengths(split, part, values)
 
 
+def _text_turns(tokenizer, template: Template, record: dict) -> list[tuple]:
+    """`_sft_turns` with a text / raw template: the history as `Template.format_prompt` renders it, cut into turns
+    (``问：q1\\n\\n答：`` | ``a1`` EOS | ``\\n\\n问：q2\\n\\n答：`` | ``a2`` EOS ...), each piece tokenized on its own."""
+    eos, sep = response_eos_id(tokenizer, template), "" if template.mode == "raw" else HISTORY_SEPARATOR
+    system, out = record.get("system"), []
+    for k, (question, answer) in enumerate(record["history"]):
+        prompt = (sep if k else "") + template.format_prompt(question, system=None if k else system)
+        reply = _encode_text(tokenizer, template.format_completion(answer)) + [eos]
+        out.append((_encode_text(tokenizer, prompt), reply, False, bool(answer.strip())))
+    prompt = (sep if out else "") + template.format_prompt(record["question"], system=None if out else system)
+    out.append((_encode_text(tokenizer, prompt), _response_ids(tokenizer, template, record, "answer"), False, True))
+    return out
+
+
+def _chat_turns(tokenizer, template: Template, record: dict) -> list[tuple]:
+    """`_sft_turns` with the chat template: the conversation rendered up to each assistant turn (generation prompt
+    included); the text after a reply's end-of-turn token up to the next generation prompt is a prompt piece, a reply
+    the text the template renders for it (tool calls: the ``<tool_call>`` block). Raises `ValueError`: a template
+    that renders earlier turns differently as the conversation grows (set ``mask_history: true``)."""
+    if "messages" in record:  # a tool-calling conversation (`rlhf_trl.data.rows._conversation`)
+        messages, kwargs = record["messages"], {"tools": record.get("tools")}
+    else:
+        _require_chat_template(tokenizer)
+        messages, kwargs = template.messages(record["question"], record["history"], record.get("system")), {}
+    what = f"the conversation ending {record['question'][:30]!r}"
+    at = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    renders = [_render_chat(tokenizer, messages[:k], what, add_generation_prompt=True, **kwargs)
+               for k in at + [len(messages)]]  # the last: the record's answer's prompt, as `_prompt_ids` renders it
+    eot = response_eos_id(tokenizer, template)
+    end, out, pos = tokenizer.convert_ids_to_tokens(eot), [], 0
+    for k, here, after in zip(at, renders, renders[1:]):
+        content = None if messages[k].get("tool_calls") else messages[k]["content"]
+        rest = after[len(here):] if after.startswith(here) else ""
+        reply = content if content is not None and rest.startswith(content + end) else rest.split(end, 1)[0]
+        if end not in rest:
+            raise ValueError(f"the chat template of '{_tokenizer_name(tokenizer)}' renders the earlier turns of {what} "
+                             "differently as the conversation grows, so its assistant turns cannot be trained one by "
+                             "one; set mask_history: true (train the last turn only)")
+        prompt = tokenizer(here[pos:], add_special_tokens=False)["input_ids"]
+        out.append((prompt, _encode_text(tokenizer, reply) + [eot], content is None, bool(reply.strip())))
+        pos = len(here) + len(reply) + len(end)
+    prompt = tokenizer(renders[-1][pos:], add_special_tokens=False)["input_ids"]
+    out.append((prompt, _response_ids(tokenizer, template, record, "answer"), "target" in record, True))
+    return out
+
+
+def _sft_turns(tokenizer, template: Template, record: dict) -> list[tuple]:
+    """A record's turns ``[(prompt_ids, reply_ids, is_tool_call, is_target)]``, ``reply_ids`` ending with the EOS /
+    end-of-turn id: one (``prompt ids``, ``response ids``) without ``"train_history"``, else one per assistant turn
+    (empty history replies are no targets). Joined they are the conversation as the template renders it, an EOS /
+    end-of-turn id after each reply. Raises `ValueError`: chat mode problems."""
+    if record.get("train_history"):
+        return (_chat_turns if template.chat else _text_turns)(tokenizer, template, record)
+    return [(_prompt_ids(tokenizer, template, record), _response_ids(tokenizer, template, record, "answer"),
+             "target" in record, True)]
+
+
+def _fit_turns(turns: list[tuple], max_length: int | None, length_policy: str, max_prompt_length: int | None):
+    """``(input_ids, completion_mask, counts)`` of `_sft_turns` joined, mask 1 on target replies (EOS included), or
+    None: dropped (the first prompt fills ``max_length``, ``'drop'``). Over ``max_length`` tokens: a first turn as a
+    single-turn row (``'truncate_prompt'`` cuts its prompt from the left to fit the reply); a later turn whose prompt
+    leaves no room for a reply token is left out with the turns after it (a cut at a turn boundary); the last turn
+    kept may run over (the trainer cuts its reply). ``counts``: ``(prompt truncated, reply cut, turns left out,
+    turns trained, tool calls trained, turns cut)``."""
+    ids, mask = [], []
+    truncated = over = False
+    trained = calls = left_out = 0
+    for k, (p, c, call, target) in enumerate(turns):
+        if max_length is not None and len(ids) + len(p) + len(c) > max_length:
+            if k == 0 and length_policy == "truncate_prompt":
+                room = max_length - len(c)
+                keep = room if room >= 1 else min(max_prompt_length or max_length - 1, max_length - 1)
+                if keep < len(p):
+                    p, truncated = p[-keep:], True
+            elif len(ids) + len(p) >= max_length:
+                if k == 0:
+                    return None
+                left_out = sum(t[3] for t in turns[k:])
+                break
+            over = len(ids) + len(p) + len(c) > max_length
+        ids += p + c
+        mask += [0] * len(p) + [int(target)] * len(c)
+        trained += target
+        calls += target and call
+        if over:
+            left_out = sum(t[3] for t in turns[k + 1:])
+            break
+    return ids, mask, (truncated, over, left_out, trained, calls, left_out + (over and target))
+
+
 def sft_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
                  source: str = "dataset", length_policy: Literal["drop", "truncate_prompt"] = "drop",
                  max_prompt_length: int | None = None, report: DataReport | None = None,
                  split: str = "train") -> dict[str, list]:
-    """Tokenize SFT records for `trl.SFTTrainer`: ``input_ids`` and ``completion_mask`` (1 on response tokens incl.
-    EOS), lists of ``[prompt_len + response_len + 1]``. Rows over ``max_length`` tokens (counted in ``report``):
-    ``'drop'`` drops those whose prompt fills it (the trainer cuts the others); ``'truncate_prompt'`` cuts the prompt
-    from the left to fit the response (no room: ``min(max_prompt_length, max_length - 1)`` tokens kept). Raises
-    `DataError`: no row left; `ValueError`: a bad ``length_policy``, chat mode problems."""
+    """Tokenize SFT records for `trl.SFTTrainer`: ``input_ids`` and ``completion_mask``, lists of ``[seq_len]``:
+    ``prompt ids + response ids + EOS``, or for records with ``"train_history"`` every turn so (`_sft_turns`), mask 1
+    on each target reply and its EOS / end-of-turn id, 0 elsewhere (prompts, tool results). Rows over ``max_length``
+    tokens (`_fit_turns`, counted in ``report``): ``'drop'`` drops those whose first prompt fills it (the trainer cuts
+    the others); ``'truncate_prompt'`` cuts that prompt from the left to fit its response (no room:
+    ``min(max_prompt_length, max_length - 1)`` tokens kept); a conversation is cut at a turn boundary. ``report``
+    gets per ``split`` the conversations, assistant turns / tool calls trained and turns cut. Raises `DataError`: no
+    row left; `ValueError`: a bad ``length_policy``, chat mode problems."""
     _check_records(records, tokenizer, template, source, length_policy, report)
+    report = report if report is not None else DataReport("sft")
     input_ids, masks = [], []
-    dropped = truncated = cut = 0
+    dropped = truncated = cut = split_turns = trained = calls = turns_cut = 0
     for r in records:
-        p, c = _prompt_ids(tokenizer, template, r), _response_ids(tokenizer, template, r, "answer")
-        if max_length is not None and len(p) + len(c) > max_length:
-            if length_policy == "truncate_prompt":
-                room = max_length - len(c)
-                keep = room if room >= 1 else min(max_prompt_length or max_length - 1, max_length - 1)
-                if keep < len(p):
-                    p = p[-keep:]
-                    truncated += 1
-            elif len(p) >= max_length:
-                dropped += 1
-                continue
-            cut += len(p) + len(c) > max_length
-        input_ids.append(p + c)
-        masks.append([0] * len(p) + [1] * len(c))
-    _tally(report or DataReport("sft"), source, split, len(records), max_length, (
+        fitted = _fit_turns(_sft_turns(tokenizer, template, r), max_length, length_policy, max_prompt_length)
+        if fitted is None:
+            dropped += 1
+            continue
+        ids, mask, counts = fitted
+        input_ids.append(ids)
+        masks.append(mask)
+        truncated, cut, split_turns = truncated + counts[0], cut + counts[1], split_turns + (counts[2] > 0)
+        trained, calls, turns_cut = trained + counts[3], calls + counts[4], turns_cut + counts[5]
+    _tally(report, source, split, len(records), max_length, (
         ("dropped", "rows dropped: the prompt alone fills max_length", dropped),
         ("truncated", "prompts truncated from the left to fit max_length", truncated),
-        ("truncated", "answers are cut at max_length", cut)),
+        ("truncated", "answers are cut at max_length", cut),
+        ("truncated", "conversations cut after the last turn that fits max_length", split_turns)),
         prompt=[m.count(0) for m in masks], response=[sum(m) for m in masks])
+    report.turns_trained(split, len(input_ids), trained, calls, turns_cut)
     if records and not input_ids:
-        raise DataError(source, f"no row is left: every prompt fills max_length={max_length} tokens (raise "
-                                "max_length or set length_policy: truncate_prompt)")
+        raise DataError(source, f"no row is left: every prompt fills max_length={max_length} tokens "
+                                f"{_length_hint(length_policy)}")
     return {"input_ids": input_ids, "completion_mask": masks}
 
 
@@ -224,7 +322,7 @@ def pair_features(records: list[dict], tokenizer, template: Template, max_length
                                                zip(out["chosen_ids"], out["rejected_ids"], out["prompt_length"])])
     if not out["chosen_ids"]:
         raise DataError(source, f"no pair is left: all {len(records)} pairs exceed max_length={max_length} tokens "
-                                "(raise max_length or set length_policy: truncate_prompt)")
+                                f"{_length_hint(length_policy)}")
     return out
 
 
@@ -239,3 +337,35 @@ def prompt_features(records: list[dict], tokenizer, template: Template, max_prom
         ("truncated", "prompts cut to their last max_prompt_length", sum(len(p) > max_prompt_length for p in full)),),
         prompt=[min(len(p), max_prompt_length) for p in full])
     return {"input_ids": [p[-max_prompt_length:] for p in full]}
+
+
+def unpaired_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
+                      length_policy: Literal["drop", "truncate_prompt"] = "drop", source: str = "dataset",
+                      report: DataReport | None = None, split: str = "train") -> dict[str, list]:
+    """Tokenize unpaired (KTO) records for `trl.KTOTrainer`: ``prompt_ids`` ``[prompt_len]``, ``completion_ids``
+    ``[response_len + 1]`` (the answer, then the EOS: the ids the reward model and PPO see) and ``label`` (True:
+    desirable); records over ``max_length`` tokens dropped or, with ``'truncate_prompt'``, prompt-cut from the left.
+    Raises `DataError`: no record left; `ValueError`: a bad ``length_policy``, chat mode problems."""
+    _check_records(records, tokenizer, template, source, length_policy, report)
+    out = {"prompt_ids": [], "completion_ids": [], "label": []}
+    dropped = truncated = 0
+    for r in records:
+        p, c = _prompt_ids(tokenizer, template, r), _response_ids(tokenizer, template, r, "answer")
+        if max_length is not None and len(p) + len(c) > max_length:
+            room = max_length - len(c)
+            if length_policy == "drop" or room < 1:
+                dropped += 1
+                continue
+            p = p[-room:]
+            truncated += 1
+        out["prompt_ids"].append(p)
+        out["completion_ids"].append(c)
+        out["label"].append(bool(r["label"]))
+    _tally(report or DataReport("kto"), source, split, len(records), max_length, (
+        ("dropped", "examples dropped: longer than max_length", dropped),
+        ("truncated", "example prompts truncated from the left to fit max_length", truncated)),
+        prompt=[len(p) for p in out["prompt_ids"]], response=[len(c) for c in out["completion_ids"]])
+    if not out["label"]:
+        raise DataError(source, f"no example is left: all {len(records)} exceed max_length={max_length} tokens "
+                                f"{_length_hint(length_policy)}")
+    return out

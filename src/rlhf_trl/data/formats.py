@@ -10,6 +10,17 @@ from .turns import ROLES, _is_messages
 QUESTION_KEYS = ("instruction", "prompt", "question", "query")
 ANSWER_KEYS = ("output", "answer", "response", "completion")
 CONVERSATION_KEYS = {"sharegpt": "conversations", "messages": "messages", "firefly": "conversation"}
+DIALOGUE_KEY = "_dialogue"  # a row of a JSON array of lists: the list (`dialogue_row`)
+
+
+def dialogue_row(items) -> dict:
+    """A row of a JSON array of dialogue lists (MOSS-RLHF's prompt files; user, assistant, user, ... strings) as an
+    alpaca row: ``{DIALOGUE_KEY: items, "output": its last answer}`` (the last item of an even list, the one before
+    the last of an odd one; None if none or not a string). `rows._prompt` checks and splits the list."""
+    answer = None
+    if isinstance(items, list) and len(items) >= 2:
+        answer = items[-1] if len(items) % 2 == 0 else items[-2]
+    return {DIALOGUE_KEY: items, "output": answer if isinstance(answer, str) else None}
 
 
 def _is_conversation(value) -> bool:

@@ -8,7 +8,18 @@ from typing import Iterable
 
 from .args import FORMATS, DataArguments, DataError
 from .report import DataReport
-from .rows import ROLES, SkipRow, _dialogue, _pair_rows, _prompt_row, _sft_row, detect_format, prompt_columns
+from .rows import (
+    LABEL_KEYS,
+    ROLES,
+    SkipRow,
+    _dialogue,
+    _pair_rows,
+    _prompt_row,
+    _sft_row,
+    _unpaired_rows,
+    detect_format,
+    prompt_columns,
+)
 
 logger = logging.getLogger("rlhf_trl.data")
 SKIP_HINT = "; fix the row, or set on_bad_row: skip to skip such rows"
@@ -44,11 +55,12 @@ def _message_plan(signature: bytes, end: str) -> tuple | None:
     return (system, start, question, answer) if history == [(k, k + 1) for k in range(start, question, 2)] else None
 
 
-def _message_records(column, end: str, plans: dict) -> list[dict | None]:
-    """SFT records (``end='assistant'``) or prompts (``'user'``; no ``"columns"``) of one Arrow batch of a ``messages``
-    column (`_is_message_column`), as `_sft_row` / `_prompt_row` give them, or None where the plain path must read the
-    row (nulls, blank content, unknown roles, roles `_dialogue` refuses). Faster than `RecordBatch.to_pylist`: roles as
-    a byte per message (`_ROLE_CODES`), each distinct role sequence resolved once (`_message_plan`, in ``plans``)."""
+def _message_records(column, end: str, plans: dict, train_history: bool = False) -> list[dict | None]:
+    """SFT records (``end='assistant'``; ``train_history``: those with history marked ``"train_history": True``) or
+    prompts (``'user'``; no ``"columns"``) of one Arrow batch of a ``messages`` column (`_is_message_column`), as
+    `_sft_row` / `_prompt_row` give them, or None where the plain path must read the row (nulls, blank content,
+    unknown roles, roles `_dialogue` refuses). Faster than `RecordBatch.to_pylist`: roles as a byte per message
+    (`_ROLE_CODES`), each distinct role sequence resolved once (`_message_plan`, in ``plans``)."""
     import numpy as np
     import pyarrow.compute as pc
 
@@ -82,6 +94,8 @@ def _message_records(column, end: str, plans: dict) -> list[dict | None]:
             rec["system"] = c[system]
         if answer is not None:
             rec["answer"] = c[answer]
+            if train_history and start < question:
+                rec["train_history"] = True
         append(rec)
     if column.null_count:
         for k in np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False)).tolist():
@@ -95,7 +109,7 @@ def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
     report = report if report is not None else DataReport(kind)
     if args.dataset_format not in FORMATS:
         raise ValueError(f"dataset_format must be one of {FORMATS}, got {args.dataset_format!r}")
-    if kind == "pairs" and args.ranked_pairs not in ("all", "adjacent"):
+    if kind in ("pairs", "unpaired") and args.ranked_pairs not in ("all", "adjacent"):
         raise ValueError(f"ranked_pairs must be 'all' or 'adjacent', got {args.ranked_pairs!r}")
     enabled = gc.isenabled()
     gc.disable()  # records hold no reference cycles: the cyclic GC would rescan millions of them for nothing
@@ -133,16 +147,19 @@ def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: s
             by_keys = fmt not in ("alpaca", "ranked")  # these two also depend on the answer's type
             if kind == "pairs":
                 add, one = out.extend, lambda r, f, a, s, n: _pair_rows(r, f, a, s, n, counts)
+            elif kind == "unpaired":  # KTO: a labelled answer per row, or two per preference pair
+                add, one = out.extend, lambda r, f, a, s, n: _unpaired_rows(r, f, a, s, n, counts)
             else:
                 add, one = out.append, _sft_row if kind == "sft" else _prompt_row
             # messages rows: SFT records and prompts come from the message column alone (`_sft_row`, `_prompt_row`)
-            plain = {"system", "tools"} | ({"label"} if kind == "sft" else set())  # columns the fast path ignores
-            fast_key = ((args.messages_key or "messages") if fmt == "messages" and kind != "pairs"
+            plain = {"system", "tools"} | (set(LABEL_KEYS) if kind == "sft" else set())  # columns the fast path ignores
+            fast_key = ((args.messages_key or "messages") if fmt == "messages" and kind in ("sft", "prompts")
                         and not plain & set(keys0) else None)
             plans: dict[bytes, tuple | None] = {}
         if arrow:
             if fast_key is not None and _is_message_column(batch.schema, fast_key):
-                records = _message_records(batch.column(fast_key), "assistant" if kind == "sft" else "user", plans)
+                records = _message_records(batch.column(fast_key), "assistant" if kind == "sft" else "user", plans,
+                                           not args.mask_history)
                 extras = (batch.drop_columns([fast_key]).to_pylist()  # prompts: the other columns (`_prompt_row`)
                           if kind == "prompts" and batch.num_columns > 1 else None)
                 for k, rec in enumerate(records):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import glob
+import hashlib
 import importlib
 import json
 import logging
@@ -11,11 +12,13 @@ import os
 from contextlib import contextmanager
 
 from .args import DataError
+from .formats import DIALOGUE_KEY, dialogue_row
 
 LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # read by `datasets` (.zst needs zstandard, .lz4 needs lz4)
 BATCH_ROWS = 8192  # rows converted from Arrow to Python objects at a time
-_OPENERS = {"": "builtins", ".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # modules with `open`; .zst / .lz4: none
+_OPENERS = {"": "builtins", ".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard", ".lz4": "lz4.frame"}
+UTF8_CACHE = "rlhf_trl_utf8"  # folder of the datasets cache holding UTF-8 copies of files in other encodings
 
 
 def source_name(dataset_name) -> str:
@@ -30,13 +33,21 @@ def load_rows(dataset_name, split: str = "train", config: str | None = None) -> 
 
 
 def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None,
-                   encoding: str = "utf-8"):
-    """A source's rows as Arrow batches of plain columns (else row-dict lists), ``batch_rows`` each."""
+                   encoding: str = "utf-8", shapes: dict | None = None):
+    """A source's rows as Arrow batches of plain columns (else row-dict lists), ``batch_rows`` each. A JSON array of
+    dialogue lists gives row-dict lists (`formats.dialogue_row`), and ``shapes["dialogue_lengths"]``: each row's
+    items (None: not a list). Raises `DataError`: the source cannot be read, or holds no rows."""
     batch_rows = batch_rows or BATCH_ROWS
     with _quiet_datasets():
         ds = _open_dataset(dataset_name, split, config, encoding)
     if len(ds) == 0:
         raise DataError(source_name(dataset_name), "holds no rows")
+    if ds.__class__ is list:  # dialogue lists: Python rows (their items may be of any JSON type)
+        if shapes is not None:
+            shapes["dialogue_lengths"] = [len(d) if isinstance(d := row[DIALOGUE_KEY], list) else None for row in ds]
+        for k in range(0, len(ds), batch_rows):
+            yield ds[k:k + batch_rows]
+        return
     from datasets.features.features import require_decoding
 
     if getattr(ds, "_indices", None) is None and not any(require_decoding(f) for f in ds.features.values()):
@@ -45,6 +56,21 @@ def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int
     for batch in ds.iter(batch_size=batch_rows):
         keys = list(batch)
         yield [dict(zip(keys, values)) for values in zip(*batch.values())]
+
+
+def dialogue_counts(lengths: list, kind: str) -> dict:
+    """``data_report.json``'s count of a source's dialogue lists (``lengths``: items per row read, None: not a list;
+    bad rows included): rows, rows by length (items) and, for prompts, the answers dropped (an even list ends with
+    one), for other stages the user turns dropped after the last answer (odd lists of 3 or more items)."""
+    by_length: dict[str, int] = {}
+    for n in sorted(n for n in lengths if n is not None):
+        by_length[str(n)] = by_length.get(str(n), 0) + 1
+    out = {"rows": sum(by_length.values()), "by_length": by_length}
+    if kind == "prompts":
+        out["answers_dropped"] = sum(n % 2 == 0 for n in lengths if n)
+    else:
+        out["last_user_turns_dropped"] = sum(n % 2 == 1 and n >= 3 for n in lengths if n)
+    return out
 
 
 @contextmanager
@@ -109,33 +135,45 @@ def _local_files(dataset_name) -> list[str] | None:
 
 
 def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = "utf-8"):
-    """A source's `datasets.Dataset` (local json / csv in ``encoding``; ``[prompt, answer]`` lists as rows)."""
+    """A source's `datasets.Dataset`, or for JSON arrays of dialogue lists a list of rows (`_dialogue_rows`). Local
+    json / jsonl / csv files not in UTF-8 are read from UTF-8 copies (`_utf8_copy`). Raises `DataError`: unreadable."""
     import datasets
 
     files = _local_files(dataset_name)
-    if files is not None:
-        loader = LOCAL_LOADERS[_split_ext(files[0])[0]]
-        kind = loader if len(files) == 1 else f"{loader} ({len(files)} files)"
-        text = {"encoding": encoding} if loader in ("json", "csv") else {}
-        try:
-            ds = datasets.load_dataset(loader, data_files=files, split="train", **text)
-            if text and codecs.lookup(encoding).name == "utf-8":
-                try:
-                    ds.data.table.validate(full=True)
-                except Exception:  # pyarrow.lib.ArrowInvalid: a string column holds invalid UTF-8
-                    for f in files:
-                        _check_encoding(f, encoding)
-            return _pairs_of_lists(ds, files) if loader == "json" and ds.column_names == ["text"] else ds
-        except DataError:
-            raise
-        except Exception as exc:  # datasets wraps parser errors in several exception types
-            if text:
+    if files is None:
+        return _open_hub(dataset_name, split, config)
+    loader = LOCAL_LOADERS[_split_ext(files[0])[0]]
+    kind = loader if len(files) == 1 else f"{loader} ({len(files)} files)"
+    text = {"encoding": "utf-8"} if loader in ("json", "csv") else {}
+    utf8 = not text or codecs.lookup(encoding).name == "utf-8"
+    paths = files if utf8 else [_utf8_copy(f, encoding) for f in files]  # UTF-8: read as it is, no copy
+    if loader == "json" and _is_array_of_lists(paths[0]):
+        return _dialogue_rows(paths, files)
+    try:
+        ds = datasets.load_dataset(loader, data_files=paths, split="train", **text)
+        if text and utf8:
+            try:
+                ds.data.table.validate(full=True)
+            except Exception:  # pyarrow.lib.ArrowInvalid: a string column holds invalid UTF-8
                 for f in files:
-                    _check_encoding(f, encoding)
-            if loader == "json":
-                for f in files:  # name the file and the row where Python's own parser stops
-                    _check_json_file(f, kind)
-            raise DataError(source_name(dataset_name), f"cannot be read as {kind}: {_root_cause(exc)}") from None
+                    _check_encoding(f, "utf-8")
+        return ds
+    except DataError:
+        raise
+    except Exception as exc:  # datasets wraps parser errors in several exception types
+        if text and utf8:
+            for f in files:
+                _check_encoding(f, "utf-8")
+        if loader == "json":
+            for path, f in zip(paths, files):  # name the file and the row where Python's own parser stops
+                _check_json_file(path, kind, f)
+        raise DataError(source_name(dataset_name), f"cannot be read as {kind}: {_root_cause(exc)}") from None
+
+
+def _open_hub(dataset_name: str, split: str, config: str | None):
+    """A hub dataset's split. Raises `DataError`: not cached while offline, or not loadable."""
+    import datasets
+
     try:
         return datasets.load_dataset(dataset_name, config, split=split)
     except Exception as exc:
@@ -149,54 +187,139 @@ def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = 
         raise DataError(dataset_name, f"cannot be loaded from the hub ({where}): {cause}") from None
 
 
-def _pairs_of_lists(ds, files: list[str]):
-    """A JSON array of ``[prompt, answer]`` lists as rows. Raises `DataError`: lists not of two strings."""
-    import datasets
-    import pyarrow as pa
+def _opener(path: str):
+    """The ``open`` function reading ``path`` (decompressing it), or None: its decompressor is not installed."""
+    try:
+        return importlib.import_module(_OPENERS[_split_ext(path)[1]]).open
+    except ImportError:
+        return None
 
-    column = ds.data.table.column("text")
-    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-        return ds
-    rows = column.to_pylist()
-    for i, row in enumerate(rows):
-        if row is None or len(row) != 2 or not all(isinstance(x, str) for x in row):
-            raise DataError(source_name(files), f"holds a JSON array of lists; only [prompt, answer] lists of two "
-                                                f"strings are read, this one holds {row!r:.60}", i)
-    return datasets.Dataset.from_dict({"instruction": [r[0] for r in rows], "output": [r[1] for r in rows]})
+
+def _utf8_copy(path: str, encoding: str) -> str:
+    """A decompressed UTF-8 copy of ``path`` (text in ``encoding``) in the datasets cache, made once per file path,
+    size, modification time and codec (an unchanged file reuses its copy, and `datasets` its Arrow cache).
+    Raises `DataError`: a byte not valid in ``encoding`` (line, byte offset), a decompressor not installed."""
+    import datasets.config
+
+    stat, codec = os.stat(path), codecs.lookup(encoding).name
+    key = hashlib.sha256(f"{os.path.realpath(path)}\0{stat.st_size}\0{stat.st_mtime_ns}\0{codec}".encode())
+    name = os.path.basename(path)[: -len("".join(_split_ext(path)))] or "data"
+    out = os.path.join(str(datasets.config.HF_DATASETS_CACHE), UTF8_CACHE,
+                       f"{name}-{codec}-{key.hexdigest()[:16]}{_split_ext(path)[0]}")
+    if os.path.exists(out):
+        return out
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            for text in _decoded(path, encoding):
+                f.write(text)
+        os.replace(tmp, out)  # atomic: a reader (another rank) never sees half a copy
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out
+
+
+def _is_array_of_lists(path: str) -> bool:
+    """Whether a (UTF-8, maybe compressed) JSON file is an array whose first row is a list."""
+    if (opener := _opener(path)) is None:
+        return False
+    try:
+        with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:
+            head = f.read(4096).lstrip()
+    except (OSError, EOFError, ValueError):
+        return False
+    return head[:1] == "[" and head[1:].lstrip()[:1] == "["
+
+
+def _dialogue_rows(paths: list[str], files: list[str]) -> list[dict]:
+    """Rows of JSON arrays of dialogue lists (``paths``: UTF-8 copies of ``files``, or the files): each row
+    `formats.dialogue_row` of its list, checked row by row when normalised. Raises `DataError`: a file not valid
+    UTF-8 (line, byte offset), not JSON, not an array; no row."""
+    rows: list[dict] = []
+    for path, name in zip(paths, files):
+        opener = _opener(path)
+        if opener is None:
+            raise DataError(name, f"needs the {_OPENERS[_split_ext(path)[1]].split('.')[0]} package to be "
+                                  "decompressed (pip install it)")
+        try:
+            with opener(path, "rt", encoding="utf-8-sig") as f:
+                doc = json.load(f)
+        except UnicodeDecodeError:
+            _check_encoding(name, "utf-8")
+            raise DataError(name, "is not valid utf-8; set dataset_encoding to the file's encoding") from None
+        except json.JSONDecodeError as exc:
+            raise DataError(name, f"cannot be read as json: not valid JSON: {exc}") from None
+        if not isinstance(doc, list):
+            raise DataError(name, f"must be a JSON array of dialogue lists, got a JSON {type(doc).__name__}")
+        rows += [dialogue_row(items) for items in doc]
+    if not rows:
+        raise DataError(source_name(files), "holds no rows (an empty JSON array)")
+    return rows
 
 
 def _check_encoding(path: str, encoding: str) -> None:
     """Raise `DataError` at the first byte of ``path`` not valid in ``encoding``: its line, offset and the fix."""
-    if (module := _OPENERS.get(_split_ext(path)[1])) is None:
-        return
+    if _opener(path) is not None:
+        for _ in _decoded(path, encoding):
+            pass
+
+
+def _decoded(path: str, encoding: str):
+    """``path``'s text (decompressed) in chunks of 1 MiB of bytes. Raises `DataError`: the first byte not valid in
+    ``encoding``, with its line (1-based) and byte offset (0-based, in the decompressed bytes), and the fix; its
+    decompressor is not installed."""
+    if (opener := _opener(path)) is None:
+        raise DataError(path, f"needs the {_OPENERS[_split_ext(path)[1]].split('.')[0]} package to be decompressed "
+                              "(pip install it)")
     decoder, line, offset = codecs.getincrementaldecoder(encoding)(), 1, 0
-    with importlib.import_module(module).open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+    with opener(path, "rb") as f:
+        chunks = iter(lambda: f.read(1 << 20), b"")
+        try:
+            chunk = next(chunks, b"")  # a damaged compressed file fails here or below: one line, not a traceback
+        except Exception as exc:
+            raise DataError(path, f"cannot be decompressed: {_root_cause(exc)}") from None
+        while chunk:
+            pending = len(decoder.getstate()[0])  # bytes of a character cut at the last chunk's end
             try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as exc:
-                line += chunk.count(b"\n", 0, exc.start)
-                raise DataError(path, f"line {line}, byte {offset + exc.start}: not valid {encoding} ({exc.reason}); "
-                                      "set dataset_encoding to the file's encoding (gbk, gb18030, big5, ...)") from None
-            line += chunk.count(b"\n")
+                text = decoder.decode(chunk)
+            except UnicodeDecodeError as exc:  # exc.object: the pending bytes, then this chunk
+                line += exc.object[: exc.start].decode(encoding, "replace").count("\n")
+                raise DataError(path, f"line {line}, byte {offset - pending + exc.start}: not valid {encoding} "
+                                      f"({exc.reason}); set dataset_encoding to the file's encoding (gbk, gb18030, "
+                                      "big5, ...)") from None
+            line += text.count("\n")
             offset += len(chunk)
+            yield text
+            try:
+                chunk = next(chunks, b"")
+            except Exception as exc:
+                raise DataError(path, f"cannot be decompressed after byte {offset}: {_root_cause(exc)}") from None
+        try:
+            yield decoder.decode(b"", final=True)
+        except UnicodeDecodeError as exc:
+            raise DataError(path, f"line {line}, byte {offset - len(exc.object) + exc.start}: not valid {encoding} "
+                                  f"({exc.reason}: the file ends inside a character)") from None
 
 
-def _check_json_file(path: str, kind: str) -> None:
-    """Say where a JSON / JSON Lines file breaks. Raises `DataError`: file, row and problem, or no row."""
-    if (module := _OPENERS.get(_split_ext(path)[1])) is None:
+def _check_json_file(path: str, kind: str, name: str | None = None) -> None:
+    """Say where a JSON / JSON Lines file (UTF-8) breaks. Raises `DataError`: file (``name``, default ``path``), row
+    and problem, or no row."""
+    if (opener := _opener(path)) is None:
         return
+    name = name or path
     try:
-        with importlib.import_module(module).open(path, "rt", encoding="utf-8-sig") as f:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
             head = f.read(4096).lstrip()[:1]
             f.seek(0)
             if head == "[":
                 try:
                     doc = json.load(f)
                 except json.JSONDecodeError as exc:
-                    raise DataError(path, f"cannot be read as {kind}: not valid JSON: {exc}") from None
+                    raise DataError(name, f"cannot be read as {kind}: not valid JSON: {exc}") from None
                 if doc == []:
-                    raise DataError(path, "holds no rows (an empty JSON array)")
+                    raise DataError(name, "holds no rows (an empty JSON array)")
                 return
             row = 0
             for line_number, line in enumerate(f, 1):
@@ -205,14 +328,14 @@ def _check_json_file(path: str, kind: str) -> None:
                 try:
                     value = json.loads(line.rstrip("\r\n"))
                 except json.JSONDecodeError as exc:
-                    raise DataError(path, f"cannot be read as {kind}: line {line_number} is not valid JSON "
+                    raise DataError(name, f"cannot be read as {kind}: line {line_number} is not valid JSON "
                                           f"({exc.msg} at column {exc.colno})", row) from None
                 if not isinstance(value, dict):
-                    raise DataError(path, f"cannot be read as {kind}: line {line_number} is a JSON "
+                    raise DataError(name, f"cannot be read as {kind}: line {line_number} is a JSON "
                                           f"{type(value).__name__}, not an object", row)
                 row += 1
             if row == 0:
-                raise DataError(path, "holds no rows (the file is empty)")
+                raise DataError(name, "holds no rows (the file is empty)")
     except (OSError, UnicodeDecodeError, EOFError):
         return
 

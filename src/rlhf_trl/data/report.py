@@ -14,7 +14,8 @@ EXAMPLES = 5  # row numbers kept per skip reason
 
 @dataclass
 class DataReport:
-    """Counts of a stage's data: sources, skips per reason, truncated / dropped rows, token lengths."""
+    """Counts of a stage's data: sources, skips per reason, truncated / dropped rows, token lengths; SFT: the
+    assistant turns trained per split (`turns_trained`)."""
 
     stage: str
     template: str = ""
@@ -27,6 +28,7 @@ class DataReport:
     train_size: int = 0
     eval_size: int = 0
     token_lengths: dict = field(default_factory=dict)
+    turns: dict = field(default_factory=dict)
 
     def skip(self, source: str, row: int, reason: str, bad: bool) -> str:
         """Count one skipped row under ``reason`` (numbers in it generalised to N); returns the reason counted."""
@@ -50,14 +52,27 @@ class DataReport:
             pick = {f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in (50, 90, 99)}
             self.token_lengths.setdefault(split, {})[part] = {**pick, "max": ordered[-1]}
 
+    def turns_trained(self, split: str, conversations: int, trained: int, tool_calls: int, cut: int) -> None:
+        """Add to ``turns[split]``: ``conversations`` (SFT rows kept, each one or more assistant turns),
+        ``assistant_turns_trained`` (target turns, tool calls included), ``tool_calls_trained`` (of those, tool calls)
+        and ``turns_cut`` (target turns not trained in full: the reply cut at max_length, or left out after it)."""
+        entry = self.turns.setdefault(split, dict.fromkeys(
+            ("conversations", "assistant_turns_trained", "tool_calls_trained", "turns_cut"), 0))
+        for key, n in zip(entry, (conversations, trained, tool_calls, cut)):
+            entry[key] += n
+
     def summary(self) -> str:
-        """One line: rows read, records, split sizes, skipped by reason, truncated, dropped."""
+        """One line: rows read, records, split sizes, skipped by reason, truncated, dropped, SFT turns per split."""
         read, records = (sum(s[k] for s in self.sources) for k in ("rows_read", "records"))
         split = f" -> {self.train_size} train / {self.eval_size} eval" if self.train_size else ""
         skipped = "; ".join(f"{reason}: {e['count']}" for reason, e in self.skipped.items()) or "none"
         extra = "".join(f", {kind} {d}" for kind, d in (("truncated", self.truncated), ("dropped", self.dropped)) if d)
         system = f", system turns dropped {self.system_turns_dropped}" if self.system_turns_dropped else ""
-        return f"{self.stage} data: {read} rows read, {records} records{split}; skipped: {skipped}{extra}{system}"
+        turns = "".join(f"; {name}: {t['conversations']} conversations, {t['assistant_turns_trained']} assistant turns "
+                        f"trained ({t['tool_calls_trained']} tool calls), {t['turns_cut']} cut"
+                        for name, t in self.turns.items())
+        head = f"{self.stage} data: {read} rows read, {records} records{split}"
+        return f"{head}; skipped: {skipped}{extra}{system}{turns}"
 
     def write(self, output_dir: str) -> str:
         """Write ``output_dir/data_report.json`` and log `summary`; returns the path."""

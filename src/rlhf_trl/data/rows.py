@@ -7,10 +7,20 @@ import difflib
 from typing import Any
 
 from .args import DataArguments, DataError
-from .formats import (ANSWER_KEYS, CONVERSATION_KEYS, QUESTION_KEYS, _first, detect_format,  # noqa: F401
-                      prompt_columns)
-from .turns import (ROLES, TOOL_ROLES, _content, _dialogue, _is_messages, _markers, _turns,  # noqa: F401
-                    chat_messages, parse_tools, split_transcript, tool_dialogue)
+from .formats import ANSWER_KEYS, CONVERSATION_KEYS, DIALOGUE_KEY, QUESTION_KEYS, _first, detect_format, prompt_columns  # noqa: F401
+from .turns import (  # noqa: F401
+    ROLES,
+    TOOL_ROLES,
+    _content,
+    _dialogue,
+    _is_messages,
+    _markers,
+    _turns,
+    chat_messages,
+    parse_tools,
+    split_transcript,
+    tool_dialogue,
+)
 
 
 class SkipRow(Exception):
@@ -61,7 +71,10 @@ def _conversation(row: dict, fmt: str, args: DataArguments, source: str, i: int,
 
 
 def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
-    """``(system, history, question)`` of a row. Raises `DataError`: a bad or missing field."""
+    """``(system, history, question)`` of a row (a dialogue list's: `_dialogue_list`). Raises `DataError`: a bad or
+    missing field; `SkipRow`: a dialogue list without an answer, but for prompts."""
+    if DIALOGUE_KEY in row:
+        return _dialogue_list(row[DIALOGUE_KEY], source, i, kind)
     qkey = args.question_key or _first(row, QUESTION_KEYS) or "instruction"
     value = _column(row, qkey, source, i, "question_key")
     system, history = None, None
@@ -92,6 +105,34 @@ def _prompt(row: dict, args: DataArguments, source: str, i: int, kind: str):
             raise DataError(source, "must be a list of [question, answer] string pairs", i, hkey)
         history = [(q, a) for q, a in history]
     return system, history, question
+
+
+_JSON_TYPES = {str: "string", int: "number", float: "number", bool: "boolean", type(None): "null", list: "array",
+               dict: "object"}
+
+
+def _dialogue_list(items, source: str, i: int, kind: str) -> tuple:
+    """``(None, history, question)`` of a dialogue list (strings: user, assistant, user, ...; `formats.dialogue_row`):
+    for prompts, cut at its last user item (an even list's last answer dropped); for other stages, cut before its
+    last answer (the row's ``output``), an odd list's last user item dropped. Raises `DataError`: not a non-empty list
+    of strings (field ``[j]``: the item), a blank user item; `SkipRow`: one user item, no answer (but for prompts)."""
+    if not isinstance(items, list) or not items:
+        got = "an empty list" if items == [] else f"a JSON {_JSON_TYPES.get(type(items), type(items).__name__)}"
+        raise DataError(source, f"must be a non-empty list of strings (user, assistant, user, ... turns), got {got}",
+                        i)
+    for j, item in enumerate(items):
+        if not isinstance(item, str):
+            raise DataError(source, f"must be a string (a dialogue list alternates user / assistant turns), got a "
+                                    f"JSON {_JSON_TYPES.get(type(item), type(item).__name__)}", i, f"[{j}]")
+        if j % 2 == 0 and not item.strip():
+            raise DataError(source, "is an empty user turn", i, f"[{j}]")
+    if kind == "prompts":
+        question = len(items) - 1 if len(items) % 2 else len(items) - 2
+    elif len(items) == 1:
+        raise SkipRow("a dialogue list of one user turn (no answer to learn)")
+    else:
+        question = len(items) - 2 if len(items) % 2 == 0 else len(items) - 3
+    return None, list(zip(items[0:question:2], items[1:question:2])), items[question]
 
 
 def _optional_key(args: DataArguments, attr: str, default: str) -> str | None:
@@ -164,9 +205,17 @@ def _record(system, history, question, **answers) -> dict:
     return rec
 
 
+def _kto_label_key(row: dict) -> str | None:
+    """The key of a row's boolean KTO label (`LABEL_KEYS`: TRL's ``label``, LLaMA-Factory's ``kto_tag``), or None."""
+    return next((k for k in LABEL_KEYS if isinstance(row.get(k), bool)), None)
+
+
 def _sft_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:
-    if row.get("label") is False:
-        raise SkipRow("label: false (an undesirable KTO row: not a target)")
+    """An SFT record ``{"question", "history", ["system", "messages", "tools", "target"], "answer"}``, and
+    ``"train_history": True`` where every earlier assistant turn is a target too (`_trains_history`). Raises
+    `DataError`: a bad field; `SkipRow`: ``label`` / ``kto_tag: false``, an empty last answer."""
+    if (key := _kto_label_key(row)) is not None and row[key] is False:
+        raise SkipRow(f"{key}: false (an undesirable KTO row: not a target)")
     if fmt in CONVERSATION_KEYS:
         rec, answer = _conversation(row, fmt, args, source, i, "assistant")
     elif fmt == "implicit":
@@ -188,13 +237,27 @@ def _sft_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> d
     if not answer.strip():
         raise SkipRow("empty answer (nothing to learn)")
     rec["answer"] = answer
+    if not args.mask_history and _trains_history(row, fmt, args, rec):
+        rec["train_history"] = True
     return rec
 
 
+def _trains_history(row: dict, fmt: str, args: DataArguments, rec: dict) -> bool:
+    """Whether an SFT record's earlier assistant turns are targets (``mask_history: false``): conversations
+    (`CONVERSATION_KEYS`) and alpaca rows whose ``history`` column holds turns, not rows with a boolean KTO ``label``
+    (it judges the last answer) nor TRL prompt / completion rows (a message-list prompt is a prompt)."""
+    if _kto_label_key(row) is not None:
+        return False
+    if fmt in CONVERSATION_KEYS:
+        return bool(rec["history"]) or any(m["role"] == "assistant" for m in rec.get("messages", ()))
+    return fmt == "alpaca" and bool(rec["history"]) and not _is_messages(
+        row.get(args.question_key or _first(row, QUESTION_KEYS) or "instruction"))
+
+
 def _pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, counts: dict) -> list[dict]:
-    if isinstance(row.get("label"), bool):
-        raise DataError(source, "holds unpaired KTO rows (a boolean 'label' per answer); a reward model needs chosen / "
-                                "rejected pairs", i, "label")
+    if (key := _kto_label_key(row)) is not None:
+        raise DataError(source, f"holds unpaired KTO rows (a boolean '{key}' per answer); a reward model needs chosen "
+                                "/ rejected pairs (make kto trains on them)", i, key)
     good, bad = row.get("score_chosen"), row.get("score_rejected")
     if isinstance(good, (int, float)) and isinstance(bad, (int, float)):  # skipped unless chosen scores above rejected
         if good == bad:
@@ -242,6 +305,11 @@ def _pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, co
 
 
 def _prompt_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:
+    """A prompt record ``{"question", "history", ["system", "text", "messages", "tools", "columns"]}`` (``columns``:
+    the row's other scalar columns; none for a dialogue list, whose answer is dropped). Raises `DataError`: a bad
+    field."""
+    if DIALOGUE_KEY in row:
+        return _record(*_prompt(row, args, source, i, "prompts"))
     if fmt in CONVERSATION_KEYS:
         rec = _conversation(row, fmt, args, source, i, "user")[0]
     elif fmt == "implicit":
@@ -253,3 +321,38 @@ def _prompt_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -
     if len(row) > 1 and (columns := prompt_columns(row, fmt, args)):
         rec["columns"] = columns
     return rec
+
+
+LABEL_KEYS = ("label", "kto_tag")  # an unpaired row's boolean: TRL's unpaired rows; LLaMA-Factory's KTO rows
+
+
+def _unpaired_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, counts: dict) -> list[dict]:
+    """KTO examples of a row, ``[{..., "answer", "label": bool}]``. A row with a boolean ``label`` (TRL's ``prompt`` /
+    ``completion`` / ``label``, text or messages) or ``kto_tag`` (LLaMA-Factory's sharegpt / messages rows) gives one:
+    its completion, or its last assistant turn; a preference row gives two per pair (`_pair_rows`): the chosen answer
+    desirable, the rejected one undesirable, as TRL's ``unpair_preference_dataset``. Raises `DataError`: neither a
+    label nor a pair, a label that is not a boolean, a format without answers."""
+    key = next((k for k in LABEL_KEYS if row.get(k) is not None), None)
+    if key is None:
+        if fmt in ("pairwise", "ranked", "implicit") or (args.good_key or "chosen") in row:
+            return [{**{k: v for k, v in pair.items() if k not in ("chosen", "rejected")}, "answer": pair[side],
+                     "label": side == "chosen"}
+                    for pair in _pair_rows(row, fmt, args, source, i, counts) for side in ("chosen", "rejected")]
+        raise DataError(source, "holds neither a boolean 'label' (TRL's unpaired rows) or 'kto_tag' (LLaMA-Factory's "
+                                "KTO rows) nor a chosen / rejected pair: KTO needs each answer marked desirable or "
+                                "undesirable", i, "label")
+    label = row[key]
+    if not isinstance(label, bool):
+        raise DataError(source, f"must be true (a desirable answer) or false (an undesirable one), got {label!r}", i,
+                        key)
+    if fmt in CONVERSATION_KEYS:
+        rec, answer = _conversation(row, fmt, args, source, i, "assistant")
+    elif fmt == "alpaca":
+        rec = _record(*_prompt(row, args, source, i, "kto"))
+        akey = args.answer_key or _first(row, ANSWER_KEYS) or "completion"
+        answer = _answer_text(_column(row, akey, source, i, "answer_key"), source, i, akey)
+    else:
+        raise DataError(source, f"a '{key}' row needs a prompt and one answer (prompt / completion, or a "
+                                f"conversation), not format '{fmt}'", i, key)
+    rec.update(answer=answer, label=label)
+    return [rec]

@@ -1,0 +1,186 @@
+"""Stage 3 on unpaired labels, without a reward model: KTO with `trl.KTOTrainer` (optional LoRA / QLoRA). Run:
+``rlhf-trl kto --config recipes/demo/kto.yaml`` (or ``make kto RECIPE=...``). Loss: Ethayarajh et al. 2024 ("KTO: Model
+Alignment as Prospect Theoretic Optimization", arXiv:2402.01306) as `trl.KTOTrainer` computes it (``beta``,
+``desirable_weight``, ``undesirable_weight``, ``loss_type``): each answer's implicit reward ``beta x (log p_policy -
+log p_reference)`` of its tokens, pushed above (desirable) or below (undesirable) a reference point, the batch's KL
+estimated on mismatched (prompt, answer) pairs. Reference: the frozen SFT model (LoRA: the adapter-disabled policy;
+full weights: TRL's copy).
+
+Data (`rlhf_trl.data`, kind ``"unpaired"``): rows with a boolean ``label`` (TRL's ``prompt`` / ``completion`` /
+``label``, text or message lists) or ``kto_tag`` (LLaMA-Factory's sharegpt / messages KTO rows), one example each; or
+preference rows of every shape the RM stage reads, two examples per pair (chosen desirable, rejected undesirable, as
+TRL's ``unpair_preference_dataset``). Token ids ``prompt ids + answer ids + EOS`` (`unpaired_features`: the ids the
+reward model and PPO see), fed to TRL as ``prompt_ids`` / ``completion_ids``. Outputs under ``output_dir``:
+``checkpoint-*/``, ``adapter/`` (LoRA), ``merged/`` (causal LM + tokenizer), ``metrics.json`` (held-out
+``eval_rewards/margins``, ...), ``log_history.json``, ``run_config.yaml``, ``data_report.json`` (with ``labels``: the
+desirable / undesirable counts per split)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from datasets import Dataset
+
+from .checkpoints import begin_writing, keeps_earlier_run, save_stage_outputs, start_run, with_atomic_checkpoints
+from .config import RunArguments, parse_recipe, sibling_recipe
+from .data import (
+    DataArguments,
+    DataError,
+    DataReport,
+    Template,
+    describe_sources,
+    read_records,
+    split_records,
+    unpaired_features,
+)
+from .loop_state import with_loop_state
+from .models import (
+    fp32_adapters_for_fp32_compute,
+    load_causal_lm,
+    load_tokenizer,
+    recipe_quantization_config,
+    require_model_dir,
+    resize_for_tokenizer,
+    torch_dtype,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def recipe_types() -> tuple:
+    """The dataclasses a kto recipe fills: data fields, TRL's `KTOConfig`, TRL's `ModelConfig`."""
+    from trl import KTOConfig, ModelConfig
+
+    return (DataArguments, KTOConfig, ModelConfig, RunArguments)
+
+
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
+    """Parse a recipe and run KTO. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
+    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv, "kto")
+    return run(data_args, training_args, model_args, run_args, produced_by=sibling_recipe(recipe, "sft"),
+               callbacks=callbacks)
+
+
+@dataclass
+class UnpairedReport(DataReport):
+    """`DataReport` with ``labels``: per split, ``{"desirable": n, "undesirable": m}`` examples (after length drops)."""
+
+    labels: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        counts = "; ".join(f"{split}: {c['desirable']} desirable / {c['undesirable']} undesirable"
+                           for split, c in self.labels.items())
+        return super().summary() + (f"; {counts}" if counts else "")
+
+
+def require_both_labels(labels: list[bool], where: str) -> None:
+    """Raise `DataError` (one line naming ``where``) unless ``labels`` hold both True and False. TRL's `KTOTrainer`
+    would train on one kind alone, only warning about ``desirable_weight`` / ``undesirable_weight``."""
+    n = sum(labels)
+    if n in (0, len(labels)):
+        kind, other = ("desirable (label true)", "undesirable") if n else ("undesirable (label false)", "desirable")
+        raise DataError(where, f"holds only {kind} examples ({len(labels)}); KTO needs both desirable and undesirable "
+                               f"answers: add {other} ones (desirable answers alone: make sft)")
+
+
+def kto_dataset(feats: dict, kl_batch_size: int | None) -> Dataset:
+    """`unpaired_features` output as `trl.KTOTrainer` rows: ``prompt_ids`` ``[prompt_len]``, ``completion_ids``
+    ``[response_len + 1]``, ``label``, and (``kl_batch_size`` set: losses with a KL term) ``KL_completion_ids``: within
+    each block of ``kl_batch_size`` consecutive rows (TRL's ``per_device_train_batch_size``) the completions rotated by
+    one, ``(x_1, y_n), (x_2, y_1), ...``: the mismatched pairs TRL's own preparation builds for the KL estimate."""
+    cols = {k: feats[k] for k in ("prompt_ids", "completion_ids", "label")}
+    if kl_batch_size:
+        c = feats["completion_ids"]
+        blocks = (c[s:s + kl_batch_size] for s in range(0, len(c), kl_batch_size))
+        cols["KL_completion_ids"] = [y for b in blocks for y in b[-1:] + b[:-1]]
+    return Dataset.from_dict(cols)
+
+
+def _trainer_class():
+    """`trl.KTOTrainer` fed token ids: its text preparation is skipped for datasets that already hold ``prompt_ids``
+    (`kto_dataset` adds the KL completions it would add)."""
+    from trl import KTOTrainer
+
+    class TokenizedKTOTrainer(KTOTrainer):
+        def _prepare_dataset(self, dataset, *args, **kw):
+            return dataset if "prompt_ids" in dataset.column_names else super()._prepare_dataset(dataset, *args, **kw)
+
+    return TokenizedKTOTrainer
+
+
+def _datasets(data_args: DataArguments, training_args, tokenizer, report: UnpairedReport) -> tuple:
+    """``(train, eval or None)`` `kto_dataset` rows of the recipe's data, label counts in ``report``. Raises
+    `DataError`: bad rows, one label only (in the data, or in the train split), nothing left."""
+    template, where = Template.from_args(data_args), describe_sources(data_args)
+    records = read_records(data_args, "unpaired", report)
+    require_both_labels([r["label"] for r in records], where)
+    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
+    kl = training_args.per_device_train_batch_size if training_args.loss_type != "apo_zero_unpaired" else None
+    out = []
+    for split, rows in (("train", train_records), ("eval", eval_records)):
+        if not rows:
+            out.append(None)
+            continue
+        feats = unpaired_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
+                                  f"{where} ({split} split)", report, split)
+        n = sum(feats["label"])
+        report.labels[split] = {"desirable": n, "undesirable": len(feats["label"]) - n}
+        if split == "train":
+            require_both_labels(feats["label"], f"{where} (train split)")
+        out.append(kto_dataset(feats, kl))
+    return tuple(out)
+
+
+@keeps_earlier_run
+def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None,
+        produced_by: str | None = None, callbacks: list | None = None) -> dict:
+    """Optimise the SFT model ``model_args.model_name_or_path`` on the labelled answers of ``data_args.dataset_name``.
+    Raises `StageInputError`: no SFT model (``produced_by`` names the command to run first); `DataError`: bad rows, one
+    label only, no example left; `ValueError`: quantization that cannot run, or TRL's checks (KL losses need
+    ``per_device_train_batch_size`` > 1 and ``train_sampling_strategy: sequential``)."""
+    from trl import get_peft_config
+
+    # inputs
+    run_args, resume = start_run(training_args, run_args, model_args.model_name_or_path, not model_args.use_peft)
+    pickle_ok = run_args.allow_pickle_weights
+    model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by, pickle_ok)
+    quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)
+
+    # data: labelled answers (pairs unpaired), tokenized as the RM / PPO read them
+    report = UnpairedReport("kto")
+    tokenizer = load_tokenizer(model_path, padding_side="right", trust_remote_code=training_args.trust_remote_code)
+    train_ds, eval_ds = _datasets(data_args, training_args, tokenizer, report)
+    if eval_ds is None:
+        training_args.eval_strategy = "no"
+
+    # policy (the reference: the adapter-disabled policy with LoRA, else TRL's frozen copy)
+    model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
+                           quantization_config=quantization)
+    resize_for_tokenizer(model, tokenizer)
+
+    # trainer, train (inputs proven: only now does anything of an earlier run go)
+    begin_writing(training_args, run_args, resume)
+    trainer = with_loop_state(with_atomic_checkpoints(_trainer_class()))(
+        model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
+        peft_config=get_peft_config(model_args), callbacks=callbacks)
+    fp32_adapters_for_fp32_compute(trainer.model, quantization)
+    train_result = trainer.train(resume_from_checkpoint=resume)
+
+    # evaluate (held-out implicit rewards of desirable / undesirable answers and their margin), save
+    metrics = dict(train_result.metrics, global_step=trainer.state.global_step, num_train_examples=len(train_ds),
+                   num_eval_examples=len(eval_ds) if eval_ds is not None else 0,
+                   **{f"num_{split}_{kind}": n for split, c in report.labels.items() for kind, n in c.items()})
+    if eval_ds is not None:
+        metrics.update(trainer.evaluate())
+    result = save_stage_outputs(trainer, tokenizer, model_path, "causal_lm", metrics, report,
+                                (data_args, training_args, model_args, run_args))
+    if trainer.is_world_process_zero():
+        logger.info("KTO done: merged policy at %s", result["merged"])
+    return result
+
+
+if __name__ == "__main__":
+    from .cli_launch import run_stage
+
+    run_stage("kto")

@@ -1,0 +1,108 @@
+"""``rlhf-trl launch --config_file ACCEL.yaml --num_processes N <stage> [args]`` (what ``make <stage> ACCEL=...
+NPROC=...`` runs): check the recipe and the launch configuration once, in this process, before any worker starts,
+then run accelerate's launcher in this process, so that a worker's error reaches the user once, as its one line,
+with its exit status, and without the launcher's ``ChildFailedError`` traceback (``RLHF_TRL_DEBUG=1`` shows it).
+
+Checked before launch: every recipe key and value (`config.parse_recipe`, as the workers will parse it) with the
+environment accelerate sets for the config's ``distributed_type`` / ``mixed_precision`` (FSDP without GPUs, a
+DeepSpeed precision other than the recipe's: `config.check_launch`); the inputs are the workers' to check (each
+refusal is one line, printed by the main process only)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import os
+import warnings
+
+import yaml
+
+from .config import RecipeError
+
+USE_ENV = {"FSDP": "ACCELERATE_USE_FSDP", "DEEPSPEED": "ACCELERATE_USE_DEEPSPEED"}
+
+
+@contextlib.contextmanager
+def launch_environment(config: dict):
+    """The environment variables ``accelerate launch`` gives its workers for ``config`` (those the recipe checks
+    read), set for the duration of the block."""
+    env = {"ACCELERATE_MIXED_PRECISION": str(config.get("mixed_precision") or "no")}
+    if (use := USE_ENV.get(str(config.get("distributed_type", "")).upper())) is not None:
+        env[use] = "true"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def check_before_launch(config_file: str, stage: str, argv: list[str]) -> None:
+    """Parse the accelerate config and the stage's recipe as the workers will. Raises `RecipeError` (one line)."""
+    from .cli_launch import MODULES
+    from .config import parse_recipe
+
+    if not os.path.isfile(config_file):
+        raise RecipeError(f"accelerate config not found: {config_file}")
+    with open(config_file, encoding="utf-8") as f:
+        config = yaml.safe_load(f) or {}
+    module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
+    if not hasattr(module, "recipe_types"):
+        raise RecipeError(f"'{stage}' runs in one process; launch it without ACCEL / NPROC")
+    types_ = module.recipe_types("rloo") if stage == "rloo" else module.recipe_types()
+    with launch_environment(config):
+        parse_recipe(types_, argv, stage)
+
+
+def _exit_status(error) -> int:
+    """The first failed worker's exit status (killed by a signal: 128 + the signal, as a shell reports it)."""
+    failures = getattr(error, "failures", None) or {}
+    codes = [f.exitcode for f in failures.values() if getattr(f, "exitcode", None) is not None]
+    code = codes[0] if codes else 1
+    return 128 - code if code < 0 else code
+
+
+class LaunchRefused(RecipeError):
+    """The recipe or the launch config of ``stage`` is refused before any worker starts (the CLI prints one line)."""
+
+    def __init__(self, stage: str, cause: RecipeError):
+        super().__init__(str(cause))
+        self.stage = stage
+
+
+def main(argv: list[str]) -> int:
+    """Check, then launch ``rlhf-trl <stage> args`` on ``--num_processes`` processes. Returns the exit status: 0,
+    or the first failed worker's status. Raises `LaunchRefused`: the recipe or launch config refused, before any
+    worker starts."""
+    ap = argparse.ArgumentParser(prog="rlhf-trl launch", allow_abbrev=False, usage="rlhf-trl launch --config_file ACCEL.yaml "
+                                 "--num_processes N <stage> --config RECIPE.yaml [--key value ...]")
+    ap.add_argument("--config_file", required=True, help="an accelerate config (recipes/accelerate_configs/*.yaml)")
+    ap.add_argument("--num_processes", type=int, default=1)
+    ap.add_argument("stage")
+    args, rest = ap.parse_known_args(argv)
+    debug = bool(os.environ.get("RLHF_TRL_DEBUG"))
+    from .cli_launch import quiet_libraries
+
+    quiet_libraries()  # as `run_stage` does: library notices are not for users
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        check_before_launch(args.config_file, args.stage, rest)
+    except RecipeError as exc:
+        raise LaunchRefused(args.stage, exc) from exc
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    launch_args = launch_command_parser().parse_args(
+        ["--config_file", args.config_file, "--num_processes", str(args.num_processes), "-m", "rlhf_trl.cli",
+         args.stage, *rest])
+    if not debug:  # the agent's "closing signal" / failure summaries: the worker's own line says what happened
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        launch_command(launch_args)
+    except Exception as exc:  # torch's ChildFailedError (a worker exited non-zero)
+        if debug or not hasattr(exc, "failures"):
+            raise
+        return _exit_status(exc)
+    return 0
