@@ -1,6 +1,7 @@
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +12,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = (REPO / ".." / "shared").resolve()
+
+# fault injection is test code (tests/fault_hooks/faults.py): installed here, and by its sitecustomize.py in every
+# Python process the tests start (their environment inherits this PYTHONPATH)
+FAULT_HOOKS = Path(__file__).resolve().parent / "fault_hooks"
+sys.path.insert(0, str(FAULT_HOOKS))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAULT_HOOKS), os.environ.get("PYTHONPATH")) if p)
+import faults  # noqa: E402
+
+faults.install()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -356,6 +356,9 @@ def _zygote_main() -> None:  # pragma: no cover (runs in the zygote process)
     from peft import get_peft_model  # noqa: F401
 
     from rlhf_trl import cli, ppo, rm, sft  # noqa: F401
+    import faults  # tests/fault_hooks (on PYTHONPATH): inert until a request's environment asks for a fault
+
+    faults.install()
 
     out = os.fdopen(os.dup(1), "w", buffering=1)
 

@@ -634,9 +634,9 @@ def earlier_merge(base: str, path):
 
 
 def merge_counted(adapter: str, out, monkeypatch, fault=None, log=None):
-    """`merge_adapter` with `rlhf_trl.faults` counting its file operations as one save: ``fault`` is ``"<op>:<action>"``
+    """`merge_adapter` with `faults` (tests/fault_hooks) counting its file operations as one save: ``fault`` is ``"<op>:<action>"``
     (RLHF_TRL_FAULT of save 1), ``log`` the RLHF_TRL_FAULT_LOG file."""
-    from rlhf_trl import faults
+    import faults
     from rlhf_trl.merge import merge_adapter
 
     with monkeypatch.context() as m:
@@ -667,7 +667,7 @@ def merge_ops(assets, adapter, tmp_path, monkeypatch) -> list[tuple[int, str, st
 def test_merge_replaces_an_earlier_merged_model_only_once_the_new_one_is_complete(assets, tmp_path, monkeypatch):
     """The refusals above leave the ordinary re-run alone: an --output holding an earlier merged model is accepted,
     as is a new directory, and the earlier model is replaced atomically. A write that fails anywhere in the new model
-    (ENOSPC injected by `rlhf_trl.faults` at each file write of the merge: config, weights, tokenizer) fails the merge
+    (ENOSPC injected by `faults` (tests/fault_hooks) at each file write of the merge: config, weights, tokenizer) fails the merge
     with that error and leaves the earlier model byte-identical and no staging directory behind; the merge that then
     succeeds replaces the earlier model whole (the same files and bytes as a merge into a new directory)."""
     import errno

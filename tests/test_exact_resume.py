@@ -4,7 +4,7 @@ baseline, loop sums and log history (`exactness.assert_runs_equal`: ``torch.equa
 aside), for SFT, RM and PPO (plain, LoRA value model, shared reward / value base, ``reward_baseline: auto``, and two
 processes), and for TRL's DPO, GRPO, RLOO and KTO trainers as the project runs them.
 
-The kill: ``RLHF_TRL_FAULT="<s>:1"`` (`rlhf_trl.faults`) SIGKILLs the run at the first file operation of its s-th
+The kill: ``RLHF_TRL_FAULT="<s>:1"`` (`faults`, tests/fault_hooks) SIGKILLs the run at the first file operation of its s-th
 checkpoint save, so checkpoint s-1 is the newest on disk, with everything the run wrote after it (PPO's sample table
 of the next update, TensorBoard events). One-process runs are forked from a `exactness.Zygote` (a fresh process
 each, without the import time); the two-process runs go through ``accelerate launch``.

@@ -5,7 +5,7 @@ For each configuration of `exactness.stage_configs` (SFT, RM, PPO, PPO with a Lo
 ``share_reward_value_base``, with ``reward_baseline: auto``, and PPO under 2 processes):
 
 1. the uninterrupted run, with ``RLHF_TRL_FAULT_LOG``: the file operations of its 2nd checkpoint save (process 0:
-   every write, fsync, rename, remove, rotation; `rlhf_trl.faults`) are the kill points, K of them;
+   every write, fsync, rename, remove, rotation; `faults`, tests/fault_hooks) are the kill points, K of them;
 2. for every k in 1..K the save dies with ``RLHF_TRL_FAULT="2:k"`` (asserted: SIGKILL, returncode -9; under 2
    processes process 0 is SIGKILLed and the launch fails: the other process is killed as the launcher kills it),
    plus ``torn`` writes (written, cut to half, SIGKILL) at the save's first, middle and last write; ``2:K+1`` must

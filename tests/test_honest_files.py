@@ -117,3 +117,14 @@ def test_a_length_error_suggests_only_what_is_not_set(tokenizer):
     assert "set length_policy" not in str(info.value)
     assert str(info.value).endswith("(raise max_length: with length_policy: truncate_prompt the responses alone "
                                     "exceed it)")
+
+
+def test_every_json_file_of_an_sft_run_is_strict(assets, tmp_path, capsys):
+    out = tmp_path / "sft"
+    assert cli_main(["sft", "--config", f"{RECIPES}/sft.yaml", "--dataset_name", assets["sft"], "--model_name_or_path",
+                     assets["base_model"], "--output_dir", str(out), "--max_samples", "24", "--max_steps", "2",
+                     "--save_strategy", "steps", "--save_steps", "1", "--logging_steps", "1", "--report_to", "none"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"rlhf-trl sft: done; outputs in {out}: ")
+    seen = strict_files(out)
+    assert {"metrics.json", "log_history.json", "data_report.json", "checkpoint-2/trainer_state.json",
+            "checkpoint-2/loop_state.json", "merged/config.json"} <= set(seen), seen

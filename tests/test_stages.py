@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from rlhf_trl import rm, sft
 from rlhf_trl.config import RecipeError, parse_recipe
+from rlhf_trl.scoring import wilson_ci
 from rlhf_trl.models import StageInputError
 
 RECIPES = os.path.join(os.path.dirname(__file__), "..", "recipes", "demo")
@@ -68,11 +69,14 @@ def test_rm_beats_chance_and_writes_eval_metrics(rm_run):
     assert set(metrics) == {"accuracy", "margin", "length_baseline_accuracy", "num_pairs", "accuracy_ci", "length_gap",
                             "length_gap_ci"}
     assert metrics["num_pairs"] > 20
-    # the intervals: centred on their means, 1.96 standard errors wide (normal approximation over the pairs)
+    # the intervals: accuracy's a Wilson interval (inside [0, 1], around the accuracy); the paired gap's centred on its
+    # mean, 1.96 standard errors wide (normal approximation over the pairs)
     assert metrics["length_gap"] == pytest.approx(metrics["accuracy"] - metrics["length_baseline_accuracy"])
-    for key, mean in (("accuracy_ci", metrics["accuracy"]), ("length_gap_ci", metrics["length_gap"])):
-        low, high = metrics[key]
-        assert low <= mean <= high and (low + high) / 2 == pytest.approx(mean)
+    low, high = metrics["accuracy_ci"]
+    assert 0.0 <= low <= metrics["accuracy"] <= high <= 1.0
+    assert [low, high] == pytest.approx(wilson_ci(round(metrics["accuracy"] * metrics["num_pairs"]), metrics["num_pairs"]))
+    low, high = metrics["length_gap_ci"]
+    assert low <= metrics["length_gap"] <= high and (low + high) / 2 == pytest.approx(metrics["length_gap"])
     # the demo RM data mixes on-topic criticism (learnt) and praise of another topic (learnt poorly) as rejected
     assert metrics["accuracy"] > 0.7 and metrics["margin"] > 0
     assert os.path.isfile(os.path.join(rm_run["output_dir"], "adapter", "adapter_model.safetensors"))

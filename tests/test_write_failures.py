@@ -2,7 +2,7 @@
 naming the path (exit status 4), no half-written checkpoint-N is visible, no staging directory is left, the previous
 checkpoint is byte-identical, and resuming from it finishes the run.
 
-The failure is injected by `rlhf_trl.faults` (``RLHF_TRL_FAULT=<save>:<op>:enospc|erofs``) at the first write, an
+The failure is injected by `faults` (tests/fault_hooks) (``RLHF_TRL_FAULT=<save>:<op>:enospc|erofs``) at the first write, an
 fsync of a file, the fsync of the checkpoint directory and the rename that publishes it: as root, a chmod'ed directory
 would still be writable, and no test may fill the disk.
 """
@@ -16,7 +16,9 @@ import sys
 import pytest
 from conftest import RECIPES
 
-from rlhf_trl import faults, sft
+import faults
+
+from rlhf_trl import sft
 from rlhf_trl.checkpoints import CheckpointWriteError, checkpoint_problem
 
 

@@ -1,7 +1,8 @@
 """Atomic file operations: every file and directory the project publishes is written under a temporary name, synced
 and renamed into place, so a crash leaves either the old or the new one, never half of one (`publish`,
-`atomic_dir`, `save_pretrained_atomic`, `write_text`); JSON is written strict (`strict_json`). Each operation is a
-counted file operation of `rlhf_trl.faults` (where the tests inject kills)."""
+`atomic_dir`, `save_pretrained_atomic`, `write_text`); JSON is written strict (`strict_json`). Each operation of a
+checkpoint save passes through `file_op` inside `checkpoint_save`, where the tests count them and inject faults
+(`HOOKS`; tests/fault_hooks/faults.py); in a run they do nothing but the operation."""
 
 from __future__ import annotations
 
@@ -12,7 +13,35 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 
-from .faults import file_op
+
+
+class _Hooks:
+    """Test hooks (tests/fault_hooks/faults.py installs them): ``file_op(kind, path, do)`` runs one file operation of
+    a save, ``checkpoint_save()`` is the context manager of one save. None in a run."""
+
+    file_op = None
+    checkpoint_save = None
+
+
+HOOKS = _Hooks()
+
+
+def file_op(kind: str, path: str, do=None):
+    """Run the file operation ``do`` (``kind``: write, fsync, rename, remove, rotate, on ``path``); returns its
+    result. Raises what it raises (and, under a test hook, an injected `OSError`)."""
+    if HOOKS.file_op is not None:
+        return HOOKS.file_op(kind, path, do)
+    return do() if do is not None else None
+
+
+@contextmanager
+def checkpoint_save():
+    """Mark one checkpoint save (its file operations are what the tests count and interrupt)."""
+    if HOOKS.checkpoint_save is None:
+        yield
+        return
+    with HOOKS.checkpoint_save():
+        yield
 
 
 def fsync_path(path: str) -> None:

@@ -13,23 +13,13 @@ import zipfile
 from contextlib import contextmanager
 from types import SimpleNamespace
 
-from . import atomic, faults
+from . import atomic
 from .atomic import CheckpointWriteError, write_json
 from .config import RecipeError, RunArguments, check_output_dir, save_recipe
 from .merge import merge_adapter
 from .models import StageInputError, load_causal_lm, load_sequence_classifier, merge_and_save, peak_memory_mb
-from .run_dir import (
-    OutputDirError,
-    RunBusyError,
-    RunLock,
-    StoppedBySignal,
-    catch_stop_signals,
-    checkpoint_room,
-    preflight,
-    release_stop_signals,
-    stop_signal,
-    training_begins,
-)
+from .run_dir import (OutputDirError, RunBusyError, RunLock, StoppedBySignal, catch_stop_signals, checkpoint_room,
+                      preflight, release_stop_signals, stop_signal, training_begins)
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +79,10 @@ class AtomicCheckpointMixin:
 
         root, name = self.args.output_dir, f"checkpoint-{self.state.global_step}"
         staging = os.path.join(root, f"{STAGING_PREFIX}{name}")
-        with faults.checkpoint_save():
+        with atomic.checkpoint_save():
             try:
                 if self.args.should_save and os.path.exists(staging):
-                    faults.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
+                    atomic.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
                 self.accelerator.wait_for_everyone()  # no process writes into staging before it is cleared
                 self.args.output_dir = staging
                 try:
@@ -105,8 +95,8 @@ class AtomicCheckpointMixin:
                 if self.args.should_save:
                     write_manifest(ckpt)  # last: after every process's files (the barrier above), before publishing
                     atomic.publish(ckpt, os.path.join(root, name))  # a re-saved step: the old copy aside
-                    faults.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
-                    faults.file_op("rotate", root, lambda: rotate_checkpoints(
+                    atomic.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
+                    atomic.file_op("rotate", root, lambda: rotate_checkpoints(
                         root, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False))
             except OSError as exc:
                 if self.args.should_save:

@@ -11,38 +11,18 @@ cancels in the advantages: logged rewards only), minus ``missing_eos_penalty`` w
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
 
-from .checkpoints import (
-    begin_writing,
-    keeps_earlier_run,
-    loading_on_one_process,
-    save_stage_outputs,
-    start_run,
-    with_atomic_checkpoints,
-)
+from .checkpoints import keeps_earlier_run, loading_on_one_process
 from .config import RunArguments, parse_recipe, sibling_recipe
-from .data import DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, split_records
-from .loop_state import with_loop_state
-from .models import (
-    eos_token_ids,
-    fp32_adapters_for_fp32_compute,
-    load_causal_lm,
-    load_sequence_classifier,
-    load_tokenizer,
-    recipe_quantization_config,
-    require_model_dir,
-    resize_for_tokenizer,
-    torch_dtype,
-)
+from .data import DataArguments, DataReport, Template, describe_sources, prompt_features
+from .models import eos_token_ids, load_sequence_classifier, require_model_dir, torch_dtype
 from .reward_models import RewardTokens, apply_reward_baseline, require_reward_model, reward_tokens, score_responses
 from .rewards import RewardFunctions, load_reward_functions, reward_columns
-
-logger = logging.getLogger(__name__)
+from .stage_setup import Stage
 
 
 @dataclass
@@ -145,40 +125,38 @@ def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_ar
 
     # inputs: models, reward functions
     hints = hints or {}
-    run_args, resume = start_run(training_args, run_args, model_args.model_name_or_path, not model_args.use_peft)
-    pickle_ok = run_args.allow_pickle_weights
-    model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", hints.get("sft"), pickle_ok)
-    rm_path = reward_args.reward_model_path
-    if rm_path:
-        rm_path = require_model_dir(rm_path, "reward model", hints.get("rm"), pickle_ok)
-        require_reward_model(rm_path, hints.get("rm"))
-    functions = load_reward_functions(reward_args.reward_funcs, training_args.reward_weights)
-    if not rm_path and functions is None:
-        raise ValueError(f"{method}: no reward: set reward_model_path (the RM stage's merged/) and/or reward_funcs")
-    quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)
+
+    def reward_inputs(run_args: RunArguments) -> tuple:  # (reward model path or None, reward functions or None)
+        rm_path = reward_args.reward_model_path
+        if rm_path:
+            rm_path = require_model_dir(rm_path, "reward model", hints.get("rm"), run_args.allow_pickle_weights)
+            require_reward_model(rm_path, hints.get("rm"))
+        functions = load_reward_functions(reward_args.reward_funcs, training_args.reward_weights)
+        if not rm_path and functions is None:
+            raise ValueError(f"{method}: no reward: set reward_model_path (the RM stage's merged/) and/or reward_funcs")
+        return rm_path, functions
+
+    stage = Stage(data_args, training_args, model_args, run_args, "SFT model", hints.get("sft"), reward_inputs)
+    rm_path, functions = stage.checked
 
     # data
-    template, report = Template.from_args(data_args), DataReport(method)
-    records = read_records(data_args, "prompts", report)
-    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
-    tokenizer = load_tokenizer(model_path, padding_side="left", trust_remote_code=training_args.trust_remote_code)
+    report = DataReport(method)
+    template, train_records, eval_records = stage.records("prompts", report)
+    tokenizer = stage.tokenizer(padding_side="left")
     tokens = reward_tokens(rm_path, tokenizer, template, training_args.trust_remote_code)  # None: the same tokenizer
     train_ds = prompt_dataset(train_records, tokenizer, template, data_args, report, "train", tokens)
     eval_ds = prompt_dataset(eval_records, tokenizer, template, data_args, report, "eval", tokens) if eval_records \
         else None
-    if eval_ds is None:
-        training_args.eval_strategy = "no"
 
     # policy and rewards (reward model first, weight 1; then the functions with their weights)
-    model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
-                           quantization_config=quantization)
-    resize_for_tokenizer(model, tokenizer)
-    eos = eos_token_ids(tokenizer, model_path)
+    model = stage.model(tokenizer)
+    eos = eos_token_ids(tokenizer, stage.model_path)
     reward_model = None
     if rm_path:
         with loading_on_one_process():  # under ZeRO-3 each process holds the whole frozen RM (it scores alone)
             reward_model = load_sequence_classifier(rm_path, torch_dtype(model_args.dtype),
-                                                    training_args.trust_remote_code, pickle_ok)
+                                                    training_args.trust_remote_code,
+                                                    stage.run_args.allow_pickle_weights)
         reward_model = apply_reward_baseline(reward_model.to(training_args.device), reward_args.reward_baseline)
         if tokens is not None:
             reward_model.config.pad_token_id = tokens.pad_token_id
@@ -193,22 +171,12 @@ def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_ar
         weights += functions.weights
     training_args.reward_weights = weights
 
-    # trainer, train (inputs proven: only now does anything of an earlier run go)
-    begin_writing(training_args, run_args, resume)
-    trainer = with_loop_state(with_atomic_checkpoints(GRPOTrainer if method == "grpo" else RLOOTrainer))(
-        model=model, reward_funcs=rewards, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-        processing_class=tokenizer, peft_config=get_peft_config(model_args), callbacks=callbacks)
-    fp32_adapters_for_fp32_compute(trainer.model, quantization)
-    train_result = trainer.train(resume_from_checkpoint=resume)
-
-    # save
-    metrics = dict(train_result.metrics, global_step=trainer.state.global_step, num_train_prompts=len(train_ds),
-                   num_eval_prompts=len(eval_ds) if eval_ds is not None else 0)
-    result = save_stage_outputs(trainer, tokenizer, model_path, "causal_lm", metrics, report,
-                                (data_args, training_args, model_args, run_args, reward_args))
-    if trainer.is_world_process_zero():
-        logger.info("%s done: merged policy at %s", method.upper(), result["merged"])
-    return result
+    # trainer, train, save
+    trainer = stage.trainer(GRPOTrainer if method == "grpo" else RLOOTrainer, model, tokenizer, train_ds, eval_ds,
+                            get_peft_config(model_args), callbacks, reward_funcs=rewards)
+    metrics = stage.train(trainer, "prompts", train_ds, eval_ds, evaluate=False)
+    return stage.save(trainer, tokenizer, metrics, report, reward_args,
+                      done=f"{method.upper()} done: merged policy at %s")
 
 
 if __name__ == "__main__":

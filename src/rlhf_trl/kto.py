@@ -17,35 +17,15 @@ desirable / undesirable counts per split)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from datasets import Dataset
 
-from .checkpoints import begin_writing, keeps_earlier_run, save_stage_outputs, start_run, with_atomic_checkpoints
+from .checkpoints import keeps_earlier_run
 from .config import RunArguments, parse_recipe, sibling_recipe
-from .data import (
-    DataArguments,
-    DataError,
-    DataReport,
-    Template,
-    describe_sources,
-    read_records,
-    split_records,
-    unpaired_features,
-)
-from .loop_state import with_loop_state
-from .models import (
-    fp32_adapters_for_fp32_compute,
-    load_causal_lm,
-    load_tokenizer,
-    recipe_quantization_config,
-    require_model_dir,
-    resize_for_tokenizer,
-    torch_dtype,
-)
-
-logger = logging.getLogger(__name__)
+from .data import (DataArguments, DataError, DataReport, Template, describe_sources, read_records, split_records,
+                   unpaired_features)
+from .stage_setup import Stage, tokenized_trainer
 
 
 def recipe_types() -> tuple:
@@ -97,18 +77,6 @@ def kto_dataset(feats: dict, kl_batch_size: int | None) -> Dataset:
     return Dataset.from_dict(cols)
 
 
-def _trainer_class():
-    """`trl.KTOTrainer` fed token ids: its text preparation is skipped for datasets that already hold ``prompt_ids``
-    (`kto_dataset` adds the KL completions it would add)."""
-    from trl import KTOTrainer
-
-    class TokenizedKTOTrainer(KTOTrainer):
-        def _prepare_dataset(self, dataset, *args, **kw):
-            return dataset if "prompt_ids" in dataset.column_names else super()._prepare_dataset(dataset, *args, **kw)
-
-    return TokenizedKTOTrainer
-
-
 def _datasets(data_args: DataArguments, training_args, tokenizer, report: UnpairedReport) -> tuple:
     """``(train, eval or None)`` `kto_dataset` rows of the recipe's data, label counts in ``report``. Raises
     `DataError`: bad rows, one label only (in the data, or in the train split), nothing left."""
@@ -139,45 +107,25 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     Raises `StageInputError`: no SFT model (``produced_by`` names the command to run first); `DataError`: bad rows, one
     label only, no example left; `ValueError`: quantization that cannot run, or TRL's checks (KL losses need
     ``per_device_train_batch_size`` > 1 and ``train_sampling_strategy: sequential``)."""
-    from trl import get_peft_config
+    from trl import KTOTrainer, get_peft_config
 
     # inputs
-    run_args, resume = start_run(training_args, run_args, model_args.model_name_or_path, not model_args.use_peft)
-    pickle_ok = run_args.allow_pickle_weights
-    model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by, pickle_ok)
-    quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)
+    stage = Stage(data_args, training_args, model_args, run_args, "SFT model", produced_by)
 
     # data: labelled answers (pairs unpaired), tokenized as the RM / PPO read them
     report = UnpairedReport("kto")
-    tokenizer = load_tokenizer(model_path, padding_side="right", trust_remote_code=training_args.trust_remote_code)
+    tokenizer = stage.tokenizer()
     train_ds, eval_ds = _datasets(data_args, training_args, tokenizer, report)
-    if eval_ds is None:
-        training_args.eval_strategy = "no"
 
     # policy (the reference: the adapter-disabled policy with LoRA, else TRL's frozen copy)
-    model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
-                           quantization_config=quantization)
-    resize_for_tokenizer(model, tokenizer)
+    model = stage.model(tokenizer)
 
-    # trainer, train (inputs proven: only now does anything of an earlier run go)
-    begin_writing(training_args, run_args, resume)
-    trainer = with_loop_state(with_atomic_checkpoints(_trainer_class()))(
-        model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
-        peft_config=get_peft_config(model_args), callbacks=callbacks)
-    fp32_adapters_for_fp32_compute(trainer.model, quantization)
-    train_result = trainer.train(resume_from_checkpoint=resume)
-
-    # evaluate (held-out implicit rewards of desirable / undesirable answers and their margin), save
-    metrics = dict(train_result.metrics, global_step=trainer.state.global_step, num_train_examples=len(train_ds),
-                   num_eval_examples=len(eval_ds) if eval_ds is not None else 0,
-                   **{f"num_{split}_{kind}": n for split, c in report.labels.items() for kind, n in c.items()})
-    if eval_ds is not None:
-        metrics.update(trainer.evaluate())
-    result = save_stage_outputs(trainer, tokenizer, model_path, "causal_lm", metrics, report,
-                                (data_args, training_args, model_args, run_args))
-    if trainer.is_world_process_zero():
-        logger.info("KTO done: merged policy at %s", result["merged"])
-    return result
+    # trainer, train; evaluate (held-out implicit rewards of desirable / undesirable answers and their margin), save
+    trainer = stage.trainer(tokenized_trainer(KTOTrainer), model, tokenizer, train_ds, eval_ds,  # KL rows: kto_dataset
+                            get_peft_config(model_args), callbacks)
+    metrics = stage.train(trainer, "examples", train_ds, eval_ds, **{
+        f"num_{split}_{kind}": n for split, c in report.labels.items() for kind, n in c.items()})
+    return stage.save(trainer, tokenizer, metrics, report, done="KTO done: merged policy at %s")
 
 
 if __name__ == "__main__":

@@ -12,15 +12,8 @@ import sys
 
 from .atomic import save_pretrained_atomic
 from .config import RecipeError, one_line_arguments
-from .models import (
-    StageInputError,
-    load_causal_lm,
-    load_sequence_classifier,
-    load_tokenizer,
-    require_model_dir,
-    resize_for_tokenizer,
-    torch_dtype,
-)
+from .models import (StageInputError, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir,
+                     resize_for_tokenizer, torch_dtype)
 
 logger = logging.getLogger(__name__)
 

@@ -28,30 +28,14 @@ from .atomic import save_pretrained_atomic, write_json
 from .checkpoints import begin_writing, distributed_state, keeps_earlier_run, start_run
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
 from .data import DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, split_records
-from .models import (
-    BIASING_GENERATION_KEYS,
-    eos_token_ids,
-    load_causal_lm,
-    load_sequence_classifier,
-    load_tokenizer,
-    merge_and_save,
-    peak_memory_mb,
-    recipe_quantization_config,
-    require_model_dir,
-    sampling_generation_config,
-    torch_dtype,
-)
+from .models import (BIASING_GENERATION_KEYS, eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer,
+                     merge_and_save, peak_memory_mb, recipe_quantization_config, require_model_dir,
+                     sampling_generation_config, torch_dtype)
 from .ppo_config import PPOConfig, PPOScriptArguments
 from .ppo_engine import TrainingDivergedError  # noqa: F401 (importable from the stage)
 from .ppo_trainer import AdaptiveKLController, RLHFPPOTrainer, deployable_generation_config  # noqa: F401
-from .reward_models import (
-    RewardTokens,
-    SharedBaseRewardModel,
-    apply_reward_baseline,
-    calibrate_reward_baseline,
-    require_reward_model,
-    reward_tokens,
-)
+from .reward_models import (RewardTokens, SharedBaseRewardModel, apply_reward_baseline, calibrate_reward_baseline,
+                            require_reward_model, reward_tokens)
 from .rewards import load_reward_functions, reward_columns
 from .scoring import preserved_rng  # noqa: F401 (importable from the stage)
 

@@ -13,20 +13,12 @@ import os
 from datasets import Dataset
 
 from .atomic import write_json, write_jsonl
-from .checkpoints import begin_writing, keeps_earlier_run, save_stage_outputs, start_run, with_atomic_checkpoints
+from .checkpoints import keeps_earlier_run
 from .config import RunArguments, parse_recipe, sibling_recipe
-from .data import DataArguments, DataReport, Template, describe_sources, pair_features, read_records, split_records
-from .loop_state import with_loop_state
-from .models import (
-    fp32_adapters_for_fp32_compute,
-    load_sequence_classifier,
-    load_tokenizer,
-    recipe_quantization_config,
-    require_model_dir,
-    resize_for_tokenizer,
-    torch_dtype,
-)
+from .data import DataArguments, DataReport, pair_features
+from .models import load_sequence_classifier
 from .scoring import pairwise_metrics, score_sequences
+from .stage_setup import Stage
 
 logger = logging.getLogger(__name__)
 
@@ -54,50 +46,33 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     from trl import RewardTrainer, get_peft_config
 
     # inputs
-    run_args, resume = start_run(training_args, run_args, model_args.model_name_or_path, not model_args.use_peft)
-    pickle_ok = run_args.allow_pickle_weights
-    model_path = require_model_dir(model_args.model_name_or_path or "", "SFT model", produced_by, pickle_ok)
-    quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)  # QLoRA: load_in_4bit
+    stage = Stage(data_args, training_args, model_args, run_args, "SFT model", produced_by)
 
     # data
-    template, report = Template.from_args(data_args), DataReport("rm")
-    records = read_records(data_args, "pairs", report)
-    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
+    report = DataReport("rm")
+    template, train_records, eval_records = stage.records("pairs", report)
 
     # tokenizer and model
-    tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right",
-                               trust_remote_code=training_args.trust_remote_code)
-    training_args.pad_token = tokenizer.pad_token
+    tokenizer = stage.tokenizer()
 
     def features(rows, split):  # tokenized pairs (`pair_features`)
         return pair_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
-                             source=f"{describe_sources(data_args)} ({split} split)", report=report, split=split)
+                             source=stage.source(split), report=report, split=split)
 
     train_ds = Dataset.from_dict(features(train_records, "train"))
     eval_feats = features(eval_records, "eval") if eval_records else None
     eval_ds = Dataset.from_dict(eval_feats) if eval_feats else None
-    if eval_ds is None:  # no eval rows: evaluation off
-        training_args.eval_strategy = "no"
     # quantized: TRL's RewardTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
-    model = load_sequence_classifier(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code,
-                                     pickle_ok, quantization_config=quantization)
+    model = stage.model(tokenizer, load_sequence_classifier)
     logger.info("reward model: the SFT model with a new score head (reported MISSING above), trained in this stage")
-    resize_for_tokenizer(model, tokenizer)
     if (peft_config := get_peft_config(model_args)) is not None:
         peft_config.task_type = "SEQ_CLS"  # makes peft train and save the score head with the adapter
 
-    # trainer, train (inputs proven: only now does anything of an earlier run go)
-    begin_writing(training_args, run_args, resume)
-    trainer = with_loop_state(with_atomic_checkpoints(RewardTrainer))(
-        model=model, args=training_args, train_dataset=train_ds.remove_columns("prompt_length"),
-        eval_dataset=eval_ds.remove_columns("prompt_length") if eval_ds is not None else None,
-        processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
-    fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
-    train_result = trainer.train(resume_from_checkpoint=resume)
-
-    # save (every process); the main process writes and evaluates the merged model on the held-out pairs
-    metrics = dict(train_result.metrics, global_step=trainer.state.global_step, num_train_pairs=len(train_ds),
-                   num_eval_pairs=len(eval_ds) if eval_ds is not None else 0)
+    # trainer, train; save (every process): the main process writes and evaluates the merged model on held-out pairs
+    trainer = stage.trainer(RewardTrainer, model, tokenizer, train_ds.remove_columns("prompt_length"),
+                            eval_ds.remove_columns("prompt_length") if eval_ds is not None else None, peft_config,
+                            callbacks)
+    metrics = stage.train(trainer, "pairs", train_ds, eval_ds, evaluate=False)
 
     def evaluate(reward_model) -> dict:  # eval_metrics.json; eval_pairs.jsonl: the pairs `rlhf-trl eval` re-scores
         eval_metrics, out = evaluate_pairs(reward_model, eval_feats, tokenizer.pad_token_id), training_args.output_dir
@@ -109,8 +84,8 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
                     eval_metrics["length_baseline_accuracy"], eval_metrics["margin"], eval_metrics["num_pairs"])
         return {f"eval_{k}": v for k, v in eval_metrics.items()}
 
-    return save_stage_outputs(trainer, tokenizer, model_path, "sequence_classifier", metrics, report,
-                              (data_args, training_args, model_args, run_args), evaluate if eval_feats else None)
+    return stage.save(trainer, tokenizer, metrics, report, kind="sequence_classifier",
+                      evaluate=evaluate if eval_feats else None)
 
 
 def evaluate_pairs(model, feats: dict, pad_token_id: int, batch_size: int = 16) -> dict:

@@ -12,19 +12,10 @@ import torch
 from datasets import Dataset
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from .checkpoints import begin_writing, keeps_earlier_run, save_stage_outputs, start_run, with_atomic_checkpoints
+from .checkpoints import keeps_earlier_run
 from .config import RunArguments, parse_recipe
-from .data import DataArguments, DataReport, Template, describe_sources, read_records, sft_features, split_records
-from .loop_state import with_loop_state
-from .models import (
-    fp32_adapters_for_fp32_compute,
-    load_causal_lm,
-    load_tokenizer,
-    recipe_quantization_config,
-    require_model_dir,
-    resize_for_tokenizer,
-    torch_dtype,
-)
+from .data import DataArguments, DataReport, sft_features
+from .stage_setup import Stage
 
 logger = logging.getLogger(__name__)
 
@@ -52,65 +43,40 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     from trl import get_peft_config
 
     # inputs
-    run_args, resume = start_run(training_args, run_args, model_args.model_name_or_path, not model_args.use_peft)
-    pickle_ok = run_args.allow_pickle_weights
-    model_path = require_model_dir(model_args.model_name_or_path or "", "base model", None, pickle_ok)
-    quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)  # QLoRA: load_in_4bit
+    stage = Stage(data_args, training_args, model_args, run_args, "base model", None)
 
     # data
-    template, report = Template.from_args(data_args), DataReport("sft")
-    records = read_records(data_args, "sft", report)
-    train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
+    report = DataReport("sft")
+    template, train_records, eval_records = stage.records("sft", report)
 
     # tokenizer and model
-    tokenizer = load_tokenizer(model_path, pad_token=training_args.pad_token, padding_side="right",
-                               trust_remote_code=training_args.trust_remote_code)
-    training_args.pad_token = tokenizer.pad_token
+    tokenizer = stage.tokenizer()
 
     def features(rows, split):  # tokenized (`sft_features`)
-        source = f"{describe_sources(data_args)} ({split} split)"
-        return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, source,
+        return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, stage.source(split),
                                               data_args.length_policy, data_args.max_prompt_length, report, split))
 
-    train_ds = features(train_records, "train")
-    eval_ds = features(eval_records, "eval") if eval_records else None
-    if eval_ds is None:  # no eval rows: evaluation off
-        training_args.eval_strategy = "no"
+    train_ds, eval_ds = features(train_records, "train"), features(eval_records, "eval") if eval_records else None
     if training_args.completion_only_loss is None:  # the loss is on completion tokens only unless the recipe says
         training_args.completion_only_loss = True
     # quantized: TRL's SFTTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
-    model = load_causal_lm(model_path, torch_dtype(model_args.dtype), training_args.trust_remote_code, pickle_ok,
-                           quantization_config=quantization)
-    resize_for_tokenizer(model, tokenizer)
-    trainer_cls = _trainer_class(model, model_path, training_args)
+    model = stage.model(tokenizer)
+    trainer_cls = _trainer_class(model, stage.model_path, training_args)
 
-    # trainer, train (inputs proven: only now does anything of an earlier run go)
-    begin_writing(training_args, run_args, resume)
-    trainer = with_loop_state(with_atomic_checkpoints(trainer_cls))(
-        model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
-        peft_config=get_peft_config(model_args), callbacks=callbacks)
-    fp32_adapters_for_fp32_compute(trainer.model, quantization)  # QLoRA with fp32 compute (CPU): TRL made them bf16
+    # trainer, train
+    trainer = stage.trainer(trainer_cls, model, tokenizer, train_ds, eval_ds, get_peft_config(model_args), callbacks)
     # per-row held-out losses before / after (paired); not under ZeRO-3, whose weights are partitioned until train().
     # A resumed run measures "before" too: train() loads the checkpoint later, so these are the start weights' losses
     rows_loss = eval_ds is not None and not is_deepspeed_zero3_enabled()
     before = completion_losses(trainer.model, eval_ds, training_args.max_length) if rows_loss else None
-    train_result = trainer.train(resume_from_checkpoint=resume)
-
     # evaluate (held-out loss on completion tokens), before the adapter is merged away
-    metrics = dict(train_result.metrics, global_step=trainer.state.global_step)
-    if eval_ds is not None:
-        metrics.update(trainer.evaluate())
-        if rows_loss:
-            metrics.update(eval_row_losses_before=before, eval_row_losses=completion_losses(
-                trainer.model, eval_ds, training_args.max_length))
-    metrics.update(num_train_rows=len(train_ds), num_eval_rows=len(eval_ds) if eval_ds is not None else 0)
+    metrics = stage.train(trainer, "rows", train_ds, eval_ds)
+    if rows_loss:
+        metrics.update(eval_row_losses_before=before, eval_row_losses=completion_losses(
+            trainer.model, eval_ds, training_args.max_length))
 
     # save (under `accelerate launch`: every process calls save_model, only the main process writes)
-    result = save_stage_outputs(trainer, tokenizer, model_path, "causal_lm", metrics, report,
-                                (data_args, training_args, model_args, run_args))
-    if trainer.is_world_process_zero():
-        logger.info("SFT done: merged model at %s", result["merged"])
-    return result
+    return stage.save(trainer, tokenizer, metrics, report, done="SFT done: merged model at %s")
 
 
 @torch.no_grad()

@@ -8,18 +8,8 @@ from typing import Iterable
 
 from .args import FORMATS, DataArguments, DataError
 from .report import DataReport
-from .rows import (
-    LABEL_KEYS,
-    ROLES,
-    SkipRow,
-    _dialogue,
-    _pair_rows,
-    _prompt_row,
-    _sft_row,
-    _unpaired_rows,
-    detect_format,
-    prompt_columns,
-)
+from .rows import (LABEL_KEYS, ROLES, SkipRow, _dialogue, _pair_rows, _prompt_row, _sft_row, _unpaired_rows,
+                   detect_format, prompt_columns)
 
 logger = logging.getLogger("rlhf_trl.data")
 SKIP_HINT = "; fix the row, or set on_bad_row: skip to skip such rows"

@@ -1,4 +1,6 @@
-"""Test-only fault injection for checkpoint saves (the file operations of `rlhf_trl.atomic` are counted here).
+"""Fault injection for checkpoint saves: test code. `install` plugs it into `rlhf_trl.atomic`'s hooks (the only
+place a run's file operations pass through); the tests install it in their own process (conftest.py) and, through
+``sitecustomize.py`` beside this file on ``PYTHONPATH``, in every process they start.
 Nothing here is active unless an environment variable asks for it (the tests set them on subprocesses):
 - ``RLHF_TRL_FAULT="<save>:<op>[:<action>]"``: in this process's ``<save>``-th checkpoint save (`checkpoint_save`),
   at its ``<op>``-th file operation (both 1-based), do ``<action>``: ``kill`` (default: SIGKILL before the operation),
@@ -80,6 +82,13 @@ def _counting_open(file, mode="r", *args, **kwargs):
     if _active and isinstance(file, (str, os.PathLike)) and any(c in mode for c in "wax+"):
         return file_op("write", os.fspath(file), lambda: _real_open(file, mode, *args, **kwargs))
     return _real_open(file, mode, *args, **kwargs)
+
+
+def install() -> None:
+    """Count and inject through `rlhf_trl.atomic.HOOKS` (inert unless the environment asks, see above)."""
+    from rlhf_trl import atomic
+
+    atomic.HOOKS.file_op, atomic.HOOKS.checkpoint_save = file_op, checkpoint_save
 
 
 @contextmanager
