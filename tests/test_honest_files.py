@@ -128,3 +128,17 @@ def test_every_json_file_of_an_sft_run_is_strict(assets, tmp_path, capsys):
     seen = strict_files(out)
     assert {"metrics.json", "log_history.json", "data_report.json", "checkpoint-2/trainer_state.json",
             "checkpoint-2/loop_state.json", "merged/config.json"} <= set(seen), seen
+
+
+def test_a_stop_message_says_how_to_go_on():
+    from rlhf_trl.cli_launch import resume_hint
+    from rlhf_trl.run_dir import StoppedBySignal
+
+    stop = StoppedBySignal(15, 3, "/runs/sft/checkpoint-3")
+    assert str(stop) == "stopped by SIGTERM at step 3: checkpoint-3 written" and stop.exit_code == 143
+    assert resume_hint("sft", ["--config", "r.yaml"], stop) == (
+        "; resume with `make sft RECIPE=r.yaml resume_from_checkpoint=true` (or --resume_from_checkpoint true)")
+    assert resume_hint("demo", [], stop) == "; `make demo` starts it over"
+    early = StoppedBySignal(2)
+    assert str(early) == "stopped by SIGINT before training began: nothing of this run was kept"
+    assert early.exit_code == 130 and resume_hint("sft", [], early) == ""

@@ -141,3 +141,24 @@ def test_a_checkpoint_that_cannot_fit_is_refused_and_a_tight_one_warned(tmp_path
     with caplog.at_level(logging.WARNING, logger="rlhf_trl.run_dir"):
         checkpoint_room(str(tmp_path), str(model), full_training=False)  # 1000 fits, but not twice over
     assert "the run may fill the disk" in caplog.text
+
+
+def test_a_signal_before_training_stops_at_once_leaving_nothing(assets, tmp_path, capsys, monkeypatch):
+    import rlhf_trl.models as models
+
+    real = models._load_model
+
+    def load_then_term(*a, **k):  # SIGTERM while the model loads: before any step
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(models, "_load_model", load_then_term)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        cli_main(sft_argv(assets, out))
+    assert info.value.code == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "rlhf-trl sft: stopped by SIGTERM before training began: nothing of this run was kept")
+    assert not out.exists()  # its lock and the directory it made are gone
+    assert signal.getsignal(signal.SIGTERM) == before  # the run's handlers are put back

@@ -112,6 +112,8 @@ def resume_hint(stage: str, argv: list[str] | None, stop) -> str:
     """``; resume with make <stage> RECIPE=... resume_from_checkpoint=true`` for a run stopped with a checkpoint."""
     if stop.checkpoint is None:
         return ""
+    if stage in ("demo", "demo-real"):  # several stages in one command: it has no resume of its own
+        return f"; `make {stage}` starts it over"
     argv = sys.argv[1:] if argv is None else argv
     recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
     command = f"make {stage} RECIPE={recipe}" if recipe else f"make {stage}"

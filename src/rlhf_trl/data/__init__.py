@@ -17,45 +17,17 @@ import random
 from typing import Literal
 
 # re-exported: the public API of the data modules
-from .args import (  # noqa: F401
-    DEFAULT_ASSISTANT_MARKER,
-    DEFAULT_COMPLETION_TEMPLATE,
-    DEFAULT_HUMAN_MARKER,
-    DEFAULT_PROMPT_TEMPLATE,
-    FORMATS,
-    HISTORY_SEPARATOR,
-    RAW_TEMPLATE,
-    DataArguments,
-    DataError,
-    Template,
-)
-from .features import (  # noqa: F401
-    chat_end_of_turn_id,
-    encode_prompt,
-    encode_response,
-    pair_features,
-    prompt_features,
-    response_eos_id,
-    sft_features,
-    unpaired_features,
-)
+from .args import (DEFAULT_ASSISTANT_MARKER, DEFAULT_COMPLETION_TEMPLATE, DEFAULT_HUMAN_MARKER,  # noqa: F401
+                   DEFAULT_PROMPT_TEMPLATE, FORMATS, HISTORY_SEPARATOR, RAW_TEMPLATE, DataArguments, DataError,
+                   Template)
+from .features import (chat_end_of_turn_id, encode_prompt, encode_response, pair_features,  # noqa: F401
+                       prompt_features, response_eos_id, sft_features, unpaired_features)
 from .normalise import _counted, _normalise
-from .read import BATCH_ROWS, COMPRESSIONS, LOCAL_LOADERS, _arrow_batches, dialogue_counts, load_rows, source_name  # noqa: F401
+from .read import (BATCH_ROWS, COMPRESSIONS, LOCAL_LOADERS, _arrow_batches, dialogue_counts, load_rows,  # noqa: F401
+                   source_name)
 from .report import DataReport
-from .rows import (  # noqa: F401
-    ANSWER_KEYS,
-    QUESTION_KEYS,
-    ROLES,
-    SkipRow,
-    _dialogue,
-    _implicit,
-    _pair_rows,
-    _prompt_row,
-    _sft_row,
-    detect_format,
-    prompt_columns,
-    split_transcript,
-)
+from .rows import (ANSWER_KEYS, QUESTION_KEYS, ROLES, SkipRow, _dialogue, _implicit, _pair_rows,  # noqa: F401
+                   _prompt_row, _sft_row, detect_format, prompt_columns, split_transcript)
 
 logger = logging.getLogger(__name__)
 

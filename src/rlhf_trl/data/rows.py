@@ -7,20 +7,10 @@ import difflib
 from typing import Any
 
 from .args import DataArguments, DataError
-from .formats import ANSWER_KEYS, CONVERSATION_KEYS, DIALOGUE_KEY, QUESTION_KEYS, _first, detect_format, prompt_columns  # noqa: F401
-from .turns import (  # noqa: F401
-    ROLES,
-    TOOL_ROLES,
-    _content,
-    _dialogue,
-    _is_messages,
-    _markers,
-    _turns,
-    chat_messages,
-    parse_tools,
-    split_transcript,
-    tool_dialogue,
-)
+from .formats import (ANSWER_KEYS, CONVERSATION_KEYS, DIALOGUE_KEY, QUESTION_KEYS, _first, detect_format,  # noqa: F401
+                      prompt_columns)
+from .turns import (ROLES, TOOL_ROLES, _content, _dialogue, _is_messages, _markers, _turns, chat_messages,  # noqa: F401
+                    parse_tools, split_transcript, tool_dialogue)
 
 
 class SkipRow(Exception):
