@@ -122,10 +122,12 @@ def resume_hint(stage: str, argv: list[str] | None, stop) -> str:
 
 def end_process_group() -> None:
     """Destroy the process group of an ``accelerate launch`` once done (alive at exit, gloo's threads can abort a
-    finished process: the launcher reports a failure). A no-op in one process."""
+    finished process: the launcher reports a failure), after a barrier: no process tears its connections down while
+    another still uses them (a rank that exited first could abort the other, exit -6). A no-op in one process."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
