@@ -11,6 +11,7 @@ each, without the import time); the two-process runs go through ``accelerate lau
 """
 
 import os
+import shlex
 
 import pytest
 from exactness import (
@@ -102,9 +103,9 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_bit_exact(n
                       signals={"signal": signal_name, "step": step}) == code, tail(log)
     unit = "update" if cfg.stage == "ppo" else "step"
     last = tail(log).strip().splitlines()[-1]
+    command = shlex.join([*cfg.argv, "--output_dir", str(stopped)])
     assert last == (f"rlhf-trl {cfg.stage}: stopped by {signal_name} at {unit} {step}: checkpoint-{step} written; "
-                    f"resume with `make {cfg.stage} RECIPE={cfg.argv[1]} resume_from_checkpoint=true` (or "
-                    "--resume_from_checkpoint true)"), last
+                    f"resume with `rlhf-trl {cfg.stage} {command} --resume_from_checkpoint true`"), last
     assert checkpoints(stopped)[-1] == step and not (stopped / "merged").exists()
     assert not (stopped / ".rlhf-trl.lock").exists()  # the run ended: its lock is released
     assert zygote.run(cfg.stage, [*cfg.argv, "--output_dir", str(stopped), "--resume_from_checkpoint", "true"],

@@ -139,6 +139,8 @@ def test_a_stop_message_says_how_to_go_on():
     assert resume_hint("sft", ["--config", "r.yaml"], stop) == (
         "; resume with `make sft RECIPE=r.yaml resume_from_checkpoint=true` (or --resume_from_checkpoint true)")
     assert resume_hint("demo", [], stop) == "; `make demo` starts it over"
+    assert resume_hint("ppo", ["--config", "r.yaml", "--output_dir", "/x y"], stop) == (
+        "; resume with `rlhf-trl ppo --config r.yaml --output_dir '/x y' --resume_from_checkpoint true`")
     early = StoppedBySignal(2)
     assert str(early) == "stopped by SIGINT before training began: nothing of this run was kept"
     assert early.exit_code == 130 and resume_hint("sft", [], early) == ""

@@ -7,6 +7,7 @@ import functools
 import importlib
 import logging
 import os
+import shlex
 import sys
 import warnings
 
@@ -109,14 +110,18 @@ def outputs_line(stage: str, result) -> str | None:
 
 
 def resume_hint(stage: str, argv: list[str] | None, stop) -> str:
-    """``; resume with make <stage> RECIPE=... resume_from_checkpoint=true`` for a run stopped with a checkpoint."""
+    """``; resume with make <stage> RECIPE=... resume_from_checkpoint=true`` for a run stopped with a checkpoint (with
+    overrides on the command line: the same ``rlhf-trl`` command plus ``--resume_from_checkpoint true``)."""
     if stop.checkpoint is None:
         return ""
     if stage in ("demo", "demo-real"):  # several stages in one command: it has no resume of its own
         return f"; `make {stage}` starts it over"
-    argv = sys.argv[1:] if argv is None else argv
-    recipe = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
-    command = f"make {stage} RECIPE={recipe}" if recipe else f"make {stage}"
+    argv = list(sys.argv[1:] if argv is None else argv)
+    at = argv.index("--config") if "--config" in argv[:-1] else None
+    rest = argv[:at] + argv[at + 2:] if at is not None else argv
+    if rest:  # overrides (an output_dir of its own...): the same command again
+        return f"; resume with `rlhf-trl {stage} {shlex.join(argv)} --resume_from_checkpoint true`"
+    command = f"make {stage} RECIPE={argv[at + 1]}" if at is not None else f"make {stage}"
     return f"; resume with `{command} resume_from_checkpoint=true` (or --resume_from_checkpoint true)"
 
 
