@@ -58,6 +58,17 @@ def module_tmp(tmp_path_factory):
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is faster, and far faster when the cores are shared (no spinning threads)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     """The demo assets (data files, tokenizer, random-init tiny Qwen2), built once per test session."""

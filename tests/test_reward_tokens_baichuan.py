@@ -18,17 +18,10 @@ from conftest import REPO, SHARED, import_ppo, write_jsonl
 
 QWEN2 = SHARED / "tokenizers" / "qwen2"
 RECIPE = str(REPO / "recipes" / "qwen2.5-7b" / "ppo-baichuan-rm.yaml")
-pytestmark = pytest.mark.skipif(not QWEN2.is_dir(), reason=f"needs the Qwen2 tokenizer at {QWEN2}")
+pytestmark = [pytest.mark.skipif(not QWEN2.is_dir(), reason=f"needs the Qwen2 tokenizer at {QWEN2}"),
+              pytest.mark.usefixtures("one_thread")]  # conftest.py
 QUESTIONS = [f"{q}{t}{e}" for t in ("咖啡", "茶", "海边", "电影", "音乐", "火锅")
              for q, e in (("你喜欢", "吗？"), ("说说你对", "的看法。"))]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
