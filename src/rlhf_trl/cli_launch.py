@@ -10,6 +10,7 @@ import os
 import shlex
 import sys
 import warnings
+from typing import NoReturn
 
 MODULES = {"init-model": "tiny", "eval": "evaluate", "demo-real": "demo_real", "rloo": "grpo"}
 
@@ -81,9 +82,9 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
             print(f"rlhf-trl {stage}: training stopped: {exc}", file=sys.stderr)
             sys.exit(3)
         raise
-    end_process_group()
+    launched = end_process_group()
     if not is_main_rank():
-        return 0
+        leave_launched_process(0)
     if stage == "demo" and "summary" in result:
         print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
     elif stage == "demo-real":
@@ -95,6 +96,8 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
             print(f"  {key}: {summary[key]:.4g}" if isinstance(summary[key], float) else f"  {key}: {summary[key]}")
     if line := outputs_line(stage, result):
         print(line)
+    if launched:
+        leave_launched_process(0)
     return 0
 
 
@@ -125,15 +128,32 @@ def resume_hint(stage: str, argv: list[str] | None, stop) -> str:
     return f"; resume with `{command} resume_from_checkpoint=true` (or --resume_from_checkpoint true)"
 
 
-def end_process_group() -> None:
-    """Destroy the process group of an ``accelerate launch`` once done (alive at exit, gloo's threads can abort a
-    finished process: the launcher reports a failure), after a barrier: no process tears its connections down while
-    another still uses them (a rank that exited first could abort the other, exit -6). A no-op in one process."""
+def end_process_group() -> bool:
+    """Destroy the process group of an ``accelerate launch`` once done, after a barrier: no process tears its
+    connections down while another still uses them. True when there was one (this process is one of a launch); a
+    no-op in one process."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
+
+
+def leave_launched_process(code: int) -> NoReturn:
+    """End a process of a launch that has done its work: logs and streams flushed, ``atexit`` callbacks run (trackers
+    finish), then ``os._exit(code)``, skipping interpreter finalization. Why: DeepSpeed's engines keep their gloo
+    groups alive past ``destroy_process_group``; a group's worker thread may still release a finished collective's
+    tensors while the interpreter finalizes, cannot take the GIL and aborts the finished process ("terminate called
+    without an active exception", exit -6: 1 run in 10 under ZeRO-3 here, the launcher then reports a failure)."""
+    import atexit
+
+    logging.shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def print_demo_summary(summary: dict, path: str) -> None:
