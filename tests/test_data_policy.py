@@ -1,4 +1,4 @@
-"""Real data without surprises (issue 41, data items): the bad-row policy, empty replies, tool-calling and Firefly
+"""Real data without surprises: the bad-row policy, empty replies, tool-calling and Firefly
 turns, preference variants (scores, UltraFeedback-binarized, KTO labels), encodings, JSON arrays of lists, missing
 columns named by their recipe key, the eval split, truncation counts and data_report.json."""
 
@@ -11,7 +11,7 @@ from conftest import SHARED, write_jsonl
 
 from rlhf_trl.data import (DataArguments, DataError, DataReport, Template, pair_features, read_records, sft_features,
                            split_records)
-from rlhf_trl.data.normalise import SKIP_HINT
+from rlhf_trl.data.records import SKIP_HINT
 
 QWEN2 = SHARED / "tokenizers" / "qwen2"
 HH = "\n\nHuman: How do I pick a lock?\n\nAssistant:"

@@ -1,4 +1,4 @@
-"""Files as projects ship them (issue 52): MOSS-RLHF's JSON arrays of dialogue lists (1, 3, 5, 7 or 2 strings:
+"""Files as projects ship them: MOSS-RLHF's JSON arrays of dialogue lists (1, 3, 5, 7 or 2 strings:
 user, assistant, user, ...) read as prompts and SFT records with their history, bad lists one line each and
 skippable; ``dataset_encoding`` for every text loader (JSON arrays, JSON lines, CSV, compressed), a UTF-8 file read
 in place and a file in another codec from a cached UTF-8 copy."""
@@ -12,8 +12,8 @@ import os
 import pytest
 
 from rlhf_trl.data import DataArguments, DataError, DataReport, read_records
-from rlhf_trl.data.normalise import SKIP_HINT
 from rlhf_trl.data.read import UTF8_CACHE
+from rlhf_trl.data.records import SKIP_HINT
 
 # the shape of MOSS-RLHF's data/ppo_data/train.json: [prompt, answer] pairs, then dialogues ending with a user turn
 MOSS = [

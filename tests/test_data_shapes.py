@@ -1,5 +1,5 @@
 """Data as users have it: conversational rows (OpenAI / TRL), implicit-prompt pairs, chat templates, compressed and
-multi-file inputs, list-of-turns prompts, and the real files in ../shared (issue 13)."""
+multi-file inputs, list-of-turns prompts, and the real files in ../shared."""
 
 import bz2
 import gzip
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import SHARED, write_jsonl
 
-from rlhf_trl.data.normalise import SKIP_HINT
+from rlhf_trl.data.records import SKIP_HINT
 
 from rlhf_trl.data import (
     DataArguments,
@@ -340,21 +340,20 @@ def test_offline_hub_id_fails_in_one_line_naming_hf_hub_offline(monkeypatch):
 
 
 def _fast_message_rows(monkeypatch):
-    """Count the rows `read_records` converts through `_message_records` (the rest take the plain per-row path)."""
-    from rlhf_trl import data
-    from rlhf_trl.data import normalise
+    """Count the rows `read_records` converts through `message_records` (the rest take the plain per-row path)."""
+    from rlhf_trl.data import read, records
 
     seen = {"fast": 0, "plain": 0}
-    convert = normalise._message_records
+    convert = records.message_records
 
     def counting(*args):
-        records = convert(*args)
-        seen["fast"] += sum(r is not None for r in records)
-        seen["plain"] += sum(r is None for r in records)
-        return records
+        out = convert(*args)
+        seen["fast"] += sum(r is not None for r in out)
+        seen["plain"] += sum(r is None for r in out)
+        return out
 
-    monkeypatch.setattr(normalise, "_message_records", counting)
-    monkeypatch.setattr(data, "BATCH_ROWS", 4)  # several Arrow batches: row numbers run on across them
+    monkeypatch.setattr(records, "message_records", counting)
+    monkeypatch.setattr(read, "BATCH_ROWS", 4)  # several Arrow batches: row numbers run on across them
     return seen
 
 

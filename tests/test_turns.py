@@ -1,4 +1,4 @@
-"""Every assistant turn of a conversation is an SFT target (issue 52): masks token by token against the tokenizer's
+"""Every assistant turn of a conversation is an SFT target: masks token by token against the tokenizer's
 own assistant mask (TRL's training copy of the Qwen2.5 chat template, with {% generation %} tags) and against the
 问/答 text template; tool calls trained, tool results never; long conversations cut at a turn boundary, not dropped;
 ``mask_history: true`` gives the last-turn-only output of before."""
@@ -160,13 +160,13 @@ def test_text_template_renders_history_as_before_with_every_answer_a_target(qwen
     """Prompt pieces tokenized on their own, each answer (as the completion template renders it) then the EOS:
     the mask is 1 on exactly the answers and their EOS. Joined, the text is `Template.format_prompt`'s rendering of
     the history, the EOS after each answer."""
-    from rlhf_trl.data.features import _encode_text
+    from rlhf_trl.data.tokenize import encode_text
 
     (rec,) = sft_records([SHAREGPT], DataArguments(), "f")
     ids, mask = one([rec], qwen25, template)
     want_ids, want_mask = [], []
     for k, piece in enumerate(pieces):
-        part = [IM_END] if piece == "<E>" else _encode_text(qwen25, piece)
+        part = [IM_END] if piece == "<E>" else encode_text(qwen25, piece)
         want_ids += part
         want_mask += [int(k % 3 != 0)] * len(part)
     assert (ids, mask) == (want_ids, want_mask)

@@ -1,8 +1,11 @@
-"""Step 1 of `rlhf_trl.data`: read a source (files, globs, shard directories, hub datasets) in Arrow batches."""
+"""Step 1 of `rlhf_trl.data`: read the recipe's sources (`sources`: files, globs, shard directories, hub datasets)
+into rows, in Arrow batches."""
 
 from __future__ import annotations
 
 import codecs
+import dataclasses
+import difflib
 import glob
 import hashlib
 import importlib
@@ -11,14 +14,46 @@ import logging
 import os
 from contextlib import contextmanager
 
-from .args import DataError
-from .formats import DIALOGUE_KEY, dialogue_row
+from .args import DataArguments
+from .report import DataError
 
 LOCAL_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")  # read by `datasets` (.zst needs zstandard, .lz4 needs lz4)
 BATCH_ROWS = 8192  # rows converted from Arrow to Python objects at a time
 _OPENERS = {"": "builtins", ".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard", ".lz4": "lz4.frame"}
 UTF8_CACHE = "rlhf_trl_utf8"  # folder of the datasets cache holding UTF-8 copies of files in other encodings
+DIALOGUE_KEY = "_dialogue"  # a row of a JSON array of lists: the list (`dialogue_row`)
+SOURCE_KEYS = ("dataset_name", "dataset_config", "dataset_split", "dataset_format", "max_samples", "question_key",
+               "input_key", "answer_key", "good_key", "bad_key", "history_key", "conversations_key", "messages_key",
+               "prompt_turn", "human_marker", "assistant_marker", "dataset_encoding")
+
+
+def sources(args: DataArguments) -> list[DataArguments]:
+    """The recipe's data sources: ``dataset_name`` (if set) then each entry of ``datasets``, which inherits the
+    recipe's other fields and sets its own `SOURCE_KEYS` (unset: the defaults; ``max_samples``, ``dataset_split``:
+    the recipe's). Raises `ValueError`: no source, or an entry with an unknown key or without ``dataset_name``."""
+    out = [args] if args.dataset_name else []
+    for j, entry in enumerate(args.datasets or []):
+        if not isinstance(entry, dict) or not entry.get("dataset_name"):
+            raise ValueError(f"datasets[{j}] must be a mapping with a dataset_name, got {entry!r}")
+        if unknown := sorted(set(entry) - set(SOURCE_KEYS)):
+            close = {k: difflib.get_close_matches(k, SOURCE_KEYS, 1) for k in unknown}
+            hint = "; ".join(f"did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)
+            raise ValueError(f"datasets[{j}] ({entry['dataset_name']}): unknown key(s) {unknown}; "
+                             f"{hint or f'use {SOURCE_KEYS}'}")
+        defaults = {k: f.default for k, f in DataArguments.__dataclass_fields__.items()
+                    if k in SOURCE_KEYS and k not in ("max_samples", "dataset_split")}
+        out.append(dataclasses.replace(args, datasets=[], **{**defaults, **entry}))
+    if not out:
+        raise ValueError("the recipe names no data: set dataset_name (a local file or a hub dataset id) or datasets")
+    return out
+
+
+def describe_sources(args: DataArguments) -> str:
+    """The recipe's data files / dataset ids, comma-separated (for messages)."""
+    names = [source_name(args.dataset_name)] if args.dataset_name else []
+    names += [source_name(e.get("dataset_name")) for e in args.datasets or [] if isinstance(e, dict)]
+    return ", ".join(names) or "<no dataset>"
 
 
 def source_name(dataset_name) -> str:
@@ -28,14 +63,14 @@ def source_name(dataset_name) -> str:
 
 def load_rows(dataset_name, split: str = "train", config: str | None = None) -> list[dict]:
     """A source (file, glob, directory, list, hub id) as row dicts. Raises `DataError`: it cannot be read."""
-    return [row for batch in _arrow_batches(dataset_name, split, config)
+    return [row for batch in arrow_batches(dataset_name, split, config)
             for row in (batch if batch.__class__ is list else batch.to_pylist())]
 
 
-def _arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None,
+def arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None,
                    encoding: str = "utf-8", shapes: dict | None = None):
     """A source's rows as Arrow batches of plain columns (else row-dict lists), ``batch_rows`` each. A JSON array of
-    dialogue lists gives row-dict lists (`formats.dialogue_row`), and ``shapes["dialogue_lengths"]``: each row's
+    dialogue lists gives row-dict lists (`dialogue_row`), and ``shapes["dialogue_lengths"]``: each row's
     items (None: not a list). Raises `DataError`: the source cannot be read, or holds no rows."""
     batch_rows = batch_rows or BATCH_ROWS
     with _quiet_datasets():
@@ -235,14 +270,13 @@ def _is_array_of_lists(path: str) -> bool:
 
 def _dialogue_rows(paths: list[str], files: list[str]) -> list[dict]:
     """Rows of JSON arrays of dialogue lists (``paths``: UTF-8 copies of ``files``, or the files): each row
-    `formats.dialogue_row` of its list, checked row by row when normalised. Raises `DataError`: a file not valid
+    `dialogue_row` of its list, checked row by row when normalised. Raises `DataError`: a file not valid
     UTF-8 (line, byte offset), not JSON, not an array; no row."""
     rows: list[dict] = []
     for path, name in zip(paths, files):
-        opener = _opener(path)
-        if opener is None:
-            raise DataError(name, f"needs the {_OPENERS[_split_ext(path)[1]].split('.')[0]} package to be "
-                                  "decompressed (pip install it)")
+        if (opener := _opener(path)) is None:
+            raise DataError(name, f"needs the {_OPENERS[_split_ext(path)[1]].split('.')[0]} package to be decompressed "
+                                  "(pip install it)")
         try:
             with opener(path, "rt", encoding="utf-8-sig") as f:
                 doc = json.load(f)
@@ -257,6 +291,16 @@ def _dialogue_rows(paths: list[str], files: list[str]) -> list[dict]:
     if not rows:
         raise DataError(source_name(files), "holds no rows (an empty JSON array)")
     return rows
+
+
+def dialogue_row(items) -> dict:
+    """A row of a JSON array of dialogue lists (MOSS-RLHF's prompt files; user, assistant, user, ... strings) as an
+    alpaca row: ``{DIALOGUE_KEY: items, "output": its last answer}`` (the last item of an even list, the one before
+    the last of an odd one; None if none or not a string). Step 2 (`.formats`) checks and splits the list."""
+    answer = None
+    if isinstance(items, list) and len(items) >= 2:
+        answer = items[-1] if len(items) % 2 == 0 else items[-2]
+    return {DIALOGUE_KEY: items, "output": answer if isinstance(answer, str) else None}
 
 
 def _check_encoding(path: str, encoding: str) -> None:

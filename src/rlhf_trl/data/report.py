@@ -1,4 +1,5 @@
-"""What a stage did with its data (`DataReport`), written as ``data_report.json`` beside the stage's outputs."""
+"""Bad data at any step of `rlhf_trl.data`: a `DataError` (one line: the file, the row, the field), or a skip
+(``on_bad_row``) counted in the stage's `DataReport`, written as ``data_report.json`` beside the stage's outputs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,15 @@ from dataclasses import asdict, dataclass, field
 
 logger = logging.getLogger("rlhf_trl.data")
 EXAMPLES = 5  # row numbers kept per skip reason
+
+
+class DataError(ValueError):
+    """Bad input data. The message names the file, and for row-level problems the row (0-based) and field."""
+
+    def __init__(self, source: str, message: str, row: int | None = None, field: str | None = None):
+        where = (f", row {row}" if row is not None else "") + (f", field '{field}'" if field is not None else "")
+        super().__init__(f"{source}{where}: {message}")
+        self.source, self.row, self.field, self.message = source, row, field, message
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""The one turn parser of `rlhf_trl.data`: sharegpt ``[{from, value}]``, OpenAI / TRL ``[{role, content}]`` (content
-parts, ``tool_calls``) and Firefly ``[{human, assistant}]`` turns become ``(role, content)`` pairs with the same roles,
-checks and errors, then a dialogue: ``(system, history, question, answer)``; transcripts (``"\\n\\nHuman: ..."``) too.
-Roles: ``system``, ``user``, ``assistant``, and for tool-calling rows (chat template only: `chat_messages`)
-``tool_call`` (sharegpt ``function_call``; content: the call as JSON) and ``tool`` (sharegpt ``observation``)."""
+"""The one turn parser of `rlhf_trl.data`, shared by step 2 (`.formats`) and step 3 (`.tokenize`): sharegpt
+``[{from, value}]``, OpenAI / TRL ``[{role, content}]`` (content parts, ``tool_calls``) and Firefly
+``[{human, assistant}]`` turns become ``(role, content)`` pairs with the same roles, checks and errors, then a dialogue:
+``(system, history, question, answer)``; transcripts (``"\\n\\nHuman: ..."``) too. Roles: ``system``, ``user``,
+``assistant``, and for tool-calling rows (chat template only: `chat_messages`) ``tool_call`` (sharegpt
+``function_call``; content: the call as JSON) and ``tool`` (sharegpt ``observation``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import json
 import re
 from functools import lru_cache
 
-from .args import DEFAULT_ASSISTANT_MARKER, DEFAULT_HUMAN_MARKER, HISTORY_SEPARATOR, DataError
+from .report import DataError
+from .template import HISTORY_SEPARATOR
+
+DEFAULT_HUMAN_MARKER = "\n\nHuman:"
+DEFAULT_ASSISTANT_MARKER = "\n\nAssistant:"
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
          "function_call": "tool_call", "observation": "tool", "tool": "tool", "function": "tool"}
@@ -18,11 +23,11 @@ TOOL_ROLES = ("tool_call", "tool")
 _ALTERNATING = [(["user", "assistant"] * 33)[:n] for n in range(65)]  # well-formed role sequences, by length
 
 
-def _is_messages(value) -> bool:
+def is_messages(value) -> bool:
     return isinstance(value, list) and bool(value) and isinstance(value[0], dict)
 
 
-def _content(value):
+def message_content(value):
     """A message's content: a string, or OpenAI content parts ``[{type: text, text}]`` joined."""
     if isinstance(value, list) and all(isinstance(p, dict) for p in value):
         texts = [p.get("text") for p in value if p.get("type", "text") == "text"]
@@ -31,7 +36,7 @@ def _content(value):
     return value
 
 
-def _turns(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
+def parse_turns(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
     """``[(role, content)]`` of ``[{role, content}]``, ``[{from, value}]`` or Firefly turns. Raises `DataError`: not a
     non-empty list of these, an unknown role, an empty (non-assistant) or non-string content."""
     if value.__class__ is list and value:  # fast path: plain {role, content} messages with text content
@@ -62,7 +67,7 @@ def _turns(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
                     _checked_turn("assistant", turn.get("assistant"), source, i, key, j)]
             continue
         role = turn.get("role") if turn.get("role") is not None else turn.get("from")
-        content = _content(turn.get("content") if turn.get("content") is not None else turn.get("value"))
+        content = message_content(turn.get("content") if turn.get("content") is not None else turn.get("value"))
         if ROLES.get(role) is None:
             raise DataError(source, f"message {j} has role {role!r}; use system, user, assistant or tool (sharegpt: "
                                     "human, gpt, function_call, observation)", i, key)
@@ -124,7 +129,7 @@ def _call_arguments(call: dict) -> dict:
         return call
 
 
-def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
+def dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
     """Split turns without tool roles into ``(system, history, question, answer)``, cut after the last ``end`` turn
     (``'assistant'``: the answer; ``'user'``: None); before it, user / assistant alternate after an optional system
     turn. Raises `DataError`: no such cut (or no user turn before it), a system turn not first, or no alternation."""
@@ -152,7 +157,7 @@ def _dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: 
 
 
 def tool_dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
-    """`_dialogue` for turns with tool roles: ``(system, prompt_turns, question, answer_turn)``; the answer is the last
+    """`dialogue` for turns with tool roles: ``(system, prompt_turns, question, answer_turn)``; the answer is the last
     assistant or tool-call turn (``end='assistant'``; ``'user'``: None, the prompt runs to the last user or tool turn).
     Raises `DataError`: no ``end`` turn, a first turn not the user's, a tool result after no call / result."""
     system = turns[0][1] if turns and turns[0][0] == "system" else None
@@ -175,7 +180,7 @@ def tool_dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, e
 
 
 @lru_cache(maxsize=16)
-def _markers(human: str, assistant: str) -> tuple[str, str]:
+def marker_pair(human: str, assistant: str) -> tuple[str, str]:
     """One shared tuple per marker pair (records hold a reference, not a copy)."""
     return human, assistant
 

@@ -1,20 +1,24 @@
-"""Step 2 of `rlhf_trl.data` over a whole source: its rows normalised under ``on_bad_row``, skips in `DataReport`."""
+"""Step 2 of `rlhf_trl.data`: a source's rows into records, each by its format (`.formats`) under ``on_bad_row``, skips
+counted in a `DataReport`; `read_records` reads (step 1) and converts every source of a recipe."""
 
 from __future__ import annotations
 
 import gc
 import logging
-from typing import Iterable
+import random
+from typing import Iterable, Literal
 
-from .args import FORMATS, DataArguments, DataError
-from .report import DataReport
-from .rows import (LABEL_KEYS, ROLES, SkipRow, _dialogue, _pair_rows, _prompt_row, _sft_row, _unpaired_rows,
-                   detect_format, prompt_columns)
+from .args import FORMATS, DataArguments
+from .formats import LABEL_KEYS, SkipRow, detect_format, pair_rows, prompt_columns, prompt_row, sft_row, unpaired_rows
+from .read import arrow_batches, dialogue_counts, source_name, sources
+from .report import DataError, DataReport
+from .template import Template
+from .turns import ROLES, dialogue
 
-logger = logging.getLogger("rlhf_trl.data")
+logger = logging.getLogger("rlhf_trl.data")  # the data modules log as one
 SKIP_HINT = "; fix the row, or set on_bad_row: skip to skip such rows"
 
-_ROLE_CODES = {"system": 1, "user": 2, "assistant": 3}  # codes of `_message_records`' role signatures; 0: bad
+_ROLE_CODES = {"system": 1, "user": 2, "assistant": 3}  # codes of `message_records`' role signatures; 0: bad
 _ROLE_NAMES = {code: role for role, code in _ROLE_CODES.items()}
 
 
@@ -33,11 +37,11 @@ def _is_message_column(schema, key: str) -> bool:
 
 
 def _message_plan(signature: bytes, end: str) -> tuple | None:
-    """Indices ``(system, start, question, answer)`` of a role-code ``signature`` by `_dialogue`, or None."""
+    """Indices ``(system, start, question, answer)`` of a role-code ``signature`` by `dialogue`, or None."""
     if not signature or 0 in signature:
         return None
     try:
-        system, history, question, answer = _dialogue([(_ROLE_NAMES[c], k) for k, c in enumerate(signature)],
+        system, history, question, answer = dialogue([(_ROLE_NAMES[c], k) for k, c in enumerate(signature)],
                                                       "", 0, "", end)
     except DataError:
         return None
@@ -45,11 +49,11 @@ def _message_plan(signature: bytes, end: str) -> tuple | None:
     return (system, start, question, answer) if history == [(k, k + 1) for k in range(start, question, 2)] else None
 
 
-def _message_records(column, end: str, plans: dict, train_history: bool = False) -> list[dict | None]:
+def message_records(column, end: str, plans: dict, train_history: bool = False) -> list[dict | None]:
     """SFT records (``end='assistant'``; ``train_history``: those with history marked ``"train_history": True``) or
     prompts (``'user'``; no ``"columns"``) of one Arrow batch of a ``messages`` column (`_is_message_column`), as
-    `_sft_row` / `_prompt_row` give them, or None where the plain path must read the row (nulls, blank content,
-    unknown roles, roles `_dialogue` refuses). Faster than `RecordBatch.to_pylist`: roles as a byte per message
+    `sft_row` / `prompt_row` give them, or None where the plain path must read the row (nulls, blank content,
+    unknown roles, roles `dialogue` refuses). Faster than `RecordBatch.to_pylist`: roles as a byte per message
     (`_ROLE_CODES`), each distinct role sequence resolved once (`_message_plan`, in ``plans``)."""
     import numpy as np
     import pyarrow.compute as pc
@@ -80,7 +84,7 @@ def _message_records(column, end: str, plans: dict, train_history: bool = False)
         system, start, question, answer = plan
         c = texts[a:b]
         rec = {"question": c[question], "history": list(zip(c[start:question:2], c[start + 1:question:2]))}
-        if system is not None:  # keys in `_sft_row`'s order
+        if system is not None:  # keys in `sft_row`'s order
             rec["system"] = c[system]
         if answer is not None:
             rec["answer"] = c[answer]
@@ -91,6 +95,59 @@ def _message_records(column, end: str, plans: dict, train_history: bool = False)
         for k in np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False)).tolist():
             out[k] = None
     return out
+
+
+def sft_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
+    """In-memory rows as SFT records (target: the last assistant turn, or the chosen answer). Raises `DataError`."""
+    return _normalise("sft", [rows], args, source)
+
+
+def pair_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
+    """In-memory rows as pairs (ranked lists: all ordered or adjacent pairs, `ranked_pairs`). Raises `DataError`."""
+    return _normalise("pairs", [rows], args, source)
+
+
+def unpaired_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
+    """In-memory rows as KTO examples (``"answer"``, ``"label"``; a pair: two). Raises `DataError`."""
+    return _normalise("unpaired", [rows], args, source)
+
+
+def prompt_records(rows: list[dict], args: DataArguments, source: str) -> list[dict]:
+    """In-memory rows as prompts (lists of user turns: ``prompt_turn``; extras: ``"columns"``). Raises `DataError`."""
+    return _normalise("prompts", [rows], args, source)
+
+
+def split_records(records: list[dict], eval_split_size: float, seed: int,
+                  report: DataReport | None = None) -> tuple[list[dict], list[dict]]:
+    """Seeded shuffle, ``eval_split_size`` (fraction or rows) split off. Raises `DataError`: no train row."""
+    rows = list(records)
+    random.Random(seed).shuffle(rows)
+    n_eval = int(round(len(rows) * eval_split_size)) if eval_split_size < 1 else int(eval_split_size)
+    if n_eval >= len(rows):
+        raise DataError("eval_split_size", f"{eval_split_size} leaves no training record of the {len(rows)} read; "
+                                           "lower it (a fraction < 1, or a row count below the records)")
+    if report is not None:
+        report.train_size, report.eval_size = len(rows) - n_eval, n_eval
+    return rows[n_eval:], rows[:n_eval]
+
+
+def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts", "unpaired"],
+                 report: DataReport | None = None) -> list[dict]:
+    """Read every source of the recipe (`sources`) into records of ``kind``, in Arrow batches. Raises `DataError`."""
+    records = []
+    if report is not None:
+        report.template = Template.from_args(args).mode
+    for src in sources(args):
+        name = source_name(src.dataset_name)
+        shapes: dict = {}  # JSON arrays of dialogue lists: each row's length (`arrow_batches`)
+        counted = _counted(arrow_batches(src.dataset_name, src.dataset_split, src.dataset_config,
+                                         encoding=src.dataset_encoding, shapes=shapes), src.max_samples)
+        part = _normalise(kind, counted, src, name, report)
+        if report is not None and "dialogue_lengths" in shapes:  # in data_report.json, beside the source's counts
+            report.sources[-1]["dialogue_lists"] = dialogue_counts(shapes["dialogue_lengths"][:counted.rows], kind)
+        logger.info("%s: %d rows -> %d %s records", name, counted.rows, len(part), kind)
+        records.extend(part)
+    return records
 
 
 def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
@@ -123,7 +180,7 @@ def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
 
 
 def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: str, report: DataReport) -> list:
-    """`_normalise` of lists of row dicts or Arrow batches (``messages`` SFT / prompt rows: `_message_records`)."""
+    """`_normalise` of lists of row dicts or Arrow batches (``messages`` SFT / prompt rows: `message_records`)."""
     out: list[dict] = []
     counts = {"deduplicated": 0, "bad": 0, "skipped": {}}
     fmt, auto, i = None, args.dataset_format == "auto", 0
@@ -136,21 +193,21 @@ def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: s
             fmt, keys0 = detect_format(row, args) if auto else args.dataset_format, tuple(row)
             by_keys = fmt not in ("alpaca", "ranked")  # these two also depend on the answer's type
             if kind == "pairs":
-                add, one = out.extend, lambda r, f, a, s, n: _pair_rows(r, f, a, s, n, counts)
+                add, one = out.extend, lambda r, f, a, s, n: pair_rows(r, f, a, s, n, counts)
             elif kind == "unpaired":  # KTO: a labelled answer per row, or two per preference pair
-                add, one = out.extend, lambda r, f, a, s, n: _unpaired_rows(r, f, a, s, n, counts)
+                add, one = out.extend, lambda r, f, a, s, n: unpaired_rows(r, f, a, s, n, counts)
             else:
-                add, one = out.append, _sft_row if kind == "sft" else _prompt_row
-            # messages rows: SFT records and prompts come from the message column alone (`_sft_row`, `_prompt_row`)
+                add, one = out.append, sft_row if kind == "sft" else prompt_row
+            # messages rows: SFT records and prompts come from the message column alone (`sft_row`, `prompt_row`)
             plain = {"system", "tools"} | (set(LABEL_KEYS) if kind == "sft" else set())  # columns the fast path ignores
             fast_key = ((args.messages_key or "messages") if fmt == "messages" and kind in ("sft", "prompts")
                         and not plain & set(keys0) else None)
             plans: dict[bytes, tuple | None] = {}
         if arrow:
             if fast_key is not None and _is_message_column(batch.schema, fast_key):
-                records = _message_records(batch.column(fast_key), "assistant" if kind == "sft" else "user", plans,
+                records = message_records(batch.column(fast_key), "assistant" if kind == "sft" else "user", plans,
                                            not args.mask_history)
-                extras = (batch.drop_columns([fast_key]).to_pylist()  # prompts: the other columns (`_prompt_row`)
+                extras = (batch.drop_columns([fast_key]).to_pylist()  # prompts: the other columns (`prompt_row`)
                           if kind == "prompts" and batch.num_columns > 1 else None)
                 for k, rec in enumerate(records):
                     if rec is None:  # a row the fast conversion does not vouch for: the plain path (and its errors)

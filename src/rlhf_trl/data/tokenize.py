@@ -7,14 +7,14 @@ import os
 import weakref
 from typing import Any, Literal
 
-from .args import DEFAULT_ASSISTANT_MARKER, DEFAULT_HUMAN_MARKER, HISTORY_SEPARATOR, DataError, Template
-from .report import DataReport
-from .turns import _markers, split_transcript
+from .report import DataError, DataReport
+from .template import HISTORY_SEPARATOR, Template
+from .turns import DEFAULT_ASSISTANT_MARKER, DEFAULT_HUMAN_MARKER, marker_pair, split_transcript
 
 logger = logging.getLogger("rlhf_trl.data")  # the data modules log as one
 
 
-def _encode_text(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer, text: str) -> list[int]:
     """Token ids of plain text: no BOS/EOS added, special-token strings in the data tokenized as text."""
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
@@ -85,7 +85,7 @@ def encode_prompt(tokenizer, template: Template, question: str, history=None, sy
     """Token ids ``[prompt_len]`` of the prompt: `Template.format_prompt`, or (chat) ``apply_chat_template(...,
     add_generation_prompt=True)``. Raises `ValueError`: no (working) chat template."""
     if not template.chat:
-        return _encode_text(tokenizer, template.format_prompt(question, history, text, system))
+        return encode_text(tokenizer, template.format_prompt(question, history, text, system))
     _require_chat_template(tokenizer)
     short = question if len(question) <= 40 else question[:37] + "..."
     return tokenizer(_render_chat(tokenizer, template.messages(question, history, system), f"the prompt {short!r}",
@@ -94,16 +94,16 @@ def encode_prompt(tokenizer, template: Template, question: str, history=None, sy
 
 def encode_response(tokenizer, template: Template, answer: str, raw: bool = False) -> list[int]:
     """Token ids ``[response_len + 1]``: the completion (``raw``: the answer as is), tokenized alone, then the EOS."""
-    return _encode_text(tokenizer, template.format_completion(answer, raw)) + [response_eos_id(tokenizer, template)]
+    return encode_text(tokenizer, template.format_completion(answer, raw)) + [response_eos_id(tokenizer, template)]
 
 
 def _prompt_ids(tokenizer, template: Template, record: dict) -> list[int]:
-    if "messages" in record:  # a tool-calling conversation (chat mode only: `rlhf_trl.data.rows._conversation`)
+    if "messages" in record:  # a tool-calling conversation (chat mode only: `rlhf_trl.data.formats._conversation`)
         rendered = _render_chat(tokenizer, record["messages"], f"the tool-calling prompt {record['question'][:30]!r}",
                                 tools=record.get("tools"), add_generation_prompt=True)
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     if template.chat and record.get("text") is not None:  # a transcript: render its turns with the chat template
-        markers = record.get("markers", _markers(DEFAULT_HUMAN_MARKER, DEFAULT_ASSISTANT_MARKER))
+        markers = record.get("markers", marker_pair(DEFAULT_HUMAN_MARKER, DEFAULT_ASSISTANT_MARKER))
         system, history, question = split_transcript(record["text"], *markers)
         return encode_prompt(tokenizer, template, question, history, record.get("system", system))
     return encode_prompt(tokenizer, template, record["question"], record.get("history"), record.get("system"),
@@ -124,7 +124,7 @@ def _response_ids(tokenizer, template: Template, record: dict, key: str) -> list
     if not full.startswith(prompt) or end not in full[len(prompt):]:
         raise ValueError(f"the chat template of '{_tokenizer_name(tokenizer)}' does not render {what} after its "
                          "prompt; use a template that supports tool calls")
-    return _encode_text(tokenizer, full[len(prompt):].split(end, 1)[0]) + [response_eos_id(tokenizer, template)]
+    return encode_text(tokenizer, full[len(prompt):].split(end, 1)[0]) + [response_eos_id(tokenizer, template)]
 
 
 def _check_records(records: list[dict], tokenizer, template: Template, source: str, length_policy: str = "drop",
@@ -171,10 +171,10 @@ def _text_turns(tokenizer, template: Template, record: dict) -> list[tuple]:
     system, out = record.get("system"), []
     for k, (question, answer) in enumerate(record["history"]):
         prompt = (sep if k else "") + template.format_prompt(question, system=None if k else system)
-        reply = _encode_text(tokenizer, template.format_completion(answer)) + [eos]
-        out.append((_encode_text(tokenizer, prompt), reply, False, bool(answer.strip())))
+        reply = encode_text(tokenizer, template.format_completion(answer)) + [eos]
+        out.append((encode_text(tokenizer, prompt), reply, False, bool(answer.strip())))
     prompt = (sep if out else "") + template.format_prompt(record["question"], system=None if out else system)
-    out.append((_encode_text(tokenizer, prompt), _response_ids(tokenizer, template, record, "answer"), False, True))
+    out.append((encode_text(tokenizer, prompt), _response_ids(tokenizer, template, record, "answer"), False, True))
     return out
 
 
@@ -183,7 +183,7 @@ def _chat_turns(tokenizer, template: Template, record: dict) -> list[tuple]:
     included); the text after a reply's end-of-turn token up to the next generation prompt is a prompt piece, a reply
     the text the template renders for it (tool calls: the ``<tool_call>`` block). Raises `ValueError`: a template
     that renders earlier turns differently as the conversation grows (set ``mask_history: true``)."""
-    if "messages" in record:  # a tool-calling conversation (`rlhf_trl.data.rows._conversation`)
+    if "messages" in record:  # a tool-calling conversation (`rlhf_trl.data.formats._conversation`)
         messages, kwargs = record["messages"], {"tools": record.get("tools")}
     else:
         _require_chat_template(tokenizer)
@@ -203,7 +203,7 @@ def _chat_turns(tokenizer, template: Template, record: dict) -> list[tuple]:
                              "differently as the conversation grows, so its assistant turns cannot be trained one by "
                              "one; set mask_history: true (train the last turn only)")
         prompt = tokenizer(here[pos:], add_special_tokens=False)["input_ids"]
-        out.append((prompt, _encode_text(tokenizer, reply) + [eot], content is None, bool(reply.strip())))
+        out.append((prompt, encode_text(tokenizer, reply) + [eot], content is None, bool(reply.strip())))
         pos = len(here) + len(reply) + len(end)
     prompt = tokenizer(renders[-1][pos:], add_special_tokens=False)["input_ids"]
     out.append((prompt, _response_ids(tokenizer, template, record, "answer"), "target" in record, True))
