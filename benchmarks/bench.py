@@ -1,4 +1,4 @@
-"""Benchmark of rlhf_trl (issue 7): wrapper overhead, PPO time breakdown, memory, scaling.
+"""Benchmark of rlhf_trl: wrapper overhead, PPO time breakdown, memory, scaling.
 
 Run: ``make bench`` (or ``python benchmarks/bench.py [--quick] [--output_dir outputs/bench]``). Writes
 ``bench.json`` (every figure), ``bench.md`` (one line per figure) and ``scaling.png`` into ``--output_dir``.
@@ -93,6 +93,8 @@ PPO_MEMORY_LAYOUTS = {
     "trl_default": {"value_use_peft": "false", "share_reward_value_base": "false"},
     "lora_value": {"value_use_peft": "true", "share_reward_value_base": "false"},
     "shared": {"value_use_peft": "true", "share_reward_value_base": "true"},
+    # the value as a head on the policy's backbone (TRL 0.x's layout): no value model at all
+    "value_head": {"value_use_peft": "false", "share_reward_value_base": "false", "value_head": "true"},
 }
 MB = 1024 * 1024
 
@@ -404,13 +406,11 @@ def memory(runner: Runner, paths: dict, mode: dict) -> dict:
     keys = ppo_script_keys()
     layouts = {}
     for name, layout in PPO_MEMORY_LAYOUTS.items():
-        if "share_reward_value_base" not in keys:
-            if layout["share_reward_value_base"] == "true":
-                layouts[name] = {"model_copies": None, "reason": "PPOScriptArguments has no share_reward_value_base "
-                                 "key yet (src/rlhf_trl/ppo.py); layout not run"}
-                log(f"memory ppo {name}: skipped (no share_reward_value_base key)")
-                continue
-            layout = {k: v for k, v in layout.items() if k != "share_reward_value_base"}
+        if missing := [k for k, v in layout.items() if k not in keys and v == "true"]:  # an older checkout
+            layouts[name] = {"model_copies": None, "reason": f"PPOScriptArguments has no {missing} key; layout not run"}
+            log(f"memory ppo {name}: skipped (no {missing} key)")
+            continue
+        layout = {k: v for k, v in layout.items() if k in keys}
         extra = ["--dataset_name", paths["prompts"], "--sft_model_path", base, "--reward_model_path", rm,
                  # one update of 4 episodes in 2 micro-batches (ratio_var needs >= 2 statistics), one PPO epoch:
                  # the optimizer state exists after the first step, so more steps would not raise the peak
@@ -577,11 +577,12 @@ def write_markdown(bench: dict, path: Path) -> None:
         f"{t['ppo_base_weight_copies']}): copies of the base weights PPO holds in the `shared` layout (distinct "
         f"parameter storages of all models at train begin, adapters left out); before/after: trl_default "
         f"{fmt(base.get('trl_default'), '.2f')} -> lora_value {fmt(base.get('lora_value'), '.2f')} -> shared "
-        f"{fmt(base.get('shared'), '.2f')}.",
+        f"{fmt(base.get('shared'), '.2f')}; the value as a head on the policy (`value_head`, no value model) "
+        f"{fmt(base.get('value_head'), '.2f')}.",
         f"- `ppo_model_copies` = **{fmt(bench['ppo_model_copies'], '.2f')}** (target <= {t['ppo_model_copies']}): the "
         f"same as a peak-RSS ratio, (peak RSS - import baseline) / weight bytes; before/after: trl_default "
         f"{fmt(copies.get('trl_default'), '.2f')} -> lora_value {fmt(copies.get('lora_value'), '.2f')} -> shared "
-        f"{fmt(copies.get('shared'), '.2f')}. RSS also counts what training holds besides the weights (LoRA "
+        f"{fmt(copies.get('shared'), '.2f')}; value_head {fmt(copies.get('value_head'), '.2f')}. RSS also counts what training holds besides the weights (LoRA "
         "gradients and AdamW states of policy and value adapters, checkpointed activations, allocator slack: the "
         "anonymous part above), so it sits above the weight count by that much and cannot reach 2.0 with two base "
         "copies; the split above shows the weight pages at ~2 copies.",

@@ -252,3 +252,42 @@ def test_group_methods_on_real_prompts(method, real_sft, real_rm, module_tmp):
     logged = [h for h in json.load(open(out / "log_history.json"))["log_history"] if "rewards/reward_model/mean" in h]
     assert len(logged) == 1 and abs(logged[0]["rewards/reward_model/mean"]) < 100
     assert os.path.isfile(out / "merged" / "model.safetensors") and os.path.isdir(out / "adapter")
+
+
+def real_ppo_argv(real_model, real_rm, out, *extra):
+    """One PPO update (2 x 2 episodes) of the stock directory against the smoke RM, without a value adapter."""
+    return ["--config", str(RECIPES / "ppo.yaml"), "--sft_model_path", real_model, "--reward_model_path",
+            real_rm["merged"], "--output_dir", str(out), "--total_episodes", "4", "--per_device_train_batch_size",
+            "2", "--response_length", "12", "--eval_split_size", "4", "--per_device_eval_batch_size", "2",
+            "--log_samples_every", "0", "--reward_baseline", "0.0", "--report_to", "none", "--save_strategy", "no",
+            "--value_use_peft", "false", "--share_reward_value_base", "false", *extra]
+
+
+def test_value_head_on_the_real_policy(real_model, real_rm, module_tmp):
+    """``value_head: true`` on real weights: no value model is loaded; the head (896 inputs) moved from zero and is
+    saved beside the adapter and the merged policy."""
+    from safetensors.torch import load_file
+
+    from rlhf_trl import ppo
+
+    res = ppo.main(real_ppo_argv(real_model, real_rm, module_tmp("real_ppo_value_head"), "--value_head", "true"))
+    assert res["value_model"] is None
+    for folder in ("adapter", "merged"):
+        head = load_file(os.path.join(res["output_dir"], folder, "value_head.safetensors"))
+        assert head["v_head.summary.weight"].shape == (1, 896) and head["v_head.summary.weight"].abs().sum() > 0
+    log = [h for h in res["trainer"].state.log_history if "loss/value_avg" in h][-1]
+    assert torch.isfinite(torch.tensor(log["loss/value_avg"]))
+
+
+def test_ptx_on_the_real_policy(real_model, real_rm, module_tmp):
+    """PPO-ptx on real weights and real SFT rows: the ptx loss (nats per answer token) is logged and in the range of
+    a pretrained model's SFT loss; every ptx row is counted in data_report.json."""
+    from rlhf_trl import ppo
+
+    data = SHARED / "data" / "zh" / "oaast_sft_zh.json"
+    res = ppo.main(real_ppo_argv(real_model, real_rm, module_tmp("real_ppo_ptx"), "--ptx_dataset", str(data),
+                                 "--ptx_coef", "0.05", "--ptx_max_length", "128"))
+    log = [h for h in res["trainer"].state.log_history if "loss/ptx_avg" in h][-1]
+    assert 0.1 < log["loss/ptx_avg"] < 8.0, log
+    report = json.load(open(os.path.join(res["output_dir"], "data_report.json")))
+    assert "ptx" in json.dumps(report)

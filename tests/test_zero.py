@@ -196,6 +196,29 @@ def test_zero3_ppo_killed_in_a_checkpoint_resumes_exactly(assets, sft_runs, rm_r
     assert os.path.exists(os.path.join(straight, "merged", "model.safetensors"))  # the earlier run is intact
 
 
+def test_zero3_value_head_and_ptx_killed_and_resumed_end_exactly(assets, sft_runs, rm_runs, tmp_path):
+    """The seeds' layout and PPO-ptx under ZeRO-3: the value head's tensors are sharded with the policy's, gathered
+    into ``value_head.safetensors``; a run SIGKILLed in its second checkpoint and resumed ends with the straight run's
+    adapter, merged policy and head, bit for bit (each process's ptx data position is in its data state)."""
+    from safetensors.torch import load_file
+
+    args = [*ppo_args(assets, sft_runs, rm_runs, episodes=64, samples_every=0, auto_baseline=False),
+            "--value_head", "true", "--ptx_dataset", assets["sft"], "--ptx_coef", "0.1"]
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    run("ppo", "zero3", straight, args)
+    proc = run("ppo", "zero3", killed, args, check=False, env={"RLHF_TRL_FAULT": "2:1:kill"})
+    assert proc.returncode != 0 and checkpoints(killed) == [2]
+    run("ppo", "zero3", killed, [*args, "--resume_from_checkpoint", "true"])
+    assert not os.path.exists(os.path.join(straight, "value_model"))
+    head = load_file(os.path.join(straight, "merged", "value_head.safetensors"))
+    assert head["v_head.summary.weight"].shape[0] == 1 and head["v_head.summary.weight"].abs().sum() > 0
+    for name in ("adapter/adapter_model.safetensors", "merged/value_head.safetensors", "merged/model.safetensors",
+                 "checkpoint-4/value_head.safetensors"):
+        assert_equal_tensors(load_file(os.path.join(killed, name)), load_file(os.path.join(straight, name)))
+    logs = json.load(open(os.path.join(straight, "log_history.json")))["log_history"]
+    assert [h["loss/ptx_avg"] > 0 for h in logs if "objective/kl" in h] == [True] * 4
+
+
 @pytest.mark.parametrize("stage", ["dpo", "grpo", "kto"])
 def test_trl_stage3_trainers_under_zero3(stage, assets, sft_runs, rm_runs, tmp_path):
     """DPO, GRPO and KTO (TRL's trainers) under ZeRO-3, 2 processes: they train (the merged policy differs from the SFT

@@ -114,14 +114,20 @@ def atomic_dir(final_path: str):
 
 
 
-def save_pretrained_atomic(model, tokenizer, path: str, files: dict[str, str] | None = None) -> str:
-    """Save a model (safetensors), its tokenizer and ``files`` (name -> text) to ``path`` atomically (`atomic_dir`)."""
+def save_pretrained_atomic(model, tokenizer, path: str, files: dict[str, str] | None = None,
+                           tensors: dict[str, dict] | None = None) -> str:
+    """Save a model (safetensors), its tokenizer, ``files`` (name -> text) and ``tensors`` (name -> safetensors
+    dict, e.g. a value head) to ``path`` atomically (`atomic_dir`)."""
+    from safetensors.torch import save_file
+
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         for name, text in (files or {}).items():
             write_text(os.path.join(tmp, name), text)
+        for name, state in (tensors or {}).items():
+            save_file(state, os.path.join(tmp, name))
     return path
 
 

@@ -1,7 +1,8 @@
 """The embedded demo: build a tiny Qwen2 and a generated Chinese preference task, then run SFT -> RM -> PPO.
 
 Run: ``make demo`` (or ``rlhf-trl demo``). Offline; about 3-5 minutes on 2 CPU cores. ``make demo-compare``
-(``rlhf-trl demo --compare``): SFT -> RM -> {PPO, DPO, GRPO, KTO}, compared in ``outputs/demo/compare/compare.md``.
+(``rlhf-trl demo --compare``): SFT -> RM -> {PPO, PPO with a value head, PPO-ptx, DPO, GRPO, KTO}, compared in
+``outputs/demo/compare/compare.md``.
 1. Assets, cached in ``outputs/demo/assets``: task data (`rlhf_trl.demo_task`), a byte-level BPE tokenizer (Qwen-style
    special tokens, a distinct pad token) and a random-init tiny Qwen2 model.
 2. The stages with ``recipes/demo/{sft,rm,ppo}.yaml``, in this process.
@@ -70,11 +71,19 @@ def sample_responses(model_dir: str, questions: list[str], samples_per_prompt: i
     return tok.batch_decode([ids for ids, _ in out], skip_special_tokens=True)
 
 
+# stage-3 variants of demo-compare: the stage whose recipe they run, with these overrides (assets, output_dir)
+VARIANTS = {
+    "ppo-value-head": lambda assets, out: ("ppo", ["--value_head", "true", "--output_dir", f"{out}/ppo-value-head"]),
+    "ppo-ptx": lambda assets, out: ("ppo", ["--ptx_dataset", assets["sft"], "--ptx_coef", "0.1",
+                                            "--output_dir", f"{out}/ppo-ptx"]),
+}
+
+
 def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo", rebuild: bool = False,
              methods: tuple[str, ...] = ("ppo",)) -> dict:
     """Build the assets, run SFT, RM and ``methods`` (``ppo``, ``dpo``, ``grpo``, ``rloo``, ``kto``; recipes in
-    ``recipes_dir``)
-    and evaluate; returns the summary (``summary.json``; several methods: ``compare/summary.json``, with compare's)."""
+    ``recipes_dir``; or a `VARIANTS` name: PPO with a value head on the policy, PPO-ptx) and evaluate; returns the
+    summary (``summary.json``; several methods: ``compare/summary.json``, with compare's)."""
     from .cli_launch import stage_main
     from .rm import evaluate_pairs
 
@@ -83,7 +92,8 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
     stage_seconds, results = {}, {}
     for name in ("sft", "rm", *methods):
         t0 = time.time()
-        results[name] = stage_main(name)(["--config", os.path.join(recipes_dir, f"{name}.yaml")])
+        stage, extra = VARIANTS[name](paths, output_dir) if name in VARIANTS else (name, [])
+        results[name] = stage_main(stage)(["--config", os.path.join(recipes_dir, f"{stage}.yaml"), *extra])
         stage_seconds[name] = round(time.time() - t0, 1)
         logger.info("demo: %s done in %.0f s", name, stage_seconds[name])
 
@@ -149,10 +159,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output_dir", default="outputs/demo", help="must match the output paths in the recipes")
     p.add_argument("--rebuild", action="store_true", help="rebuild the cached assets (data, tokenizer, base model)")
     p.add_argument("--assets_only", action="store_true", help="only build the assets")
-    p.add_argument("--compare", action="store_true", help="stage 3 as PPO, DPO, GRPO and KTO, compared in one report")
+    p.add_argument("--compare", action="store_true", help="stage 3 as PPO (also with a value head on the "
+                   "policy, and with ptx), DPO, GRPO and KTO, compared in one report")
     args = p.parse_args(argv)
     if args.assets_only:
         return {"output_dir": build_assets(os.path.join(args.output_dir, "assets"), force=args.rebuild)["base_model"]}
-    methods = ("ppo", "dpo", "grpo", "kto") if args.compare else ("ppo",)
+    methods = ("ppo", "ppo-value-head", "ppo-ptx", "dpo", "grpo", "kto") if args.compare else ("ppo",)
     return {"output_dir": os.path.join(args.output_dir, "compare") if args.compare else args.output_dir,
             "summary": run_demo(args.recipes, args.output_dir, args.rebuild, methods)}

@@ -10,10 +10,13 @@ import logging
 import os
 import sys
 
+from safetensors.torch import load_file
+
 from .atomic import save_pretrained_atomic
 from .config import RecipeError, one_line_arguments
 from .models import (StageInputError, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir,
                      resize_for_tokenizer, torch_dtype)
+from .policy_value import VALUE_HEAD_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +102,9 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
     resize_for_tokenizer(model, tokenizer)
     merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().eval()
     card = model_card(adapter_dir, base_path, task_type, tokenizer_src, config)
-    save_pretrained_atomic(merged, tokenizer, output_dir, files={"README.md": card})
+    head = os.path.join(adapter_dir, VALUE_HEAD_FILE)  # a PPO value_head: true run's head goes with its policy
+    tensors = {VALUE_HEAD_FILE: load_file(head)} if os.path.isfile(head) else None
+    save_pretrained_atomic(merged, tokenizer, output_dir, files={"README.md": card}, tensors=tensors)
     logger.info("merged %s (%s) into %s -> %s", adapter_dir, task_type, base_path, output_dir)
     return merged
 

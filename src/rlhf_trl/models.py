@@ -293,14 +293,15 @@ def torch_dtype(name: str | None):
     return name if name in (None, "auto") else getattr(torch, name)
 
 
-def merge_and_save(model, tokenizer, path: str):
-    """Merge LoRA adapters (SEQ_CLS: with ``score``) into the base and save the plain model. Returns it (merged in
-    place), or a QLoRA ``model`` itself (its adapter merged into the base reloaded unquantized on CPU)."""
+def merge_and_save(model, tokenizer, path: str, tensors: dict[str, dict] | None = None):
+    """Merge LoRA adapters (SEQ_CLS: with ``score``) into the base and save the plain model (with ``tensors``,
+    `save_pretrained_atomic`). Returns it (merged in place), or a QLoRA ``model`` itself (its adapter merged into the
+    base reloaded unquantized on CPU)."""
     from peft import PeftModel
 
     if not (isinstance(model, PeftModel) and is_quantized(model)):
         merged = model.merge_and_unload() if isinstance(model, PeftModel) else model
-        save_pretrained_atomic(merged, tokenizer, path)
+        save_pretrained_atomic(merged, tokenizer, path, tensors=tensors)
         return merged
     config = model.peft_config[model.active_adapter]
     kind = "sequence_classifier" if config.task_type == "SEQ_CLS" else "causal_lm"
@@ -313,7 +314,7 @@ def merge_and_save(model, tokenizer, path: str):
         base = _load_model(kind, base_path, dtype, is_baichuan(base_path), allow_pickle=True)
         resize_for_tokenizer(base, tokenizer)
         merged = PeftModel.from_pretrained(base, tmp).merge_and_unload()
-    save_pretrained_atomic(merged, tokenizer, path)
+    save_pretrained_atomic(merged, tokenizer, path, tensors=tensors)
     return model
 
 

@@ -13,6 +13,7 @@ reward model (another tokenizer: the SFT policy; or ``value_model_path``), in fu
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -24,16 +25,20 @@ from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from .atomic import save_pretrained_atomic, write_json
+from safetensors.torch import save_file
+
+from .atomic import atomic_dir, save_pretrained_atomic, write_json
 from .checkpoints import begin_writing, distributed_state, keeps_earlier_run, start_run
 from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
-from .data import DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, split_records
+from .data import (DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, sft_features,
+                   split_records)
 from .models import (BIASING_GENERATION_KEYS, eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer,
                      merge_and_save, peak_memory_mb, recipe_quantization_config, require_model_dir,
                      sampling_generation_config, torch_dtype)
 from .ppo_config import PPOConfig, PPOScriptArguments
 from .ppo_engine import TrainingDivergedError  # noqa: F401 (importable from the stage)
-from .ppo_trainer import AdaptiveKLController, RLHFPPOTrainer, deployable_generation_config  # noqa: F401
+from .policy_value import VALUE_HEAD_FILE, ValueHead
+from .ppo_trainer import AdaptiveKLController, PtxBatches, RLHFPPOTrainer, deployable_generation_config  # noqa: F401
 from .reward_models import (RewardTokens, SharedBaseRewardModel, apply_reward_baseline, calibrate_reward_baseline,
                             require_reward_model, reward_tokens)
 from .rewards import load_reward_functions, reward_columns
@@ -85,6 +90,7 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
                                                            f"{source} ({split} split)", report, split))
                          for rows, split in ((train_records, "train"), (eval_records, "eval")))
     tokens = other_tokenizer(paths, ppo_args, tokenizer, template, {"train": train_records, "eval": eval_records})
+    ptx = ptx_features(data_args, ppo_args, tokenizer, report) if ppo_args.ptx_dataset else None
     if reward_functions is not None or tokens is not None:  # rows index the records (reward functions' columns)
         train_ds = train_ds.add_column("row", list(range(len(train_ds))))
     if tokens is not None:  # the RM's prompt ids of the sample tables' prompts
@@ -99,11 +105,14 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
     out = training_args.output_dir
     if not resume and dist.is_main_process and os.path.exists(os.path.join(out, "samples.jsonl")):
         os.remove(os.path.join(out, "samples.jsonl"))
+    policy = with_policy_adapter(policy, model_args, training_args)
     trainer = RLHFPPOTrainer(
-        args=training_args, processing_class=tokenizer, model=with_policy_adapter(policy, model_args, training_args),
+        args=training_args, processing_class=tokenizer, model=policy,
         ref_model=None,  # with LoRA: the policy with its adapter disabled; else a frozen copy
-        reward_model=reward_model, value_model=value_model, train_dataset=train_ds, eval_dataset=eval_ds,
-        reward_tokens=tokens,
+        reward_model=reward_model, value_model=ValueHead(policy) if ppo_args.value_head else value_model,
+        train_dataset=train_ds, eval_dataset=eval_ds, reward_tokens=tokens, ptx_coef=ppo_args.ptx_coef,
+        ptx_batches=ptx and PtxBatches(ptx, training_args.per_device_train_batch_size, tokenizer.pad_token_id,
+                                       training_args.seed + 7919 * dist.process_index),
         callbacks=callbacks, script_args=ppo_args, eos_token_ids=eos_ids, stock_generation_config=stock_config,
         recipe_configs=(data_args, ppo_args, training_args, model_args, run_args), reward_functions=reward_functions,
         # rows -> {column: [value per row]} of the train records, for the reward functions' keyword columns
@@ -133,10 +142,11 @@ def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_arg
     if training_args.reward_model_path:
         rm_path = require_model_dir(training_args.reward_model_path, "reward model", rm_hint, pickle_ok)
         require_reward_model(rm_path, rm_hint)  # a causal LM or an untrained score head: one line, nothing read yet
-    if not (ppo_args.value_model_path or rm_path):
+    if not (ppo_args.value_model_path or rm_path or ppo_args.value_head):
         raise ValueError("value_model_path: without a reward model the value model needs its own initialization "
                          "(a sequence classifier, or a causal LM directory: its score head starts at random)")
-    value_path = require_model_dir(ppo_args.value_model_path or rm_path, "value model", rm_hint, pickle_ok)
+    value_path = None if ppo_args.value_head else require_model_dir(ppo_args.value_model_path or rm_path,
+                                                                    "value model", rm_hint, pickle_ok)
     if rm_path is None and (ppo_args.share_reward_value_base or ppo_args.reward_baseline_value() is None):
         raise ValueError("share_reward_value_base / reward_baseline auto need a reward model (reward_model_path)")
     if ppo_args.reward_baseline_value() is None and is_deepspeed_zero3_enabled():
@@ -158,6 +168,25 @@ def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_arg
     return {"sft": sft_path, "rm": rm_path, "value": value_path}, reward_functions
 
 
+def ptx_features(data_args: DataArguments, ppo_args: PPOScriptArguments, tokenizer, report: DataReport) -> dict:
+    """PPO-ptx's SFT rows of ``ptx_dataset`` (split ``ptx_split``, all rows; the recipe's template unless
+    ``ptx_prompt_template`` / ``ptx_completion_template``), tokenized as the sft stage does (`sft_features`, at most
+    ``ptx_max_length`` tokens, right-padded later; counts in ``report`` as split ``ptx``). Raises `DataError`."""
+    args = dataclasses.replace(
+        DataArguments(), dataset_name=ppo_args.ptx_dataset, dataset_split=ppo_args.ptx_split,
+        prompt_template=ppo_args.ptx_prompt_template or data_args.prompt_template,
+        completion_template=ppo_args.ptx_completion_template or data_args.completion_template,
+        chat_template=data_args.chat_template, system_prompt=data_args.system_prompt,
+        dataset_encoding=data_args.dataset_encoding, on_bad_row=data_args.on_bad_row)
+    records = read_records(args, "sft", report)
+    features = sft_features(records, tokenizer, Template.from_args(args), ppo_args.ptx_max_length,
+                            f"{describe_sources(args)} (ptx)", args.length_policy, args.max_prompt_length, report,
+                            "ptx")
+    logger.info("ptx: %d SFT rows of %s mixed into PPO (ptx_coef %s)", len(features["input_ids"]),
+                ppo_args.ptx_dataset, ppo_args.ptx_coef)
+    return features
+
+
 def other_tokenizer(paths: dict, ppo_args: PPOScriptArguments, tokenizer, template: Template,
                     records: dict[str, list[dict]]) -> RewardTokens | None:
     """`RewardTokens` (with the RM's prompt ids of ``records``, split -> prompt records) when the reward model has
@@ -173,7 +202,7 @@ def other_tokenizer(paths: dict, ppo_args: PPOScriptArguments, tokenizer, templa
     if ppo_args.value_model_path and os.path.normpath(paths["value"]) == os.path.normpath(paths["rm"]):
         raise ValueError(f"value_model_path: {ppo_args.value_model_path} is the reward model, whose tokenizer is not "
                          "the policy's; remove value_model_path (the value model then starts from the SFT policy)")
-    if not ppo_args.value_model_path:
+    if not (ppo_args.value_model_path or ppo_args.value_head):
         paths["value"] = paths["sft"]
         logger.info("value model: the SFT policy %s with a new score head (the reward model %s has another "
                     "tokenizer; set value_model_path to start it elsewhere)", paths["sft"], paths["rm"])
@@ -185,7 +214,7 @@ def other_tokenizer(paths: dict, ppo_args: PPOScriptArguments, tokenizer, templa
 def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_args: PPOConfig, model_args,
                 pickle_ok: bool, tokens: RewardTokens | None = None):
     """Policy (no adapter yet), reward model (None, or `SharedBaseRewardModel`), value model (``value_use_peft``: own
-    LoRA), EOS ids, the policy's stock generation config; ``tokens``: the reward model reads its own tokenizer's ids
+    LoRA; ``value_head``: None, the head is made on the policy with its adapter), EOS ids, the policy's stock generation config; ``tokens``: the reward model reads its own tokenizer's ids
     (`RewardTokens`). Raises `ValueError`: quantization; a vocabulary smaller than its tokenizer's."""
     remote = ppo_args.trust_remote_code
     dtype = torch.bfloat16 if training_args.bf16 else torch_dtype(model_args.dtype)  # TRL ignores bf16
@@ -198,8 +227,8 @@ def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_a
     policy = load_causal_lm(paths["sft"], dtype, remote, pickle_ok, quantization_config=quant)
     reward_model = paths["rm"] and load_sequence_classifier(paths["rm"], dtype, remote, pickle_ok,
                                                             quantization_config=quant)
-    value_model = reward_model if ppo_args.share_reward_value_base else load_sequence_classifier(
-        paths["value"], dtype, remote, pickle_ok, quantization_config=quant)
+    value_model = reward_model if ppo_args.share_reward_value_base else None if ppo_args.value_head else \
+        load_sequence_classifier(paths["value"], dtype, remote, pickle_ok, quantization_config=quant)
     for name, m in (("policy", policy), ("reward model", reward_model), ("value model", value_model)):
         if m is None:
             continue
@@ -218,7 +247,7 @@ def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_a
             reward_model = SharedBaseRewardModel(value_model)
     if training_args.gradient_checkpointing:  # TRL ignores it
         kwargs = training_args.gradient_checkpointing_kwargs or {"use_reentrant": False}
-        for m in (policy, value_model):
+        for m in (policy, value_model) if value_model is not None else (policy,):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             m.config.use_cache = False
     return policy, reward_model, value_model, eos_ids, stock
@@ -289,18 +318,25 @@ def save_outputs(trainer, tokenizer, stock_config, configs: tuple, report: DataR
     if logs:
         metrics.update({k: v for k, v in logs[-1].items() if isinstance(v, (int, float))})
         metrics["first_scores"] = logs[0]["objective/scores"]
-    result = {"output_dir": out, "merged": os.path.join(out, "merged"), "value_model": os.path.join(out, "value_model"),
-              "metrics": metrics, "trainer": trainer}
+    value_head = isinstance(trainer.unwrapped.value_model, ValueHead)  # saved beside the policy's weights / adapter
+    result = {"output_dir": out, "merged": os.path.join(out, "merged"), "metrics": metrics, "trainer": trainer,
+              "value_model": None if value_head else os.path.join(out, "value_model")}
     if not trainer.accelerator.is_main_process:
         trainer.accelerator.wait_for_everyone()
         return result
     save_recipe(out, *configs)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    head = {VALUE_HEAD_FILE: unwrapped.value_model.head_state()} if value_head else None
     if isinstance(unwrapped.policy, PeftModel):
-        unwrapped.policy.save_pretrained(os.path.join(out, "adapter"))
+        with atomic_dir(os.path.join(out, "adapter")) as tmp:
+            unwrapped.policy.save_pretrained(tmp)
+            for name, tensors in (head or {}).items():
+                save_file(tensors, os.path.join(tmp, name))
     with deployable_generation_config(unwrapped.policy, stock_config):
-        merge_and_save(unwrapped.policy, tokenizer, result["merged"])
-    if isinstance(unwrapped.value_model, PeftModel):
+        merge_and_save(unwrapped.policy, tokenizer, result["merged"], tensors=head)
+    if value_head:
+        result["value_head"] = os.path.join(result["merged"], VALUE_HEAD_FILE)
+    elif isinstance(unwrapped.value_model, PeftModel):
         merge_and_save(unwrapped.value_model, tokenizer, result["value_model"])  # merges in place: training is over
         if ppo_args.share_reward_value_base:
             trainer.reward_model = None  # its weights now hold the merged value model
@@ -310,7 +346,8 @@ def save_outputs(trainer, tokenizer, stock_config, configs: tuple, report: DataR
     write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
     if report is not None:
         report.write(out)
-    logger.info("PPO done: merged policy at %s, value model at %s", result["merged"], result["value_model"])
+    logger.info("PPO done: merged policy at %s, value %s", result["merged"], result.get("value_head") or
+                f"model at {result['value_model']}")
     trainer.accelerator.wait_for_everyone()
     return result
 

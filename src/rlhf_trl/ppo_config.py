@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -115,6 +116,10 @@ class PPOScriptArguments:
                               "the mean RM score of SFT rollouts on reward_baseline_batches calibration batches before "
                               "training.")
     reward_baseline_batches: int = _f(2, "Rollout batches (of per_device_train_batch_size prompts) for 'auto'.")
+    value_head: bool = _f(False, "The value is a linear head (v_head) on the policy's own backbone, trained with "
+                          "vf_coef through the policy's LoRA adapter (or all its weights): TRL 0.x's "
+                          "AutoModelForCausalLMWithValueHead. One backbone fewer in memory; the value loss also moves "
+                          "the policy (lower vf_coef if it hurts). false: a separate value model.")
     value_model_path: str | None = _f(None, "Value model initialization (default: the reward model).")
     value_use_peft: bool = _f(False, "Train the value model through a LoRA adapter; its base stays frozen.")
     value_lora_r: int = _f(16, "LoRA rank of the value model.")
@@ -136,12 +141,33 @@ class PPOScriptArguments:
                                         "each f(prompts, completions, **columns) -> list[float]; added to the reward "
                                         "model's score (or alone without reward_model_path).")
     reward_weights: list[float] | None = _f(None, "Weight of each reward function (default: 1.0 each).")
+    ptx_dataset: str | None = _f(None, "PPO-ptx (InstructGPT): SFT data (any file the sft stage reads) whose SFT loss, "
+                                 "x ptx_coef, is added to every PPO micro-batch's loss: limits the alignment tax. "
+                                 "None: off.")
+    ptx_coef: float | None = _f(None, "Weight of the ptx SFT loss (nats per token) against the PPO loss (default 0.05 "
+                                "with ptx_dataset, as OpenRLHF).")
+    ptx_split: str = _f("train", "Split of ptx_dataset to read (all its rows are used: none is held out).")
+    ptx_prompt_template: str | None = _f(None, "Prompt template of ptx_dataset (default: the recipe's prompt_template).")
+    ptx_completion_template: str | None = _f(None, "Completion template of ptx_dataset (default: the recipe's).")
+    ptx_max_length: int = _f(512, "Tokens per ptx row (longer rows: dropped, or cut as the sft stage's "
+                             "length_policy says; counted in data_report.json).")
 
     def __post_init__(self):
         if self.kl_target is not None and (self.kl_target <= 0 or self.kl_horizon <= 0):
             raise ValueError(f"kl_target and kl_horizon must be positive, got {self.kl_target} and {self.kl_horizon}")
         if self.reward_baseline_value() is None and str(self.reward_baseline).strip().lower() != "auto":
             raise ValueError(f"reward_baseline must be a number or 'auto', got {self.reward_baseline!r}")
+        if self.value_head and (self.value_model_path or self.value_use_peft or self.share_reward_value_base):
+            key = next(k for k in ("value_model_path", "value_use_peft", "share_reward_value_base") if getattr(self, k))
+            raise ValueError(f"value_head: true puts the value on the policy's backbone, so there is no separate value "
+                             f"model for {key}; remove {key} (or set value_head: false)")
+        if self.ptx_coef is not None and not self.ptx_dataset:
+            raise ValueError("ptx_coef is set without ptx_dataset: name the SFT data to mix in (ptx_dataset), or remove "
+                             "ptx_coef")
+        if self.ptx_dataset and self.ptx_coef is None:
+            self.ptx_coef = 0.05
+        if self.ptx_coef is not None and not (math.isfinite(self.ptx_coef) and self.ptx_coef > 0):
+            raise ValueError(f"ptx_coef must be a positive number, got {self.ptx_coef}")
         if self.share_reward_value_base and not self.value_use_peft:
             raise ValueError("share_reward_value_base: true needs value_use_peft: true (the value model is a LoRA "
                              "adapter on the reward model's weights)")

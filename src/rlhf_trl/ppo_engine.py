@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, Trainer, TrainerControl, TrainerState
@@ -25,7 +27,9 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prin
 from . import ppo_math as pm
 from .ppo_config import PPOConfig, sampling_config
 from .reward_models import OFFLOAD_PREFIX, OffloadedWeights
-from .scoring import eos_mask, generate_rollouts, response_logprobs, response_values, sequence_scores, truncate_at_eos
+from .policy_value import VALUE_HEAD_FILE, ValueHead
+from .scoring import (eos_mask, generate_rollouts, response_hidden, response_logprobs, response_values,
+                      sequence_scores, sft_loss, truncate_at_eos)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -40,7 +44,8 @@ class OnlineTrainerState(TrainerState):
 
 
 class PolicyAndValue(nn.Module):
-    """Policy and value model as one module: one ``accelerator.prepare`` and one forward (the wrapper's) for both."""
+    """Policy and value model (or the policy's `ValueHead`) as one module: one ``accelerator.prepare`` and one forward
+    (the wrapper's) for both."""
 
     def __init__(self, policy, value_model):
         super().__init__()
@@ -48,11 +53,19 @@ class PolicyAndValue(nn.Module):
         self.value_model = value_model
 
     def forward(self, query_responses: torch.Tensor, context_length: int, pad_token_id: int, temperature: float,
-                chunk_size: int):
-        """``[b, T]`` ids -> ``(logprobs, entropy, values)``, each ``[b, R]`` (entropy without gradient)."""
+                chunk_size: int, ptx: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``[b, T]`` ids -> ``(logprobs, entropy, values, ptx_loss)``, each ``[b, R]`` (entropy without gradient; a
+        `ValueHead` reads the policy's own hidden states: one backbone pass); ``ptx``: ``(input_ids [p, L],
+        completion_mask [p, L])`` of SFT data -> ptx_loss, `scoring.sft_loss` (else None)."""
+        hidden = None
+        if isinstance(self.value_model, ValueHead):
+            hidden = response_hidden(self.value_model.score_parts()[0], query_responses, context_length, pad_token_id)
         logprobs, entropy = response_logprobs(self.policy, query_responses, context_length, pad_token_id,
-                                              temperature, chunk_size, with_entropy=True)
-        return logprobs, entropy, response_values(self.value_model, query_responses, context_length, pad_token_id)
+                                              temperature, chunk_size, with_entropy=True, hidden=hidden)
+        values = (self.value_model.summary(hidden).squeeze(-1) if hidden is not None else
+                  response_values(self.value_model, query_responses, context_length, pad_token_id))
+        ptx_loss = None if ptx is None else sft_loss(self.policy, *ptx, pad_token_id, chunk_size)
+        return logprobs, entropy, values, ptx_loss
 
 
 def _fp32(accelerator):
@@ -72,7 +85,7 @@ class PPOEngine(Trainer):
     def __init__(self, args: PPOConfig, processing_class, model, ref_model, reward_model, train_dataset,
                  value_model, data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None,
                  eos_token_ids: list[int] | None = None, reward_functions=None, reward_columns=None,
-                 reward_tokens=None):
+                 reward_tokens=None, ptx_batches=None, ptx_coef: float = 0.0):
         from trl.trainer.utils import disable_dropout_in_model
 
         if ref_model is not None and ref_model is model:
@@ -87,6 +100,8 @@ class PPOEngine(Trainer):
         self.ref_model, self.reward_model, self.value_model = ref_model, reward_model, value_model
         self.reward_functions, self.reward_columns = reward_functions, reward_columns
         self.reward_tokens = reward_tokens  # a reward model of another tokenizer: `reward_models.RewardTokens`
+        self.value_head = isinstance(value_model, ValueHead)  # the value on the policy's backbone
+        self.ptx_batches, self.ptx_coef = ptx_batches, ptx_coef  # PPO-ptx: SFT micro-batches (`PtxBatches`)
         self.train_dataset, self.eval_dataset, self.train_dataset_len = train_dataset, eval_dataset, len(train_dataset)
         self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
         self.optimizer, self.lr_scheduler = optimizers
@@ -108,13 +123,17 @@ class PPOEngine(Trainer):
         args = self.args
         if args.total_episodes is None:
             args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
-        self.accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
-        args.world_size = self.accelerator.num_processes
         args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches  # divides: `check_config`
+        # one optimizer step per mini-batch, always: accumulate over its micro-batches only, and never step early at
+        # the end of a pass over the prompts (TRL 1.12 synced there, stepping once per micro-batch in that update)
+        self.accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=math.ceil(args.local_mini_batch_size / args.per_device_train_batch_size),
+            sync_with_dataloader=False))
+        args.world_size = self.accelerator.num_processes
         args.micro_batch_size = args.per_device_train_batch_size * args.world_size
         args.batch_size = args.local_batch_size * args.world_size
-        args.mini_batch_size = args.batch_size // args.num_mini_batches  # divides: `check_config`
-        args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches
+        args.mini_batch_size = args.batch_size // args.num_mini_batches
         args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
         self.local_seed = args.seed + self.accelerator.process_index * 100003
         self.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
@@ -156,7 +175,8 @@ class PPOEngine(Trainer):
         # one process, no wrapper: policy and value losses back-propagated one after the other (`losses`)
         self.split_backward = isinstance(self.model, PolicyAndValue)
         self.single_value_forward = (args.single_value_forward and self.split_backward and args.num_ppo_epochs == 1
-                                     and args.num_mini_batches == 1 and not args.whiten_rewards)
+                                     and args.num_mini_batches == 1 and not args.whiten_rewards
+                                     and not self.value_head)  # a value head's step would move the policy too
 
     def _offload_reward_model(self) -> OffloadedWeights | None:
         """``offload_reward_model``: the reward model's weights to ``output_dir/.tmp-offload-*`` between uses."""
@@ -310,12 +330,12 @@ class PPOEngine(Trainer):
         context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
         shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
         stats = {k: torch.zeros(shape, device=acc.device) for k in
-                 ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+                 ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio", "ptx_loss")}
         self.model.train()
         for epoch in range(args.num_ppo_epochs):
             for mb, k, idx in self.micro_batches(orders[epoch]):
                 with acc.accumulate(self.model):
-                    pg, vf, entropy = self.losses(ro, adv, idx, context, value=value_stats is None)
+                    pg, vf, entropy, ptx = self.losses(ro, adv, idx, context, value=value_stats is None)
                     self.optimizer.step()
                     self.optimizer.zero_grad()
                 vf = vf if value_stats is None else value_stats[k]
@@ -324,15 +344,20 @@ class PPOEngine(Trainer):
                 stats["pg_loss"][at], stats["vf_loss"][at] = pg["loss"].detach(), vf["loss"].detach()
                 stats["vf_clipfrac"][at], stats["ratio"][at] = vf["clipfrac"], pg["ratio"]
                 stats["entropy"][at] = entropy.mean()
+                if ptx is not None:
+                    stats["ptx_loss"][at] = ptx
                 del entropy, vf, pg
         return stats
 
     def losses(self, ro: dict, adv: dict, idx, context: int, value: bool = True
-               ) -> tuple[dict, dict | None, torch.Tensor]:
+               ) -> tuple[dict, dict | None, torch.Tensor, torch.Tensor | None]:
         """Forward and backward of micro-batch ``idx``: clipped policy loss + ``vf_coef`` x clipped value loss (one
-        after the other, no wrapper); returns their statistics, entropy ``[b, R]`` (``value`` false: policy's only)."""
+        after the other without a wrapper, unless the value is the policy's head) + ``ptx_coef`` x the SFT loss of the
+        next ptx micro-batch (PPO-ptx); returns their statistics, entropy ``[b, R]`` (``value`` false: the policy's
+        only) and the ptx loss (None without ptx data)."""
         args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
         ids, mask, mask_p1 = ro["query_responses"][idx], adv["padding_mask"][idx], adv["padding_mask_p1"][idx]
+        ptx = None if self.ptx_batches is None else self.ptx_batches.next(acc.device)
 
         def policy_loss(new_logprobs):
             return pm.policy_loss(new_logprobs.masked_fill(mask, pm.INVALID_LOGPROB), adv["logprobs"][idx],
@@ -342,12 +367,13 @@ class PPOEngine(Trainer):
             return pm.value_loss(vpred.masked_fill(mask_p1, 0), adv["values"][idx], adv["returns"][idx], ~mask_p1,
                                  args.cliprange_value)
 
-        if not self.split_backward:
-            new_logprobs, entropy, vpred = self.model(ids, context, pad, args.temperature + 1e-7,
-                                                      args.logits_chunk_size)
+        if not self.split_backward or self.value_head:  # one forward (the wrapper's) and one backward
+            new_logprobs, entropy, vpred, ptx_loss = self.model(ids, context, pad, args.temperature + 1e-7,
+                                                                args.logits_chunk_size, ptx)
             pg, vf = policy_loss(new_logprobs), value_loss(vpred)
-            acc.backward(pg["loss"] + args.vf_coef * vf["loss"])
-            return pg, vf, entropy
+            loss = pg["loss"] + args.vf_coef * vf["loss"]
+            acc.backward(loss if ptx_loss is None else loss + self.ptx_coef * ptx_loss)
+            return pg, vf, entropy, None if ptx_loss is None else ptx_loss.detach()
         fp32 = _fp32(acc)
         with acc.autocast():
             new_logprobs, entropy = response_logprobs(self.model.policy, ids, context, pad, args.temperature + 1e-7,
@@ -355,13 +381,19 @@ class PPOEngine(Trainer):
         pg = policy_loss(fp32(new_logprobs))
         acc.backward(pg["loss"])
         del new_logprobs
+        ptx_loss = None
+        if ptx is not None:
+            with acc.autocast():
+                ptx_loss = fp32(sft_loss(self.model.policy, *ptx, pad, args.logits_chunk_size))
+            acc.backward(self.ptx_coef * ptx_loss)
+            ptx_loss = ptx_loss.detach()
         if not value:
-            return pg, None, fp32(entropy)
+            return pg, None, fp32(entropy), ptx_loss
         with acc.autocast():
             vpred = response_values(self.model.value_model, ids, context, pad)
         vf = value_loss(fp32(vpred))
         acc.backward(args.vf_coef * vf["loss"])
-        return pg, vf, fp32(entropy)
+        return pg, vf, fp32(entropy), ptx_loss
 
     # -- 4. metrics ---------------------------------------------------------------------------------------------------
     def update_metrics(self, ro: dict, adv: dict, stats: dict, start_time: float) -> dict:
@@ -379,6 +411,8 @@ class PPOEngine(Trainer):
                           ("val/clipfrac_avg", "vf_clipfrac"), ("policy/entropy_avg", "entropy"),
                           ("val/ratio", "ratio")):
             metrics[name] = g(stats[key]).mean().item()
+        if self.ptx_batches is not None:
+            metrics["loss/ptx_avg"] = g(stats["ptx_loss"]).mean().item()
         ratios = g(stats["ratio"])  # one value per micro-batch; one alone has no spread: 0 (TRL 1.12 logged NaN)
         metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
         metrics["val/num_eos_tokens"] = (int(g(eos_mask(ro["responses"], self.eos_token_ids).sum()).sum().item())
@@ -467,14 +501,21 @@ class PPOEngine(Trainer):
         """Sample tables (hook for subclasses; the engine writes none)."""
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the policy only as the checkpoint's model files; call on every process (DeepSpeed gathers the state)."""
-        wrapper, self.model = self.model, self.unwrapped.policy
+        """Save the policy as the checkpoint's model files, with its value head (``value_head.safetensors``) when it
+        has one; call on every process (DeepSpeed gathers the state)."""
+        wrapper, self.model, out = self.model, self.unwrapped.policy, output_dir or self.args.output_dir
         try:
             if not self.is_deepspeed_enabled:
-                return super().save_model(output_dir, _internal_call)
-            full = self.accelerator.get_state_dict(self.deepspeed)  # main process: the whole state dict
-            if self.args.should_save:
-                policy = {k.removeprefix("policy."): v for k, v in full.items() if k.startswith("policy.")}
-                self._save(output_dir or self.args.output_dir, state_dict=policy)
+                super().save_model(out, _internal_call)
+                head = self.accelerator.unwrap_model(wrapper).value_model.head_state() if self.value_head else None
+            else:
+                full = self.accelerator.get_state_dict(self.deepspeed)  # main process: the whole state dict
+                if self.args.should_save:
+                    policy = {k.removeprefix("policy."): v for k, v in full.items() if k.startswith("policy.")}
+                    self._save(out, state_dict=policy)
+                head = {f"v_head.{k.removeprefix('value_model.')}": v.detach().cpu().contiguous()
+                        for k, v in full.items() if k.startswith("value_model.summary.")} if self.value_head else None
+            if head and self.args.should_save:
+                save_file(head, os.path.join(out, VALUE_HEAD_FILE))
         finally:
             self.model = wrapper

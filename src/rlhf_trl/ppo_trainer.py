@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from contextlib import contextmanager
 
 import numpy as np
@@ -23,7 +24,9 @@ from .checkpoints import AtomicCheckpointMixin
 from .config import save_recipe
 from .ppo_config import sampling_config
 from .ppo_engine import OnlineTrainerState, PPOEngine, TrainingDivergedError
-from .scoring import generate_rollouts, preserved_rng, rng_state, sequence_scores, set_rng_state, truncate_at_eos
+from .policy_value import VALUE_HEAD_FILE
+from .scoring import (generate_rollouts, pad_right, preserved_rng, rng_state, sequence_scores, set_rng_state,
+                      truncate_at_eos)
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,45 @@ class ResumableLoader:
 
     def resume_from(self, state: dict) -> None:
         self._resume = (state["epoch_rng"], state.get("epoch_generators"), state["consumed"], state["now"])
+
+
+class PtxBatches:
+    """PPO-ptx's SFT micro-batches without end: ``features`` (``input_ids`` / ``completion_mask`` lists, `sft_features`)
+    in passes of a shuffled order drawn from its own generator (``seed``; the run's other RNG streams are untouched),
+    ``batch_size`` rows each (a pass drops its last partial batch). The data position, `state` (the generator at the
+    pass's start and the batches consumed), goes into each checkpoint: a resume draws the same batches. Raises
+    `ValueError`: fewer rows than ``batch_size``."""
+
+    def __init__(self, features: dict[str, list], batch_size: int, pad_token_id: int, seed: int):
+        if len(features["input_ids"]) < batch_size:
+            raise ValueError(f"ptx_dataset: {len(features['input_ids'])} rows, fewer than one micro-batch "
+                             f"(per_device_train_batch_size={batch_size}); add rows or lower the batch size")
+        self.features, self.batch_size, self.pad_token_id = features, batch_size, pad_token_id
+        self.generator = torch.Generator().manual_seed(seed)
+        self.pass_start, self.order, self.consumed = None, [], 0
+
+    def _new_pass(self) -> None:
+        self.pass_start, self.consumed = self.generator.get_state(), 0
+        self.order = torch.randperm(len(self.features["input_ids"]), generator=self.generator).tolist()
+
+    def next(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next micro-batch: right-padded ``(input_ids [batch, L], completion_mask [batch, L])`` on ``device``."""
+        if self.pass_start is None or (self.consumed + 1) * self.batch_size > len(self.order):
+            self._new_pass()
+        rows = self.order[self.consumed * self.batch_size:(self.consumed + 1) * self.batch_size]
+        self.consumed += 1
+        ids = pad_right([self.features["input_ids"][i] for i in rows], self.pad_token_id)
+        mask = pad_right([self.features["completion_mask"][i] for i in rows], 0)
+        return ids.to(device), mask.to(device)
+
+    def state(self) -> dict:
+        return {"pass_start": self.pass_start, "consumed": self.consumed}
+
+    def load_state(self, state: dict) -> None:
+        if state["pass_start"] is not None:
+            self.generator.set_state(state["pass_start"])
+            self._new_pass()
+            self.consumed = state["consumed"]
 
 
 class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
@@ -194,19 +236,24 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         """What the Trainer's checkpoint files lack: each process's data position and RNG state; from the main
         process the value model, the merged policy (``save_merged_checkpoints``), baseline / KL state and recipe."""
         rank, data_state = self.accelerator.process_index, self.dataloader.state()
+        if self.ptx_batches is not None:
+            data_state["ptx"] = self.ptx_batches.state()
         if rank > 0:
             os.makedirs(ckpt, exist_ok=True)
             torch.save(data_state, os.path.join(ckpt, _data_state_name(rank)))
         if not self.args.should_save:  # under `accelerate launch`, the main process writes the other extras
             return
         unwrapped = self.unwrapped
-        unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
+        if not self.value_head:  # a value head is saved with the policy (`save_model`)
+            unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
         if self.script_args.save_merged_checkpoints:
             policy = unwrapped.policy
             if isinstance(policy, PeftModel):
                 policy = copy.deepcopy(policy).merge_and_unload()
             with deployable_generation_config(policy, self.stock_generation_config):
                 policy.save_pretrained(os.path.join(ckpt, "merged"), safe_serialization=True)
+            if self.value_head:  # `save_model` wrote it beside the policy's files
+                shutil.copyfile(os.path.join(ckpt, VALUE_HEAD_FILE), os.path.join(ckpt, "merged", VALUE_HEAD_FILE))
             self.processing_class.save_pretrained(os.path.join(ckpt, "merged"))
         torch.save(data_state, os.path.join(ckpt, "data_state.pt"))
         write_json(os.path.join(ckpt, "reward_baseline.json"), {"reward_baseline": self.reward_baseline,
@@ -218,7 +265,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         """Continue the run of ``checkpoint-N`` ``ckpt`` exactly (weights, optimizer, scheduler, counters, logs, KL
         coefficient, data position, RNG); returns the updates done. Raises `FileNotFoundError`: a file needed is
         missing; `ValueError`: a run of another number of updates, or none left."""
-        needed = ["scheduler.pt", "trainer_state.json", "data_state.pt", "value_model",
+        needed = ["scheduler.pt", "trainer_state.json", "data_state.pt",
+                  VALUE_HEAD_FILE if self.value_head else "value_model",
                   "latest" if self.is_deepspeed_enabled else "optimizer.pt"]
         if missing := [n for n in needed if not os.path.exists(os.path.join(ckpt, n))]:
             raise FileNotFoundError(f"cannot resume from {ckpt}: missing {missing}")
@@ -226,7 +274,11 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             deepspeed_load_checkpoint(self.model, ckpt, load_module_strict=False)  # self.model: the DeepSpeed engine
         else:
             _load_weights(self.unwrapped.policy, ckpt)
-            _load_weights(self.unwrapped.value_model, os.path.join(ckpt, "value_model"))
+            if self.value_head:
+                head = os.path.join(ckpt, VALUE_HEAD_FILE)
+                self.unwrapped.value_model.load_head_state(load_file(head), head)
+            else:
+                _load_weights(self.unwrapped.value_model, os.path.join(ckpt, "value_model"))
             self.optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True))
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=True))
         saved = OnlineTrainerState.load_from_json(os.path.join(ckpt, "trainer_state.json"))
@@ -249,7 +301,13 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         if not os.path.exists(data_state):
             raise FileNotFoundError(f"cannot resume from {ckpt}: missing {os.path.basename(data_state)} (the "
                                     "checkpoint was written by fewer processes than this run has)")
-        self.dataloader.resume_from(torch.load(data_state, weights_only=False))
+        data_state = torch.load(data_state, weights_only=False)
+        self.dataloader.resume_from(data_state)
+        if self.ptx_batches is not None:
+            if "ptx" not in data_state:
+                raise ValueError(f"{ckpt} was written without ptx_dataset; resume it without ptx_dataset, or start "
+                                 "afresh")
+            self.ptx_batches.load_state(data_state["ptx"])
         samples = os.path.join(self.args.output_dir, "samples.jsonl")
         if self.accelerator.is_main_process and os.path.exists(samples):  # a resume rewrites the later updates' rows
             rows = []

@@ -64,7 +64,10 @@ def model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict:
 
 
 def _parts(model, head: str):
-    """``(backbone, head)`` of a (peft) causal LM (``head="lm"``), classifier or shared-base RM (``"score"``)."""
+    """``(backbone, head)`` of a (peft) causal LM (``head="lm"``), classifier, shared-base RM or the policy's
+    `rlhf_trl.policy_value.ValueHead` (``"score"``)."""
+    if head == "score" and hasattr(model, "score_parts"):
+        return model.score_parts()
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return getattr(base, base.base_model_prefix), (base.get_output_embeddings() if head == "lm" else base.score)
 
@@ -125,12 +128,15 @@ def response_hidden(backbone, query_responses: torch.Tensor, context_length: int
 
 
 def response_logprobs(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                      temperature: float, chunk_size: int = 0, with_entropy: bool = False):
+                      temperature: float, chunk_size: int = 0, with_entropy: bool = False,
+                      hidden: torch.Tensor | None = None):
     """Log-probs of the response tokens under ``softmax(logits / temperature)``: ``query_responses [b, T]`` ->
     ``logprobs [b, R]`` (and ``entropy [b, R]``, nats, no gradient). Logits are formed ``chunk_size`` response positions
-    at a time (0: all), each chunk checkpointed under autograd. The engine passes TRL 1.12's ``temperature + 1e-7``."""
+    at a time (0: all), each chunk checkpointed under autograd. The engine passes TRL 1.12's ``temperature + 1e-7``.
+    ``hidden``: `response_hidden` of the policy's backbone when the caller has it (a value head reads it too)."""
     backbone, lm_head = _parts(policy, "lm")
-    hidden = response_hidden(backbone, query_responses, context_length, pad_token_id)
+    if hidden is None:
+        hidden = response_hidden(backbone, query_responses, context_length, pad_token_id)
     response = query_responses[:, context_length:]
     step = chunk_size if chunk_size and chunk_size > 0 else response.shape[1]
 
@@ -158,6 +164,16 @@ def response_values(model, query_responses: torch.Tensor, context_length: int, p
     """The score head on `response_hidden`: value estimates (reward units), ``[b, T] -> [b, R]``, as TRL 1.12's."""
     backbone, head = _parts(model, "score")
     return head(response_hidden(backbone, query_responses, context_length, pad_token_id)).squeeze(-1)
+
+
+def sft_loss(policy, input_ids: torch.Tensor, completion_mask: torch.Tensor, pad_token_id: int,
+             chunk_size: int = 0) -> torch.Tensor:
+    """The SFT loss of right-padded ``input_ids [b, L]``: mean negative log-likelihood (nats per token) of the tokens
+    where ``completion_mask [b, L]`` is 1, at temperature 1 (`response_logprobs` from the first token on); PPO-ptx
+    (InstructGPT, Ouyang et al. 2022, 3.5) mixes it into each PPO step. A scalar."""
+    logprobs = response_logprobs(policy, input_ids, 1, pad_token_id, 1.0, chunk_size)  # tokens 1..L-1: [b, L-1]
+    mask = completion_mask[:, 1:].to(logprobs.dtype)
+    return -(logprobs * mask).sum() / mask.sum().clamp(min=1)
 
 
 def last_token_index(query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0) -> torch.Tensor:
