@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -27,9 +28,10 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from safetensors.torch import save_file
 
+from . import cli_launch
 from .atomic import atomic_dir, save_pretrained_atomic, write_json
 from .checkpoints import begin_writing, distributed_state, keeps_earlier_run, start_run
-from .config import RunArguments, parse_recipe, save_recipe, sibling_recipe
+from .config import Recipe, RunArguments, save_recipe, sibling_recipe
 from .data import (DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, sft_features,
                    split_records)
 from .models import (BIASING_GENERATION_KEYS, eos_token_ids, load_causal_lm, load_sequence_classifier, load_tokenizer,
@@ -38,39 +40,31 @@ from .models import (BIASING_GENERATION_KEYS, eos_token_ids, load_causal_lm, loa
 from .ppo_config import PPOConfig, PPOScriptArguments
 from .ppo_engine import TrainingDivergedError  # noqa: F401 (importable from the stage)
 from .policy_value import VALUE_HEAD_FILE, ValueHead
-from .ppo_trainer import AdaptiveKLController, PtxBatches, RLHFPPOTrainer, deployable_generation_config  # noqa: F401
+from .ppo_math import AdaptiveKLController  # noqa: F401 (importable from the stage)
+from .ppo_trainer import PtxBatches, RLHFPPOTrainer, deployable_generation_config
 from .reward_models import (RewardTokens, SharedBaseRewardModel, apply_reward_baseline, calibrate_reward_baseline,
                             require_reward_model, reward_tokens)
 from .rewards import load_reward_functions, reward_columns
 from .scoring import preserved_rng  # noqa: F401 (importable from the stage)
 
 logger = logging.getLogger(__name__)
-
-
-def recipe_types() -> tuple:
-    """A PPO recipe's dataclasses: data fields, `PPOScriptArguments`, `PPOConfig` (TRL 1.12's keys), `ModelConfig`."""
-    from trl import ModelConfig
-
-    return (DataArguments, PPOScriptArguments, PPOConfig, ModelConfig, RunArguments)
-
-
-def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
-    """Parse a recipe and run PPO; see `run` for the result."""
-    data_args, ppo_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv, "ppo")
-    return run(data_args, ppo_args, training_args, model_args, sft_hint=sibling_recipe(recipe, "sft"),
-               rm_hint=sibling_recipe(recipe, "rm"), callbacks=callbacks, run_args=run_args)
+main = functools.partial(cli_launch.run_recipe, "ppo")  # main(argv, callbacks): parse a recipe, then `run`
+recipe_types = functools.partial(cli_launch.recipe_types, "ppo")  # data, PPOScriptArguments, PPOConfig, ModelConfig
 
 
 @keeps_earlier_run
-def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model_args, sft_hint=None, rm_hint=None,
-        callbacks: list | None = None, run_args: RunArguments | None = None) -> dict:
-    """Train the policy with PPO on the recipe's prompts; returns ``{"output_dir", "merged", "value_model", "metrics",
-    "trainer"}`` (``share_reward_value_base``: the trainer's ``reward_model`` is None, merged into the value model).
-    Raises, before anything is written: `StageInputError`: the SFT or reward model missing (the hint names the stage
-    to run) or no trained classifier; `DataError`: bad rows; `ValueError`: too few eval prompts for a batch per
-    process, settings that cannot run (`check_inputs`, `load_models`); then `TrainingDivergedError`: a NaN / inf."""
+def run(configs: Recipe, callbacks: list | None = None) -> dict:
+    """Train the policy with PPO on the recipe's prompts (``configs.script``: `PPOScriptArguments`,
+    ``configs.training``: `PPOConfig`); returns ``{"output_dir", "merged", "value_model", "metrics", "trainer"}``
+    (``share_reward_value_base``: the trainer's ``reward_model`` is None, merged into the value model). Raises, before
+    anything is written: `StageInputError`: the SFT or reward model missing (the hint names the stage to run) or no
+    trained classifier; `DataError`: bad rows; `ValueError`: too few eval prompts for a batch per process, settings
+    that cannot run (`check_inputs`, `load_models`); then `TrainingDivergedError`: a NaN / inf."""
+    data_args, ppo_args, training_args, model_args = configs.data, configs.script, configs.training, configs.model
+    sft_hint, rm_hint = sibling_recipe(configs.path, "sft"), sibling_recipe(configs.path, "rm")
     # inputs: model directories, reward functions
-    run_args, resume = start_run(training_args, run_args, training_args.sft_model_path, not model_args.use_peft)
+    run_args, resume = start_run(training_args, configs.run, training_args.sft_model_path, not model_args.use_peft)
+    configs = dataclasses.replace(configs, run=run_args)  # as run_config.yaml records it
     dist = distributed_state(training_args)  # under `accelerate launch`: this process's place in the group
     paths, reward_functions = check_inputs(ppo_args, training_args, run_args, sft_hint, rm_hint)
 
@@ -114,15 +108,14 @@ def run(data_args, ppo_args: PPOScriptArguments, training_args: PPOConfig, model
         ptx_batches=ptx and PtxBatches(ptx, training_args.per_device_train_batch_size, tokenizer.pad_token_id,
                                        training_args.seed + 7919 * dist.process_index),
         callbacks=callbacks, script_args=ppo_args, eos_token_ids=eos_ids, stock_generation_config=stock_config,
-        recipe_configs=(data_args, ppo_args, training_args, model_args, run_args), reward_functions=reward_functions,
+        recipe_configs=configs, reward_functions=reward_functions,
         # rows -> {column: [value per row]} of the train records, for the reward functions' keyword columns
         reward_columns=(lambda rows: reward_columns([train_records[i] for i in rows])) if reward_functions else None)
     trainer.reward_baseline, start = baseline, time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     trainer.train_runtime = time.perf_counter() - start  # seconds, into metrics.json
 
-    return save_outputs(trainer, tokenizer, stock_config, (data_args, ppo_args, training_args, model_args, run_args),
-                        report)
+    return save_outputs(trainer, tokenizer, stock_config, configs, report)
 
 
 def check_inputs(ppo_args: PPOScriptArguments, training_args: PPOConfig, run_args: RunArguments, sft_hint, rm_hint):
@@ -308,9 +301,9 @@ def with_policy_adapter(policy, model_args, training_args):
     return policy
 
 
-def save_outputs(trainer, tokenizer, stock_config, configs: tuple, report: DataReport | None = None) -> dict:
+def save_outputs(trainer, tokenizer, stock_config, configs: Recipe, report: DataReport | None = None) -> dict:
     """Write the module docstring's outputs (main process; the others wait); returns `run`'s result."""
-    out, ppo_args = trainer.args.output_dir, configs[1]
+    out, ppo_args = trainer.args.output_dir, configs.script
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     metrics = {"global_step": trainer.state.global_step, "episode": trainer.state.episode,
                "reward_baseline": trainer.reward_baseline, "kl_coef_final": trainer.args.kl_coef,
@@ -324,7 +317,7 @@ def save_outputs(trainer, tokenizer, stock_config, configs: tuple, report: DataR
     if not trainer.accelerator.is_main_process:
         trainer.accelerator.wait_for_everyone()
         return result
-    save_recipe(out, *configs)
+    save_recipe(out, configs)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     head = {VALUE_HEAD_FILE: unwrapped.value_model.head_state()} if value_head else None
     if isinstance(unwrapped.policy, PeftModel):
@@ -353,6 +346,4 @@ def save_outputs(trainer, tokenizer, stock_config, configs: tuple, report: DataR
 
 
 if __name__ == "__main__":
-    from .cli_launch import run_stage
-
-    run_stage("ppo")
+    cli_launch.run_stage("ppo")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import math
 import os
 import time
@@ -23,6 +24,7 @@ from transformers import DataCollatorWithPadding, Trainer, TrainerControl, Train
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from . import ppo_math as pm
 from .ppo_config import PPOConfig, sampling_config
@@ -30,6 +32,9 @@ from .reward_models import OFFLOAD_PREFIX, OffloadedWeights
 from .policy_value import VALUE_HEAD_FILE, ValueHead
 from .scoring import (eos_mask, generate_rollouts, response_hidden, response_logprobs, response_values,
                       sequence_scores, sft_loss, truncate_at_eos)
+
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -102,6 +107,7 @@ class PPOEngine(Trainer):
         self.reward_tokens = reward_tokens  # a reward model of another tokenizer: `reward_models.RewardTokens`
         self.value_head = isinstance(value_model, ValueHead)  # the value on the policy's backbone
         self.ptx_batches, self.ptx_coef = ptx_batches, ptx_coef  # PPO-ptx: SFT micro-batches (`PtxBatches`)
+        self.kl_controller: pm.AdaptiveKLController | None = None  # None: kl_coef stays fixed
         self.train_dataset, self.eval_dataset, self.train_dataset_len = train_dataset, eval_dataset, len(train_dataset)
         self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
         self.optimizer, self.lr_scheduler = optimizers
@@ -462,10 +468,15 @@ class PPOEngine(Trainer):
             self.control = self.callback_handler.on_save(args, self.state, self.control)
 
     def end_update(self, update: int, metrics: dict) -> None:
-        """Counters, log, scheduler step, callbacks, the sample table and the checkpoint of update ``update``."""
+        """Counters, the finite check, the KL controller, log, scheduler step, callbacks, the sample table and the
+        checkpoint of update ``update``. Raises `TrainingDivergedError`: a non-finite statistic."""
         args = self.args
         self.state.epoch = self.state.episode / self.train_dataset_len
         self.state.global_step += 1
+        self.check_finite(metrics)
+        metrics["objective/kl_coef"] = args.kl_coef  # the coefficient this update's rewards used
+        if self.kl_controller is not None:
+            args.kl_coef = self.kl_controller.update(metrics["objective/kl"], args.batch_size)
         self.log(metrics)
         self.lr_scheduler.step()
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
@@ -477,6 +488,20 @@ class PPOEngine(Trainer):
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(args, self.state, self.control)
+
+    def check_finite(self, metrics: dict) -> None:
+        """Stop on a non-finite statistic (`TrainingDivergedError`, naming the last good checkpoint); warn about a
+        negative mean KL (the rollouts are then not samples of the policy, or the estimate is noisy)."""
+        if bad := sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)):
+            out = self.args.output_dir
+            last = get_last_checkpoint(out) if os.path.isdir(out) else None
+            raise TrainingDivergedError(
+                f"non-finite {', '.join(bad)} at update {self.state.global_step} (episode {self.state.episode}); "
+                f"nothing was saved for this update; last good checkpoint: {last or 'none yet'}")
+        if metrics["objective/kl"] < -1e-3:  # below rounding noise
+            logger.warning("update %d: mean KL to the reference is negative (%.4f): the rollouts are not samples of "
+                           "the policy (check temperature / generation settings) or the estimate is noisy (use "
+                           "kl_estimator k3)", self.state.global_step, metrics["objective/kl"])
 
     def begin_state(self) -> None:
         """Counters and logging / saving intervals for a run of ``num_total_batches`` updates."""

@@ -156,3 +156,17 @@ def compute_advantages(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, value
         advantages = masked_whiten(advantages, ~padding_mask).masked_fill(padding_mask, 0)
     return {"padding_mask": padding_mask, "padding_mask_p1": padding_mask_p1, "logprobs": logprobs, "values": values,
             "kl": kl, "non_score_reward": non_score_reward, "advantages": advantages, "returns": returns}
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", 2.2):
+    after an update of ``n_steps`` episodes with mean KL ``kl`` (nats per response),
+    ``coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon``."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = float(init_kl_coef), float(target), int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        error = max(-0.2, min(0.2, current_kl / self.target - 1))
+        self.value *= 1 + error * n_steps / self.horizon
+        return self.value

@@ -6,43 +6,28 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import os
 import shutil
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 from accelerate.utils import gather_object
 from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers.integrations.deepspeed import deepspeed_load_checkpoint
-from transformers.trainer_utils import get_last_checkpoint, load_sharded_checkpoint
+from transformers.trainer_utils import load_sharded_checkpoint
 
 from .atomic import strict_json, write_json, write_jsonl
 from .checkpoints import AtomicCheckpointMixin
 from .config import save_recipe
 from .ppo_config import sampling_config
-from .ppo_engine import OnlineTrainerState, PPOEngine, TrainingDivergedError
+from .ppo_engine import OnlineTrainerState, PPOEngine
+from .ppo_math import AdaptiveKLController
 from .policy_value import VALUE_HEAD_FILE
 from .scoring import (generate_rollouts, pad_right, preserved_rng, rng_state, sequence_scores, set_rng_state,
                       truncate_at_eos)
 
 logger = logging.getLogger(__name__)
-
-
-class AdaptiveKLController:
-    """Adaptive KL coefficient of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", 2.2):
-    after an update of ``n_steps`` episodes with mean KL ``kl`` (nats per response),
-    ``coef *= 1 + clip(kl / target - 1, -0.2, 0.2) * n_steps / horizon``."""
-
-    def __init__(self, init_kl_coef: float, target: float, horizon: int):
-        self.value, self.target, self.horizon = float(init_kl_coef), float(target), int(horizon)
-
-    def update(self, current_kl: float, n_steps: int) -> float:
-        error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
-        self.value *= 1 + error * n_steps / self.horizon
-        return self.value
 
 
 class ResumableLoader:
@@ -166,26 +151,10 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             self.args.kl_coef, script_args.kl_target, script_args.kl_horizon)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Per update: stop on a non-finite statistic, adapt the KL coefficient, log every ``logging_steps``."""
+        """Log an update's statistics every ``logging_steps`` updates (the last always); other logs as they come."""
         if "objective/kl" in logs:
-            # a variance over one statistic (one micro-batch, one mini-batch, one PPO epoch) is NaN by definition
-            bad = sorted(k for k, v in logs.items()
-                         if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_var"))
-            if bad:
-                out = self.args.output_dir
-                last = get_last_checkpoint(out) if os.path.isdir(out) else None
-                raise TrainingDivergedError(
-                    f"non-finite {', '.join(bad)} at update {self.state.global_step} (episode {self.state.episode}); "
-                    f"nothing was saved for this update; last good checkpoint: {last or 'none yet'}")
-            if logs["objective/kl"] < -1e-3:  # below rounding noise
-                logger.warning("update %d: mean KL to the reference is negative (%.4f): the rollouts are not samples "
-                               "of the policy (check temperature / generation settings) or the estimate is noisy (use "
-                               "kl_estimator k3)", self.state.global_step, logs["objective/kl"])
-            logs["objective/kl_coef"] = self.args.kl_coef
-            if self.kl_controller is not None:
-                self.args.kl_coef = self.kl_controller.update(logs["objective/kl"], self.args.batch_size)
-            every, step = max(1, int(self.state.logging_steps or 1)), self.state.global_step  # honour logging_steps
-            if step % every and step < self.state.max_steps:  # the last update is always logged
+            every, step = max(1, int(self.state.logging_steps or 1)), self.state.global_step
+            if step % every and step < self.state.max_steps:
                 return
         super().log(logs, start_time)
 
@@ -259,7 +228,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         write_json(os.path.join(ckpt, "reward_baseline.json"), {"reward_baseline": self.reward_baseline,
                                                                 "kl_coef": self.args.kl_coef})
         if self.recipe_configs:
-            save_recipe(ckpt, *self.recipe_configs)
+            save_recipe(ckpt, self.recipe_configs)
 
     def restore(self, ckpt: str) -> int:
         """Continue the run of ``checkpoint-N`` ``ckpt`` exactly (weights, optimizer, scheduler, counters, logs, KL
