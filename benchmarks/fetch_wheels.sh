@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Download, into .whl/ at the repo root, the wheels that the device machine's python3 (CPython 3.12, x86-64, no
-# network) lacks for benchmarks/gpu_check.sh: trl 1.16 (absent there), datasets and its dill / multiprocess (absent),
-# transformers (5.17 there; this project needs >= 5.24) and peft. Pure-Python wheels, ~16 MB together.
-# Then pass carry [".whl"] to the device tool's run; benchmarks/gpu_check.sh installs them there.
+# Download, into .whl/ at the repo root, the wheels that an offline GPU machine's python3 (CPython 3.12, x86-64, with
+# torch) may lack for benchmarks/gpu_check.sh: trl 1.16, datasets and its dill / multiprocess, transformers (this
+# project needs >= 5.24) and peft. Pure-Python wheels, ~16 MB together. Run it where there is network access, then
+# copy the repository with .whl/ to the GPU machine; benchmarks/gpu_check.sh installs them there (its header).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mkdir -p "$ROOT/.whl"

@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
-# GPU check (issue 6): a few timed bf16 steps of SFT, RM and PPO on a random-init Qwen2 of Qwen2.5-0.5B shape,
-# built locally (no hub, no ../shared). Writes step times, tokens/s and peak GPU memory per stage to a JSON file
-# (default outputs/gpu_check/gpu_check.json). Logic and options: benchmarks/gpu_check.py (`--help`).
+# GPU check: a few timed bf16 steps of SFT, RM and PPO on a random-init Qwen2 of Qwen2.5-0.5B's shape, built locally
+# (no model hub, no ../shared), with the recipes/qwen2.5-0.5b recipes. It writes step times, tokens/s and peak GPU
+# memory per stage to a JSON file, by default outputs/gpu_check/gpu_check.json under the directory you run it from
+# (--output PATH to change it; model, data and stage outputs go to the scratch directory outputs/gpu_check/work,
+# --work_dir, and the models are removed at the end unless --keep_work_dir). Logic and options:
+# benchmarks/gpu_check.py (`--help`).
 #
-# Here (CPU, tiny shape, ~15 s):   benchmarks/gpu_check.sh --tiny        (or: make gpu-check)
+#   make install TORCH=torch && make gpu-check     # on any machine with a CUDA GPU: the 0.5B shape in bf16
+#   bash benchmarks/gpu_check.sh --steps 2 --ppo_steps 2 --response_length 32    # shorter: ~2 min on one H200
+#   make gpu-check ARGS=--tiny                     # without a GPU: a tiny shape on the CPU (~15 s), a smoke test
 #
-# On the device machine (one H200, no network; python3 there has torch, accelerate, peft, pyyaml, ... but no trl or
-# datasets, and an older transformers): the full check took over 7 minutes on an H200 (PPO ~85-99 s per update at the
-# recipe's micro-batches of 4; benchmarks/HISTORY.md, GPU check), `--steps 2 --ppo_steps 2 --response_length 32`
-# about 2 minutes:
-#   1. here, once: benchmarks/fetch_wheels.sh
-#      (downloads trl 1.16.0, transformers, datasets, peft, dill, multiprocess wheels for CPython 3.12 into .whl/,
-#      ~16 MB, ignored by git)
-#   2. the device tool's run, with carry [".whl"] and timeout_s 600 (or the short options above):
-#        bash benchmarks/gpu_check.sh --output $OUT/gpu_check.json
-#      This script installs .whl/*.whl into /tmp/site (pip --no-index --no-deps --target) and puts /tmp/site and
-#      src/ on PYTHONPATH, so no `pip install -e .` is needed there. By hand instead:
+# What it needs: a CUDA GPU with a CUDA build of torch (without one it falls back to the tiny CPU shape), and the
+# project's Python packages (torch, transformers, trl, datasets, peft, accelerate). The python it runs: $PYTHON if
+# set, else the project's .venv/bin/python if there is one (`make install`), else python3. It puts src/ on
+# PYTHONPATH, so the project itself need not be installed. The full check took over 7 minutes on an H200 (PPO
+# ~85-99 s per update at the recipe's micro-batches of 4; benchmarks/HISTORY.md, GPU check).
+#
+# An offline GPU machine whose python has torch but lacks trl or datasets (or has an older transformers):
+#   1. on a machine with network access: benchmarks/fetch_wheels.sh
+#      (downloads trl, transformers, datasets, peft, dill and multiprocess wheels for CPython 3.12 into .whl/,
+#      ~16 MB, ignored by git);
+#   2. copy the repository, .whl/ included, to the GPU machine and run there:
+#        bash benchmarks/gpu_check.sh [--output PATH]
+#      When its python cannot import trl and datasets, this script installs .whl/*.whl into /tmp/site
+#      (pip --no-index --no-deps --target) and puts /tmp/site first on PYTHONPATH. By hand instead:
 #        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-#        PYTHONPATH=/tmp/site:src HF_HUB_OFFLINE=1 python3 benchmarks/gpu_check.py --output $OUT/gpu_check.json
+#        PYTHONPATH=/tmp/site:src HF_HUB_OFFLINE=1 python3 benchmarks/gpu_check.py --output PATH
 #      (or `python3 -m pip install --no-deps --no-build-isolation -e .` in place of src/ on PYTHONPATH).
-#   The JSON comes back under the run's files; the model and stage outputs stay in outputs/gpu_check/work there.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export HF_HUB_OFFLINE=1
@@ -28,7 +35,7 @@ export TOKENIZERS_PARALLELISM=false
 if [ -z "${PYTHON:-}" ]; then
     if [ -x "$ROOT/.venv/bin/python" ]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
-# wheels carried to a machine whose python lacks trl (see above): install them into /tmp/site, put it first
+# wheels copied to a machine whose python lacks trl (see above): install them into /tmp/site, put it first
 if ! "$PYTHON" -c "import trl, datasets" 2>/dev/null && compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         "$ROOT"/.whl/*.whl

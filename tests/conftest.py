@@ -162,6 +162,72 @@ def import_ppo():
     return ppo
 
 
+def ppo_argv(assets, sft_run, rm_run, out, *extra):
+    """A short demo PPO run on ``sft_run`` / ``rm_run`` into ``out`` (test_ppo.py, test_ppo_engine.py)."""
+    return [
+        "--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"],
+        "--sft_model_path", sft_run["merged"], "--reward_model_path", rm_run["merged"], "--output_dir", str(out),
+        "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1", "--logging_steps", "1",
+        "--log_samples_every", "0", *extra,
+    ]
+
+
+def demo_rollout_setup(assets, response_length: int):
+    """The demo's tokenizer, its base model as an eval-mode policy, and the rollout's sampling config (no EOS stop,
+    ``response_length`` new tokens) (test_scoring.py, test_ppo_engine.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_trl.models import load_tokenizer
+    from rlhf_trl.ppo_config import PPOConfig, sampling_config
+
+    tok = load_tokenizer(assets["tokenizer"])
+    policy = AutoModelForCausalLM.from_pretrained(assets["base_model"]).eval()
+    config = sampling_config(PPOConfig(output_dir="unused", response_length=response_length, bf16=False), None,
+                             tok.pad_token_id)
+    return tok, policy, config
+
+
+# three preference pairs of the demo's kind, chosen and rejected on the same topic (test_rm.py, test_scoring.py)
+PAIRS = [
+    {"question": "你喜欢海边吗？", "chosen": "海边很棒，我很喜欢。", "rejected": "海边很无聊，我很讨厌。"},
+    {"question": "说说你对咖啡的看法。", "chosen": "咖啡真不错，推荐给大家。", "rejected": "咖啡太差了，劝大家别试。"},
+    {"question": "地铁好不好？", "chosen": "地铁令人满意，下次还想再来。", "rejected": "地铁一塌糊涂，再也不想碰了。"},
+]
+
+
+def make_checkpoint(path, manifest=True, value_model=False):
+    """A small Trainer-like checkpoint: state, optimizer, scheduler, RNG, weights (and PPO's value_model/)
+    (test_checkpoints.py, test_damaged_checkpoints.py)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from rlhf_trl.checkpoints import write_manifest
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": 2, "log_history": [{"step": 1, "loss": 1.0}]}, f)
+    torch.save({"state": {0: {"exp_avg": torch.ones(64)}}}, os.path.join(path, "optimizer.pt"))
+    torch.save({"last_epoch": 2}, os.path.join(path, "scheduler.pt"))
+    torch.save({"cpu": torch.random.get_rng_state()}, os.path.join(path, "rng_state.pth"))
+    save_file({"w": torch.randn(32, 32), "b": torch.zeros(32)}, os.path.join(path, "model.safetensors"))
+    if value_model:
+        os.makedirs(os.path.join(path, "value_model"))
+        save_file({"score.weight": torch.randn(1, 32)}, os.path.join(path, "value_model", "model.safetensors"))
+        with open(os.path.join(path, "value_model", "config.json"), "w") as f:
+            json.dump({"model_type": "qwen2"}, f)
+    if manifest:
+        write_manifest(str(path))
+    return str(path)
+
+
+def truncate(path, keep=0.5):
+    """Cut the file at ``path`` to ``keep`` of its size; returns the size it had."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(int(size * keep))
+    return size
+
+
 @pytest.fixture(scope="session")
 def sft_run(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
@@ -238,11 +304,11 @@ def engine_reward(model, query_responses, pad_token_id: int, context_length: int
     return None, sequence_scores(model, query_responses, pad_token_id, context_length), last
 
 
-# -- fixtures of tests/test_exact_resume.py and tests/test_fault_injection.py (tests/exactness.py) ------------------
+# -- fixtures of tests/test_exact_resume.py and tests/test_fault_injection.py (tests/zygote.py, tests/exactness.py) ---
 @pytest.fixture(scope="module")
 def zygote():
-    """A forking server with torch / transformers / trl / peft imported once (`exactness.Zygote`)."""
-    from exactness import Zygote
+    """A forking server with torch / transformers / trl / peft imported once (`zygote.Zygote`)."""
+    from zygote import Zygote
 
     z = Zygote()
     yield z
@@ -251,8 +317,9 @@ def zygote():
 
 @pytest.fixture(scope="module")
 def configs(assets, zygote, tmp_path_factory):
-    """`exactness.stage_configs` on small SFT / RM models trained once per module (`exactness.small_models`)."""
-    from exactness import small_models, stage_configs
+    """`exactness.stage_configs` on small SFT / RM models trained once per module (`zygote.small_models`)."""
+    from exactness import stage_configs
+    from zygote import small_models
 
     return stage_configs(assets, *small_models(zygote, assets, tmp_path_factory.mktemp("small_models")))
 

@@ -17,6 +17,7 @@ from conftest import write_jsonl
 from safetensors.torch import load_file
 
 from rlhf_trl import atomic, baichuan, models
+from rlhf_trl.config import Recipe
 from rlhf_trl.data import Template, encode_prompt, encode_response, pair_features
 from rlhf_trl.scoring import pad_right, score_sequences
 
@@ -381,7 +382,8 @@ def sft_run(bc_dir, tmp_path_factory):
                      learning_rate=3e-3, max_length=64, completion_only_loss=True, loss_type="nll", logging_steps=1,
                      eval_strategy="no", save_strategy="no", report_to="none", seed=0, bf16=False, use_cpu=True,
                      trust_remote_code=True)
-    return sft.run(data, args, ModelConfig(model_name_or_path=bc_dir, dtype="float32", **LORA))
+    return sft.run(Recipe(data=data, training=args, model=ModelConfig(model_name_or_path=bc_dir, dtype="float32",
+                                                                      **LORA)))
 
 
 @pytest.fixture(scope="module")
@@ -398,7 +400,8 @@ def rm_run(sft_run, tmp_path_factory):
                         per_device_eval_batch_size=8, learning_rate=3e-3, max_length=64, logging_steps=1,
                         eval_strategy="no", save_strategy="no", report_to="none", seed=0, bf16=False,
                         use_cpu=True, trust_remote_code=True)
-    return rm.run(data, args, ModelConfig(model_name_or_path=sft_run["merged"], dtype="float32", **LORA))
+    return rm.run(Recipe(data=data, training=args, model=ModelConfig(model_name_or_path=sft_run["merged"],
+                                                                     dtype="float32", **LORA)))
 
 
 def test_sft_stage_fine_tunes_the_baichuan_causal_lm(bc_dir, sft_run):
@@ -440,7 +443,8 @@ def test_ppo_with_baichuan_policy_reward_and_value_models(sft_run, rm_run, tmp_p
     )
     model_args = ModelConfig(dtype="float32", **LORA)
     with caplog.at_level("WARNING", logger="rlhf_trl.baichuan"):
-        result = ppo.run(data, ppo.PPOScriptArguments(trust_remote_code=True), args, model_args)
+        result = ppo.run(Recipe(data=data, script=ppo.PPOScriptArguments(trust_remote_code=True), training=args,
+                                model=model_args))
     assert not [r for r in caplog.records if r.name == "rlhf_trl.baichuan"]  # no keyword TRL passes is dropped
 
     assert result["metrics"]["global_step"] == 2 and result["metrics"]["episode"] == 16

@@ -13,7 +13,7 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_real  # noqa: E402
 
-# PPOConfig keys of the CPU-only measures the thin engine dropped (issue 40): no variant may set one
+# PPOConfig keys of the CPU-only measures the thin engine dropped: no variant may set one
 DELETED_KEYS = {"onednn_decoding", "rollout_sampler", "fused_lora", "fused_kernels", "malloc_mmap_threshold",
                 "tensor_cache", "tensor_cache_headroom_mb"}
 
@@ -72,9 +72,9 @@ def test_the_engine_variants_parse_as_rlhf_trl_ppo_recipes(tmp_path):
     settings = _settings(tmp_path)
     parsed = {}
     for variant in ("rlhf_trl", "rlhf_trl_lean"):
-        data, script, config, model, _run, path = parse_recipe(recipe_types(), bench_real.engine_argv(variant, settings),
-                                                               "ppo")
-        assert path == str(bench_real.RECIPE)
+        recipe = parse_recipe(recipe_types(), bench_real.engine_argv(variant, settings), "ppo")
+        data, script, config, model = recipe.data, recipe.script, recipe.training, recipe.model
+        assert recipe.path == str(bench_real.RECIPE)
         assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (4, 2)
         assert (config.local_rollout_forward_batch_size, config.response_length) == (8, 64)
         assert config.total_episodes == 24 and config.num_ppo_epochs == 1 and config.learning_rate == 1e-5

@@ -121,7 +121,7 @@ def test_recipe_yaml_takes_a_list_of_files(assets, chat_files, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"dataset_name: [{chat_files['prompts']}, {chat_files['prompts']}]\nprompt_turn: 1\n"
                       "chat_template: true\nsystem_prompt: hi\n")
-    (args, _path) = parse_recipe((DataArguments,), ["--config", str(recipe)])
+    args = parse_recipe((DataArguments,), ["--config", str(recipe)]).data
     assert args.dataset_name == [chat_files["prompts"]] * 2 and args.chat_template and args.system_prompt == "hi"
     records = read_records(args, "prompts")
     assert len(records) == 128 and {r["question"] for r in records} == {"再说一遍。"}

@@ -1,4 +1,5 @@
-"""EOS lists (Qwen2.5-Instruct: [<|im_end|>, <|endoftext|>], the second also the stock pad token) in every stage."""
+"""EOS lists (Qwen2.5-Instruct: [<|im_end|>, <|endoftext|>], the second also the stock pad token) in every stage.
+The cut at the first EOS of any id (`scoring.truncate_at_eos`, `scoring.sample`) is in test_scoring.py."""
 
 import contextlib
 import json
@@ -11,42 +12,6 @@ import torch
 from conftest import RECIPES, SHARED
 
 from rlhf_trl.models import eos_token_ids, load_tokenizer, resize_for_tokenizer, sampling_generation_config
-from rlhf_trl.scoring import eos_mask, truncate_at_eos
-
-PAD = 9
-
-
-def test_truncate_at_eos_keeps_the_first_eos_of_any_id():
-    responses = torch.tensor([[5, 7, 1, 5, 2],    # stops at EOS id 7
-                              [5, 2, 7, 5, 5],    # stops at EOS id 2 (the second EOS of the list)
-                              [5, 5, 5, 5, 5]])   # no EOS: unchanged
-    out = truncate_at_eos(responses, [7, 2], PAD)
-    assert out.tolist() == [[5, 7, PAD, PAD, PAD], [5, 2, PAD, PAD, PAD], [5, 5, 5, 5, 5]]
-    assert eos_mask(responses, [7, 2]).any(1).tolist() == [True, True, False]
-    assert truncate_at_eos(responses, 7, PAD).tolist()[1] == [5, 2, 7, PAD, PAD]  # a single id, as TRL does
-
-
-def test_sample_cuts_each_response_at_its_first_eos_of_any_id(assets):
-    """`scoring.sample` (eval and the demo): the tokens ``generate`` draws for the seed, up to and including the
-    first id of the EOS list, else all ``max_new_tokens``; the flag says which."""
-    from transformers import AutoModelForCausalLM
-
-    from rlhf_trl.scoring import pad_left, sample
-
-    tok = load_tokenizer(assets["tokenizer"])
-    policy = AutoModelForCausalLM.from_pretrained(assets["base_model"]).eval()
-    prompts, eos = [[5, 6, 7], [8, 9], [10, 11, 12, 13]] * 4, list(range(3, 40))  # many EOS ids: some responses end
-    out = sample(policy, prompts, tok.pad_token_id, eos, max_new_tokens=6, temperature=1.0, seed=3)
-    torch.manual_seed(3)
-    queries = pad_left(prompts, tok.pad_token_id)
-    config = sampling_generation_config(1.0, 6, eos, tok.pad_token_id)
-    drawn = policy.generate(input_ids=queries.masked_fill(queries == tok.pad_token_id, 0),
-                            attention_mask=queries != tok.pad_token_id, generation_config=config)[:, 4:].tolist()
-    assert {ended for _, ended in out} == {True, False}
-    for (ids, ended), row in zip(out, drawn):
-        first = next((i for i, t in enumerate(row) if t in eos), None)
-        assert ended == (first is not None)
-        assert ids == (row[:first + 1] if ended else row[:6])
 
 
 @pytest.fixture

@@ -780,7 +780,7 @@ REMOVED_PPO_KEYS = ["onednn_decoding", "rollout_sampler", "fused_lora", "fused_k
 
 @pytest.mark.parametrize("key", REMOVED_PPO_KEYS)
 def test_a_recipe_with_a_removed_cpu_key_fails_with_one_line(tmp_path, key):
-    """The CPU-only measures are gone (issue 40): an old recipe that still sets one of their keys stops at parsing
+    """The engine's CPU-only memory and speed measures are gone: an old recipe that still sets one of their keys stops at parsing
     with the usual unknown-key line, before anything is read or written."""
     from rlhf_trl.config import RecipeError, parse_recipe
     from rlhf_trl.ppo import recipe_types

@@ -6,7 +6,7 @@ processes), and for TRL's DPO, GRPO, RLOO and KTO trainers as the project runs t
 
 The kill: ``RLHF_TRL_FAULT="<s>:1"`` (`faults`, tests/fault_hooks) SIGKILLs the run at the first file operation of its s-th
 checkpoint save, so checkpoint s-1 is the newest on disk, with everything the run wrote after it (PPO's sample table
-of the next update, TensorBoard events). One-process runs are forked from a `exactness.Zygote` (a fresh process
+of the next update, TensorBoard events). One-process runs are forked from a `zygote.Zygote` (a fresh process
 each, without the import time); the two-process runs go through ``accelerate launch``.
 """
 
@@ -14,22 +14,16 @@ import os
 import shlex
 
 import pytest
-from exactness import (
-    accelerate_launch,
-    assert_runs_equal,
-    assert_same,
-    checkpoints,
-    comparable,
-    tail,
-)
+from exactness import assert_runs_equal, assert_same, checkpoints, comparable
+from zygote import accelerate_launch, tail
 
 pytestmark = pytest.mark.slow
 
-ONE_PROCESS = ["sft", "rm", "ppo", "ppo_value_lora", "ppo_shared_base", "ppo_baseline_auto", "dpo", "grpo", "rloo",
-               "kto"]
+ONE_PROCESS = ["sft", "rm", "ppo", "ppo_value_lora", "ppo_shared_base", "ppo_baseline_auto", "ppo_value_head",
+               "ppo_ptx", "dpo", "grpo", "rloo", "kto"]
 # resume from the n-th checkpoint (PPO's 2nd: the end of a pass over the prompts; 2 processes: in the second pass)
 RESUME_AFTER = {"sft": 1, "rm": 2, "ppo": 1, "ppo_value_lora": 2, "ppo_shared_base": 1, "ppo_baseline_auto": 2,
-                "ppo_2proc": 2, "dpo": 1, "grpo": 1, "rloo": 2, "kto": 1}
+                "ppo_value_head": 2, "ppo_ptx": 2, "ppo_2proc": 2, "dpo": 1, "grpo": 1, "rloo": 2, "kto": 1}
 
 
 def run_and_resume(cfg, tmp_path, run) -> None:
@@ -89,7 +83,9 @@ def test_sample_tables_do_not_change_training(configs, zygote, tmp_path):
 
 
 # -- SIGTERM / SIGINT (`rlhf_trl.run_dir`): finish the step, write a checkpoint, one line, exit 143 / 130 -------------
-@pytest.mark.parametrize("name,signal_name,step,code", [("sft", "SIGTERM", 4, 143), ("ppo", "SIGINT", 2, 130)])
+@pytest.mark.parametrize("name,signal_name,step,code", [("sft", "SIGTERM", 4, 143), ("ppo", "SIGINT", 2, 130),
+                                                         ("ppo_value_head", "SIGTERM", 1, 143),
+                                                         ("ppo_ptx", "SIGTERM", 2, 143)])
 def test_a_signal_stops_after_the_step_with_a_checkpoint_and_resumes_bit_exact(name, signal_name, step, code, configs,
                                                                              zygote, tmp_path):
     """The run sends itself the signal at the end of step ``step`` (PPO: update): that step's checkpoint is written
@@ -132,7 +128,7 @@ def test_two_process_ppo_stopped_by_sigterm_resumes_bit_exact(configs, tmp_path)
     import sys
     import time
 
-    from exactness import REPO
+    from zygote import REPO
 
     cfg = configs["ppo_2proc"]
     straight, stopped, log = tmp_path / "straight", tmp_path / "stopped", str(tmp_path / "log.txt")

@@ -1,5 +1,5 @@
 """SIGKILL at every file operation of a checkpoint save, then resume from what is on disk: the resumed run ends
-bit-exact with the uninterrupted one (issue 15, item 2).
+bit-exact with the uninterrupted one.
 
 For each configuration of `exactness.stage_configs` (SFT, RM, PPO, PPO with a LoRA value model, with
 ``share_reward_value_base``, with ``reward_baseline: auto``, and PPO under 2 processes):
@@ -24,13 +24,13 @@ To keep the file within its time budget (<= 12 min on 2 cores) two things are sh
   file outside staging, path and bytes) resume identically; each distinct tree is resumed once and its result
   stands for every kill point that left it (every k is still killed and asserted);
 - **one run up to the 2nd save**: the stage runs once, in a fresh process, up to its 2nd checkpoint save; there it
-  forks one child per kill point, which does the save with ``RLHF_TRL_FAULT="2:k"`` and dies (`exactness`'s sweep);
+  forks one child per kill point, which does the save with ``RLHF_TRL_FAULT="2:k"`` and dies (`zygote`'s sweep);
   after each child the output directory is recorded and put back as it was before the save. The children start
   from the very state a fresh run has at that save (the run is deterministic); to hold the sweep to that, one fresh
   run per configuration is killed with ``RLHF_TRL_FAULT="2:k"`` from the start (k: right after the rename that
   publishes the checkpoint) and must leave the same tree as the sweep's child for that k. Under 2 processes each
   process forks its child and the children form a new gloo group; the processes are started from a fork server
-  with the environment ``accelerate launch`` gives them (`exactness.captured_launch_env`), to save the launcher's
+  with the environment ``accelerate launch`` gives them (`zygote.captured_launch_env`), to save the launcher's
   start-up per run.
 
 Kill points of one save (K: process 0's 2nd checkpoint save) and distinct on-disk states after its K kills and 3
@@ -59,17 +59,8 @@ import os
 import shutil
 
 import pytest
-from exactness import (
-    MULTI_CPU,
-    SURVIVED,
-    ZygoteGroup,
-    assert_runs_equal,
-    assert_trees_equal,
-    captured_launch_env,
-    checkpoints,
-    read_fault_log,
-    tail,
-)
+from exactness import assert_runs_equal, assert_trees_equal, checkpoints
+from zygote import MULTI_CPU, SURVIVED, ZygoteGroup, captured_launch_env, read_fault_log, tail
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,5 @@
-"""Tokenizer pad handling, stage-input checks, and the quantization (QLoRA) plumbing of the model loaders."""
+"""Tokenizer pad handling, stage-input checks, and the quantization (QLoRA) plumbing of the model loaders
+(`rlhf_trl.models`). Saving sharded final models: test_checkpoints.py; a PEFT reward model's scores: test_scoring.py."""
 
 import os
 
@@ -300,55 +301,6 @@ def test_adapter_on_a_quantized_base_is_merged_into_an_unquantized_copy(kind, as
     assert torch.allclose(expected, got, atol=1e-5), (expected - got).abs().max()
 
 
-class _FakeShardedTrainer:
-    """What `save_final_model` uses of a trainer whose weights are sharded (DeepSpeed ZeRO-3), on one process."""
-
-    def __init__(self, model):
-        from types import SimpleNamespace
-
-        self.model = model
-        self.accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)),
-                                           wait_for_everyone=lambda: None)
-        self.saved_to = []
-
-    def is_world_process_zero(self):
-        return True
-
-    def save_model(self, path):  # the real one gathers the 16-bit weights from every process first
-        self.saved_to.append(path)
-        self.model.save_pretrained(path)
-
-
-def test_sharded_full_model_is_saved_through_the_trainer_gather(sft_run, tokenizer, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from rlhf_trl.checkpoints import save_final_model, weights_are_sharded
-
-    model = AutoModelForCausalLM.from_pretrained(sft_run["merged"])
-    trainer = _FakeShardedTrainer(model)
-    assert weights_are_sharded(trainer)
-    out = tmp_path / "merged"
-    back = save_final_model(trainer, tokenizer, str(out), None, sft_run["merged"], "causal_lm")
-    assert trainer.saved_to and trainer.saved_to[0] != str(out)  # staged, then renamed into place
-    assert sorted(os.listdir(tmp_path)) == ["merged"] and (out / "tokenizer_config.json").exists()
-    for a, b in zip(model.parameters(), back.parameters()):
-        assert torch.equal(a, b)
-
-
-def test_sharded_lora_model_is_merged_from_the_saved_adapter(sft_run, rm_run, tmp_path, tokenizer):
-    from transformers import AutoModelForSequenceClassification
-
-    from rlhf_trl.checkpoints import save_final_model
-
-    trainer = _FakeShardedTrainer(model=None)  # sharded LoRA: only the adapter on disk is used
-    out = tmp_path / "merged"
-    back = save_final_model(trainer, tokenizer, str(out), os.path.join(rm_run["output_dir"], "adapter"),
-                            sft_run["merged"], "sequence_classifier")
-    expected = AutoModelForSequenceClassification.from_pretrained(rm_run["merged"])
-    for (name, a), b in zip(expected.named_parameters(), back.parameters()):
-        assert torch.allclose(a, b, atol=1e-6), name
-
-
 def test_saved_model_directories_get_the_usual_mode(tmp_path):
     """atomic_dir writes under a private temporary name; the final directory has the umask's mode, not 0700."""
     from rlhf_trl.atomic import atomic_dir
@@ -360,27 +312,3 @@ def test_saved_model_directories_get_the_usual_mode(tmp_path):
     finally:
         os.umask(umask)
     assert (os.stat(tmp_path / "merged").st_mode & 0o777) == 0o755
-
-
-def test_scores_of_a_peft_reward_model_are_its_adapter_scores(assets, tokenizer):
-    """score_sequences on a PeftModel (what the RM stage evaluates after QLoRA: the adapter on the quantized base is
-    kept) reads its backbone with the LoRA layers and the trained score copy: the scores of the merged model."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
-    from rlhf_trl.scoring import score_sequences
-
-    base = models.load_sequence_classifier(assets["base_model"], torch.float32)
-    models.resize_for_tokenizer(base, tokenizer)
-    model = get_peft_model(base, LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj", "v_proj"],
-                                            init_lora_weights=False))
-    with torch.no_grad():
-        model.base_model.model.score.modules_to_save["default"].weight.add_(0.5)  # a trained head differs
-    seqs = [tokenizer("今天天气很好").input_ids + [tokenizer.eos_token_id], tokenizer("你好").input_ids]
-    got = score_sequences(model, seqs, tokenizer.pad_token_id)
-    merged = copy.deepcopy(model).merge_and_unload()
-    expected = score_sequences(merged, seqs, tokenizer.pad_token_id)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    with model.disable_adapter():
-        assert not torch.allclose(score_sequences(model, seqs, tokenizer.pad_token_id), expected, atol=1e-3)

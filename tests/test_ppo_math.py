@@ -1,4 +1,5 @@
-"""PPO's arithmetic (`rlhf_trl.ppo_math`) against values computed by hand, and the engine's chunked log-probs."""
+"""PPO's arithmetic (`rlhf_trl.ppo_math`) against values computed by hand. The chunked log-probs the engine forms
+(`rlhf_trl.scoring.response_logprobs`) are in test_scoring.py."""
 
 import math
 
@@ -82,33 +83,6 @@ def test_selective_log_softmax_and_entropy():
     torch.testing.assert_close(pm.selective_log_softmax(logits.bfloat16(), index), expected.bfloat16(), atol=0.05,
                                rtol=0.05)
     assert pm.entropy_from_logits(torch.zeros(1, 1, 7)).item() == pytest.approx(math.log(7))
-
-
-def test_chunked_response_logprobs_equal_whole_ones_with_gradients():
-    """The engine forms logits ``logits_chunk_size`` positions at a time (recomputed in the backward): same
-    log-probs and same gradients as forming them all at once."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from rlhf_trl.scoring import response_logprobs
-
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=0))
-    qr = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 0], [3, 4, 5, 6, 7, 8, 9, 11]])  # prompt 3 tokens, response 5
-    grads = []
-    for chunk in (0, 2):
-        model.zero_grad()
-        lp, ent = response_logprobs(model, qr, 3, 0, temperature=0.7, chunk_size=chunk, with_entropy=True)
-        lp.sum().backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        if chunk == 0:
-            whole, whole_ent = lp.detach(), ent
-    torch.testing.assert_close(lp.detach(), whole)
-    torch.testing.assert_close(ent, whole_ent)
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b)
-    assert lp.shape == (2, 5)
-
 
 
 def test_compute_advantages_by_hand():

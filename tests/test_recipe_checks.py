@@ -1,5 +1,5 @@
-"""Every recipe value is checked when the recipe is parsed, and nothing of an earlier run changes on any failure (issue
-41, item 1): a bad value (recipe file or command line), an output_dir that is a file, a causal LM as the reward model,
+"""Every recipe value is checked when the recipe is parsed, and nothing of an earlier run changes on any failure: a
+bad value (recipe file or command line), an output_dir that is a file, a causal LM as the reward model,
 a reward function that raises at update 1 and a diverged run each stop with one line, the last on stderr, and leave
 every file of the earlier run in output_dir byte-identical, with nothing new beside it."""
 

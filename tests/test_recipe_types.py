@@ -97,6 +97,7 @@ def test_the_cli_refuses_a_list_at_parsing_in_one_line(stage, key, value, expect
 def test_a_valid_recipe_parses_unchanged(tmp_path):
     recipe = write(tmp_path, {"output_dir": str(tmp_path / "o"), "learning_rate": 1.0e-4, "report_to": "none",
                               "reward_baseline": 0.5, "bf16": False, "max_steps": 3})
-    data_args, ppo_args, training_args, *_ = parse_recipe(stage_types("ppo"), ["--config", recipe])
+    parsed = parse_recipe(stage_types("ppo"), ["--config", recipe])
+    ppo_args, training_args = parsed.script, parsed.training
     assert training_args.learning_rate == 1.0e-4 and training_args.max_steps == 3
     assert ppo_args.reward_baseline_value() == 0.5

@@ -46,8 +46,8 @@ def test_recipe_parses(path):
         # TrainingArguments refuses bf16 without a GPU at parse time; every other key and type is still checked
         extra = ["--bf16", "false", "--use_cpu", "true"]
     parsed = parse_recipe(PARSERS[stage]().recipe_types(), ["--config", path, *extra])
-    assert parsed[-1] == path
-    assert parsed[0].dataset_name, "every recipe names its data"
+    assert parsed.path == path
+    assert parsed.data.dataset_name, "every recipe names its data"
     assert text.lstrip().startswith("#")
     assert f"make {stage}" in text or f"rlhf-trl {stage}" in text, "the recipe should say how to run it"
 
@@ -97,10 +97,10 @@ def test_quantized_recipes_train_through_lora(path, monkeypatch):
     assert "pip install -e '.[qlora]'" in header(path)
     stage = os.path.basename(path)[:-5]
     parsed = parse_recipe(STAGES[stage]().recipe_types(), ["--config", path, "--bf16", "false", "--use_cpu", "true"])
-    model_args = next(p for p in parsed if type(p).__name__ == "ModelConfig")
+    model_args = parsed.model
     lora = {"use_peft": model_args.use_peft}
     if stage == "ppo":
-        lora["value_use_peft"] = next(p for p in parsed if type(p).__name__ == "PPOScriptArguments").value_use_peft
+        lora["value_use_peft"] = parsed.script.value_use_peft
     monkeypatch.setattr(models, "require_kbit_support", lambda *args, **kwargs: None)  # no bitsandbytes / GPU here
     config = models.recipe_quantization_config(model_args, lora)
     assert config.load_in_4bit and config.bnb_4bit_compute_dtype == torch.bfloat16
@@ -140,8 +140,10 @@ def test_math_recipes_share_their_held_out_problems():
     """`make math-real`: grpo.yaml trains, eval.yaml (a PPO recipe: compare reads it) scores the same held-out split
     with the same rule reward and no reward model."""
     math = os.path.join(ROOT, "recipes", "qwen2.5-0.5b-cpu-math")
-    data, ppo_args, training_args, *_ = parse_recipe(import_ppo().recipe_types(), ["--config", f"{math}/eval.yaml"])
-    g_data, g_args, g_training, *_ = parse_recipe(grpo.recipe_types(), ["--config", f"{math}/grpo.yaml"])
+    ppo = parse_recipe(import_ppo().recipe_types(), ["--config", f"{math}/eval.yaml"])
+    data, ppo_args, training_args = ppo.data, ppo.script, ppo.training
+    g = parse_recipe(grpo.recipe_types(), ["--config", f"{math}/grpo.yaml"])
+    g_data, g_args, g_training = g.data, g.script, g.training
     assert ppo_args.reward_funcs == ["rlhf_trl.math_rewards:correct"] == g_args.reward_funcs
     assert not training_args.reward_model_path and not g_args.reward_model_path
     keys = ("dataset_name", "question_key", "max_samples", "eval_split_size", "max_prompt_length", "chat_template",

@@ -73,7 +73,8 @@ def test_the_recipe_parses_and_states_how_to_run_it():
     text = open(RECIPE, encoding="utf-8").read()
     assert text.startswith("# ") and "rlhf-trl ppo --config recipes/qwen2.5-7b/ppo-baichuan-rm.yaml" in text
     extra = [] if torch.cuda.is_available() else ["--bf16", "false", "--use_cpu", "true"]
-    _, ppo_args, training_args, *_ = parse_recipe(import_ppo().recipe_types(), ["--config", RECIPE, *extra])
+    recipe = parse_recipe(import_ppo().recipe_types(), ["--config", RECIPE, *extra])
+    ppo_args, training_args = recipe.script, recipe.training
     assert "baichuan" in training_args.reward_model_path and "qwen" in training_args.sft_model_path
     assert ppo_args.trust_remote_code and not ppo_args.share_reward_value_base and not ppo_args.value_model_path
     n = re.search(r"= (\d+) x (\d+) x (\d+) = (\d+) episodes", text).groups()

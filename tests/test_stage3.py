@@ -62,28 +62,27 @@ def test_dpo_rows_are_the_reward_models_ids(assets, tokenizer):
 def test_group_rewards_are_ppos_rewards(models, tokenizer):
     """`RewardModelReward` on (query ids, completion ids) == the PPO engine's reward of the same rollout: left-padded
     queries, responses cut after their EOS (`truncate_at_eos`), `sequence_scores` at the last real token, minus the
-    baseline (`apply_reward_baseline`) and ``missing_eos_penalty`` where no EOS was sampled."""
+    baseline and ``missing_eos_penalty`` where no EOS was sampled."""
     from rlhf_trl.grpo import RewardModelReward
     from rlhf_trl.models import load_sequence_classifier
-    from rlhf_trl.reward_models import apply_reward_baseline
     from rlhf_trl.scoring import eos_mask, pad_left, pad_right, sequence_scores, truncate_at_eos
 
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    rm = apply_reward_baseline(load_sequence_classifier(models[1]), 0.25)
+    rm = load_sequence_classifier(models[1]).eval()
     g = torch.Generator().manual_seed(0)
     queries = [torch.randint(5, 300, (n,), generator=g).tolist() for n in (3, 7, 5, 4)]
     sampled = [[11, 12, eos, 40, 41], [13, eos, pad, pad, pad], [14, 15, 16, 17, 18], [eos, 9, 9, 9, 9]]
     completions = [s[:s.index(eos) + 1] if eos in s else s for s in sampled]  # what TRL passes: cut after the EOS
-    ours = RewardModelReward(rm, pad, [eos], penalty=1.5, batch_size=2)(
+    ours = RewardModelReward(rm, pad, [eos], penalty=1.5, batch_size=2, baseline=0.25)(
         prompts=[""] * 4, completions=[""] * 4, completion_ids=completions, query_ids=queries)
 
     query = pad_left(queries, pad)
     post = truncate_at_eos(pad_right(sampled, pad), [eos], pad)
     with torch.no_grad():
         scores = sequence_scores(rm, torch.cat((query, post), 1), pad, query.shape[1])
-    scores = scores - 1.5 * (~eos_mask(post, [eos]).any(1)).float()
+    scores = scores - 0.25 - 1.5 * (~eos_mask(post, [eos]).any(1)).float()
     assert ours == pytest.approx(scores.tolist(), abs=1e-5)
-    unpenalised = RewardModelReward(rm, pad, [eos], None, 4)(prompts=[""] * 4, completions=[""] * 4,
+    unpenalised = RewardModelReward(rm, pad, [eos], None, 4, baseline=0.25)(prompts=[""] * 4, completions=[""] * 4,
                                                              completion_ids=completions, query_ids=queries)
     assert [a - b for a, b in zip(unpenalised, ours)] == pytest.approx([0, 0, 1.5, 0], abs=1e-5)  # no EOS: 3rd
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import import_ppo
+from conftest import import_ppo, ppo_argv
 from safetensors.torch import load_file
 
 from rlhf_trl import rm, sft
@@ -111,22 +111,27 @@ def test_ppo_logs_sample_tables(ppo_run):
     assert rows[0]["query"].startswith("问：") and rows[0]["query"].endswith("答：")
 
 
-def test_reward_baseline_is_subtracted(rm_run, tokenizer):
-    ppo = import_ppo()
-    from transformers import AutoModelForSequenceClassification
+def test_reward_baseline_is_subtracted_where_the_score_is_assembled(assets, sft_run, rm_run, tmp_path):
+    """The same rollouts (same seed) with reward_baseline 0 and 1.5: every score 1.5 lower, the reward model frozen
+    and unchanged (the baseline lives in `PPOEngine.rollout`, not in the model)."""
+    from rlhf_trl.ppo_engine import PPOEngine
 
-    from rlhf_trl.data import Template, pair_features
-    from rlhf_trl.scoring import score_sequences
+    ppo, seen = import_ppo(), {}
+    rollout = PPOEngine.rollout
 
-    model = AutoModelForSequenceClassification.from_pretrained(rm_run["merged"])
-    ids = pair_features([{"question": "你喜欢海边吗？", "chosen": "海边很棒，我很喜欢。", "rejected": "海边很无聊，我很讨厌。"}],
-                        tokenizer, Template())
-    seqs = ids["chosen_ids"] + ids["rejected_ids"]
-    before = score_sequences(model, seqs, tokenizer.pad_token_id)
-    ppo.apply_reward_baseline(model, 1.5)
-    after = score_sequences(model, seqs, tokenizer.pad_token_id)
-    assert torch.allclose(after, before - 1.5, atol=1e-5)
-    assert not any(p.requires_grad for p in model.parameters()) and not model.training
+    def spy(self, queries, rows, update):
+        ro = rollout(self, queries, rows, update)
+        seen.setdefault(self.reward_baseline, ro["scores"].clone())
+        return ro
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PPOEngine, "rollout", spy)
+        for baseline in ("0.0", "1.5"):
+            res = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / baseline, "--total_episodes", "32",
+                                    "--reward_baseline", baseline, "--save_strategy", "no", "--log_samples_every", "0"))
+    assert torch.allclose(seen[1.5], seen[0.0] - 1.5, atol=1e-5)
+    rm = res["trainer"].reward_model
+    assert not any(p.requires_grad for p in rm.parameters()) and not rm.training and type(rm.score) is torch.nn.Linear
 
 
 def test_missing_previous_stage_names_the_stage_to_run(assets, tmp_path):
@@ -165,10 +170,9 @@ def test_unknown_recipe_key_fails_loudly(tmp_path):
 
 
 def test_cli_overrides_beat_the_recipe():
-    data, train, model, run, path = parse_recipe(
-        sft.recipe_types(), ["--config", f"{RECIPES}/sft.yaml", "--learning_rate", "0.5"]
-    )
-    assert train.learning_rate == 0.5 and data.dataset_format == "alpaca" and path.endswith("sft.yaml")
+    recipe = parse_recipe(sft.recipe_types(), ["--config", f"{RECIPES}/sft.yaml", "--learning_rate", "0.5"])
+    assert recipe.training.learning_rate == 0.5 and recipe.data.dataset_format == "alpaca"
+    assert recipe.path.endswith("sft.yaml") and recipe.script is None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -205,8 +209,8 @@ def test_report_to_defaults_to_tensorboard_and_stays_overridable(tmp_path):
 
     recipe = tmp_path / "sft.yaml"
     recipe.write_text("dataset_name: x.jsonl\noutput_dir: out\nuse_cpu: true\n")
-    assert parse_recipe(sft.recipe_types(), ["--config", str(recipe)])[1].report_to == ["tensorboard"]
-    assert parse_recipe(sft.recipe_types(), ["--config", str(recipe), "--report_to", "none"])[1].report_to in (
+    assert parse_recipe(sft.recipe_types(), ["--config", str(recipe)]).training.report_to == ["tensorboard"]
+    assert parse_recipe(sft.recipe_types(), ["--config", str(recipe), "--report_to", "none"]).training.report_to in (
         [], ["none"], "none")
     recipe.write_text("dataset_name: x.jsonl\noutput_dir: out\nuse_cpu: true\nreport_to: none\n")
-    assert parse_recipe(sft.recipe_types(), ["--config", str(recipe)])[1].report_to in ([], ["none"], "none")
+    assert parse_recipe(sft.recipe_types(), ["--config", str(recipe)]).training.report_to in ([], ["none"], "none")

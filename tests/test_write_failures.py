@@ -1,4 +1,4 @@
-"""A full disk or a read-only output_dir during a checkpoint save (issue 15, item 4): the run stops with one line
+"""A full disk or a read-only output_dir during a checkpoint save: the run stops with one line
 naming the path (exit status 4), no half-written checkpoint-N is visible, no staging directory is left, the previous
 checkpoint is byte-identical, and resuming from it finishes the run.
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from . import atomic
 from .atomic import CheckpointWriteError, write_json
-from .config import RecipeError, RunArguments, check_output_dir, save_recipe
+from .config import Recipe, RecipeError, RunArguments, check_output_dir, save_recipe
 from .merge import merge_adapter
 from .models import StageInputError, load_causal_lm, load_sequence_classifier, merge_and_save, peak_memory_mb
 from .run_dir import (OutputDirError, RunBusyError, RunLock, StoppedBySignal, catch_stop_signals, checkpoint_room,
@@ -338,18 +338,18 @@ def loading_on_one_process():
             hf_deepspeed.set_hf_deepspeed_config(config)
 
 
-def save_stage_outputs(trainer, tokenizer, model_path: str, kind: str, metrics: dict, report, configs: tuple,
+def save_stage_outputs(trainer, tokenizer, model_path: str, kind: str, metrics: dict, report, recipe: Recipe,
                        evaluate=None) -> dict:
     """End of SFT / RM (every process): adapter, merged model; main process: recipe, ``metrics.json`` (+
     ``evaluate(model)``), ``log_history.json``, data report. Returns ``{output_dir, merged, metrics}``."""
-    out = configs[1].output_dir
-    adapter = os.path.join(out, "adapter") if configs[2].use_peft else None
+    out = recipe.training.output_dir
+    adapter = os.path.join(out, "adapter") if recipe.model.use_peft else None
     if adapter:
         trainer.save_model(adapter)
     merged = os.path.join(out, "merged")
     model = save_final_model(trainer, tokenizer, merged, adapter, model_path, kind)  # gathers ZeRO-3 / FSDP shards
     if trainer.is_world_process_zero():
-        save_recipe(out, *configs)
+        save_recipe(out, recipe)
         metrics["peak_memory_mb"] = peak_memory_mb()  # training's peak (before evaluate loads another model)
         if evaluate is not None:
             metrics.update(evaluate(model))

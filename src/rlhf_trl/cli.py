@@ -5,30 +5,10 @@ from __future__ import annotations
 import os
 import sys
 
-from .cli_launch import one_line, run_stage
+from .cli_launch import COMMANDS, one_line, run_stage
 
-STAGES = {
-    "sft": "supervised fine-tuning (trl.SFTTrainer)",
-    "rm": "reward model on chosen/rejected pairs (trl.RewardTrainer)",
-    "ppo": "PPO against the reward model and/or reward functions (the project's engine, rlhf_trl.ppo_engine)",
-    "dpo": "stage 3 on preference pairs, no reward model (trl.DPOTrainer)",
-    "grpo": "stage 3 without a value model: group-relative advantages (trl.GRPOTrainer), PPO's rewards",
-    "rloo": "stage 3 without a value model: leave-one-out advantages (trl.RLOOTrainer), PPO's rewards",
-    "kto": "stage 3 on answers labelled desirable / undesirable (or unpaired preference pairs), no reward model "
-           "(trl.KTOTrainer)",
-    "demo": "build the embedded demo and run SFT -> RM -> PPO on it",
-    "demo-real": "SFT -> RM -> PPO -> eval on a real Qwen2.5 Instruct directory (--model DIR), sized for a CPU",
-    "launch": "a stage on several processes: --config_file ACCEL.yaml --num_processes N <stage> ... (make ACCEL=)",
-    "init-model": "build a random-init tiny Qwen2 with a tokenizer's vocabulary (offline smoke runs)",
-    # merge / evaluate / report
-    "merge": "merge a LoRA adapter into its base: --adapter DIR --output DIR [--base DIR]",
-    "eval": "compare the PPO policy with its SFT policy (rewards, win rate, KL), write eval.json + report.md",
-    "compare": "stage-3 policies side by side (--policies sft=DIR ppo=DIR dpo=DIR ...): RM reward with 95% CI, win "
-               "rate, KL, cost; compare.json + compare.md",
-}
-
-USAGE = "usage: rlhf-trl {" + ",".join(STAGES) + "} --config RECIPE.yaml [--key value ...] | --version\n\n" + "\n".join(
-    f"  {name:10s} {text}" for name, text in STAGES.items())
+USAGE = "usage: rlhf-trl {" + ",".join(COMMANDS) + "} --config RECIPE.yaml [--key value ...] | --version\n\n" + \
+    "\n".join(f"  {name:10s} {command.help}" for name, command in COMMANDS.items())
 
 
 def version_line() -> str:
@@ -65,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"rlhf-trl {exc.stage}: error: {one_line(exc)}", file=sys.stderr)
             return 2
-    if stage not in STAGES:
+    if stage not in COMMANDS:
         print(f"rlhf-trl: error: unknown command '{stage}'\n\n{USAGE}", file=sys.stderr)
         return 2
     return run_stage(stage, rest)

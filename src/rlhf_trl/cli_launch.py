@@ -1,5 +1,6 @@
-"""Running one stage from the command line (`rlhf_trl.cli`, ``python -m rlhf_trl.<stage>``): logging, one-line errors
-and exit statuses, printed summaries. Stage modules are imported by name only when run: no import cycle."""
+"""Running one command from the command line (`rlhf_trl.cli`, ``python -m rlhf_trl.<stage>``): the registry of
+commands (`COMMANDS`), logging, one-line errors and exit statuses, printed summaries. Stage modules are imported by
+name only when run: no import cycle."""
 
 from __future__ import annotations
 
@@ -10,15 +11,75 @@ import os
 import shlex
 import sys
 import warnings
-from typing import NoReturn
-
-MODULES = {"init-model": "tiny", "eval": "evaluate", "demo-real": "demo_real", "rloo": "grpo"}
+from typing import NamedTuple, NoReturn
 
 
-def stage_main(stage: str):
-    """A command's ``main(argv)``, its module imported now (`MODULES`; ``rloo``: `rlhf_trl.grpo`, ``method="rloo"``)."""
-    module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
-    return functools.partial(module.main, method="rloo") if stage == "rloo" else module.main
+class Command(NamedTuple):
+    """One ``rlhf-trl`` command: ``help`` (its line of ``rlhf-trl --help``); for a recipe-driven stage, its recipe's
+    ``training`` config and ``script`` arguments (if any) as ``"module:Class"`` (`recipe_types`), run by its module's
+    ``run(recipe, callbacks)`` (`run_recipe`), else by the module's ``main(argv)``; ``module``: `rlhf_trl.<module>`,
+    imported when run (None: the command's name)."""
+
+    help: str
+    training: str | None = None
+    script: str | None = None
+    module: str | None = None
+
+
+COMMANDS = {
+    "sft": Command("supervised fine-tuning (trl.SFTTrainer)", "trl:SFTConfig"),
+    "rm": Command("reward model on chosen/rejected pairs (trl.RewardTrainer)", "trl:RewardConfig"),
+    "ppo": Command("PPO against the reward model and/or reward functions (the project's engine, rlhf_trl.ppo_engine)",
+                   "rlhf_trl.ppo_config:PPOConfig", "rlhf_trl.ppo_config:PPOScriptArguments"),
+    "dpo": Command("stage 3 on preference pairs, no reward model (trl.DPOTrainer)", "trl:DPOConfig"),
+    "grpo": Command("stage 3 without a value model: group-relative advantages (trl.GRPOTrainer), PPO's rewards",
+                    "trl:GRPOConfig", "rlhf_trl.grpo:GroupRewardArguments"),
+    "rloo": Command("stage 3 without a value model: leave-one-out advantages (trl.RLOOTrainer), PPO's rewards",
+                    "trl:RLOOConfig", "rlhf_trl.grpo:GroupRewardArguments", module="grpo"),
+    "kto": Command("stage 3 on answers labelled desirable / undesirable (or unpaired preference pairs), no reward "
+                   "model (trl.KTOTrainer)", "trl:KTOConfig"),
+    "demo": Command("build the embedded demo and run SFT -> RM -> PPO on it"),
+    "demo-real": Command("SFT -> RM -> PPO -> eval on a real Qwen2.5 Instruct directory (--model DIR), sized for a CPU",
+                         module="demo_real"),
+    "launch": Command("a stage on several processes: --config_file ACCEL.yaml --num_processes N <stage> ... "
+                      "(make ACCEL=)"),
+    "init-model": Command("build a random-init tiny Qwen2 with a tokenizer's vocabulary (offline smoke runs)",
+                          module="tiny"),
+    # merge / evaluate / report
+    "merge": Command("merge a LoRA adapter into its base: --adapter DIR --output DIR [--base DIR]"),
+    "eval": Command("compare the PPO policy with its SFT policy (rewards, win rate, KL), write eval.json + report.md",
+                    module="evaluate"),
+    "compare": Command("stage-3 policies side by side (--policies sft=DIR ppo=DIR dpo=DIR ...): RM reward with 95% CI, "
+                       "win rate, KL, cost; compare.json + compare.md"),
+}
+
+
+def recipe_types(command: str) -> tuple:
+    """The dataclasses a ``command`` recipe fills, in recipe order (imported now): `DataArguments`, the script
+    arguments (if any), the training config, TRL's `ModelConfig`, `RunArguments`."""
+    spec = COMMANDS[command]
+    names = "rlhf_trl.data:DataArguments", spec.script, spec.training, "trl:ModelConfig", "rlhf_trl.config:RunArguments"
+    return tuple(getattr(importlib.import_module(m), cls) for m, cls in (name.split(":") for name in names if name))
+
+
+def run_recipe(command: str, argv: list[str] | None = None, callbacks: list | None = None) -> dict:
+    """Every recipe-driven stage's ``main``: ``argv`` (else ``sys.argv``) parsed into a `config.Recipe`, then the
+    stage module's ``run(recipe, callbacks)`` and its result. Raises `RecipeError`: a bad recipe; else as ``run``."""
+    from .config import parse_recipe
+
+    recipe = parse_recipe(recipe_types(command), argv, command)
+    return importlib.import_module(f"rlhf_trl.{COMMANDS[command].module or command}").run(recipe, callbacks)
+
+
+def entry_points(command: str) -> tuple:
+    """A recipe-driven stage module's ``main(argv=None, callbacks=None)`` (`run_recipe`) and ``recipe_types()``."""
+    return functools.partial(run_recipe, command), functools.partial(recipe_types, command)
+
+
+def stage_main(command: str):
+    """A command's ``main(argv)``, its module imported now: a recipe-driven stage's `run_recipe`, else its ``main``."""
+    module = importlib.import_module(f"rlhf_trl.{COMMANDS[command].module or command}")
+    return functools.partial(run_recipe, command) if COMMANDS[command].training else module.main
 
 
 def quiet_libraries() -> None:

@@ -25,6 +25,7 @@ import re
 import sys
 
 from .atomic import write_json, write_jsonl, write_text
+from .cli_launch import recipe_types, run_stage
 from .config import RecipeError, one_line_arguments, parse_recipe, sibling_recipe
 from .evaluate import _cell, _stage_dir, policy_figures, rewards_sentence, sample_and_score, sample_values
 from .models import StageInputError, require_model_dir
@@ -195,8 +196,6 @@ def main(argv: list[str] | None = None) -> dict:
     """``rlhf-trl compare``. Returns ``{"output_dir", "metrics" (``<method>_reward`` / ``_win_rate`` /
     ``_kl_per_token`` / ``_score``), **compare.json}``. Raises `RecipeError`: a bad recipe, argument or
     ``--policies`` entry; otherwise as `compare`."""
-    from .ppo import recipe_types
-
     p = one_line_arguments(argparse.ArgumentParser(
         prog="rlhf-trl compare", description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
         epilog="Any other --key value is a PPO recipe override (see rlhf-trl ppo --help)."))
@@ -210,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
     own, rest = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     policies = parse_policies(own.policies)
     rest = ["--config", own.config, *rest] if own.config else rest
-    data_args, ppo_args, training_args, *_ = parse_recipe(recipe_types(), rest)
+    recipe = parse_recipe(recipe_types("ppo"), rest)
+    data_args, ppo_args, training_args = recipe.data, recipe.script, recipe.training
     out_dir = own.output_dir or os.path.join(os.path.dirname(os.path.normpath(training_args.output_dir)), "compare")
     result = compare(data_args, training_args, policies, out_dir, own.num_prompts, own.samples_per_prompt, own.demo,
                      ppo_args.trust_remote_code, sibling_recipe(own.config, "rm"),
@@ -221,6 +221,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from .cli_launch import run_stage
-
     run_stage("compare")

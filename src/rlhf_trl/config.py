@@ -11,6 +11,7 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -27,6 +28,34 @@ class RunArguments:
         "help": "Allow writing into an output_dir that already holds a finished run of this stage."})
     allow_pickle_weights: bool = field(default=False, metadata={
         "help": "Load *.bin / pickle weights when a model has no safetensors (pickle can run code)."})
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A parsed recipe (`parse_recipe`), its ``path`` (None: the command line alone) and its dataclasses: ``data``
+    (`DataArguments`), ``script`` (the stage's own: PPO's `PPOScriptArguments`, grpo's reward fields; or None),
+    ``training`` (TRL's `SFTConfig`, ..., PPO's `PPOConfig`), ``model`` (TRL's `ModelConfig`), ``run`` (`RunArguments`;
+    None: the defaults). Frozen: which objects, not their fields (a stage fills some in as it runs)."""
+
+    data: Any = None
+    script: Any = None
+    training: Any = None
+    model: Any = None
+    run: RunArguments | None = None
+    path: str | None = None
+
+    @property
+    def configs(self) -> tuple:
+        """The dataclasses in recipe order (data, script, training, model, run), those not set left out."""
+        return tuple(c for c in (self.data, self.script, self.training, self.model, self.run) if c is not None)
+
+
+def recipe_role(cls) -> str:
+    """The `Recipe` field of a recipe dataclass: ``run`` (`RunArguments`), ``data`` (with ``datasets``), ``training``
+    (with ``output_dir``), ``model`` (with ``model_name_or_path``: TRL's `ModelConfig`), else ``script``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return ("run" if cls is RunArguments else "data" if "datasets" in names else "training" if "output_dir" in names
+            else "model" if "model_name_or_path" in names else "script")
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
@@ -54,9 +83,10 @@ DEFAULT_REPORT_TO = "tensorboard"  # local event files under <output_dir>/runs; 
 DEFAULT_SAVE_TOTAL_LIMIT = "3"
 
 
-def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | None = None):
-    """``--config recipe.yaml`` plus ``--key value`` overrides parsed into ``dataclass_types`` (`trl.TrlParser`), then
-    the recipe path. Raises `RecipeError`: no recipe, an unknown key (closest suggested), a bad value."""
+def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | None = None) -> Recipe:
+    """``--config recipe.yaml`` plus ``--key value`` overrides parsed into ``dataclass_types`` (`trl.TrlParser`), as a
+    `Recipe` (one of each `recipe_role`) with the recipe path. Raises `RecipeError`: no recipe, an unknown key (closest
+    suggested), a bad value."""
     from trl import TrlParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -112,7 +142,7 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
     check_values(parsed, argv, path)
     for cfg in (c for c in parsed if hasattr(c, "bf16")):
         check_launch(cfg, path)
-    return (*parsed, path)
+    return Recipe(**{recipe_role(type(c)): c for c in parsed}, path=path)
 
 
 _TRUE_FALSE = {"true", "false", "yes", "no", "1", "0", "t", "f", "y", "n"}  # what HfArgumentParser reads as a bool
@@ -178,9 +208,9 @@ def _shown(value) -> str:
 
 def check_types(dataclass_types: tuple, data: dict, path: str) -> None:
     """Check every value of a parsed YAML recipe against the type of the dataclass field(s) of its key (`typing`
-    hints of every stage's and TRL's config classes, or the class's ``yaml_types`` where it says more; a key in several classes
-    must fit each), and each
-    ``datasets`` entry against `DataArguments`' fields. Raises `RecipeError` naming the file and the key."""
+    hints of every stage's and TRL's config classes, or the class's ``yaml_types`` where it says more; a key in
+    several classes must fit each), and each ``datasets`` entry against `DataArguments`' fields. Raises `RecipeError`
+    naming the file and the key."""
     hints = [(t, typing.get_type_hints(t)) for t in dataclass_types]
     for key, value in data.items():
         for cls, types_ in hints:
@@ -269,11 +299,11 @@ def sibling_recipe(path: str | None, stage: str) -> str:
     return f"make {stage} RECIPE={os.path.join(os.path.dirname(path), stage + '.yaml')}" if path else f"make {stage}"
 
 
-def save_recipe(output_dir: str, *configs) -> None:
-    """Write the resolved configuration of a run to ``output_dir/run_config.yaml`` (for reproducibility)."""
+def save_recipe(output_dir: str, recipe: Recipe) -> None:
+    """Write a run's resolved configuration, ``recipe``, to ``output_dir/run_config.yaml`` (for reproducibility)."""
     os.makedirs(output_dir, exist_ok=True)
     data = {}
-    for cfg in (c for c in configs if c is not None):
+    for cfg in recipe.configs:
         for f in (f for f in dataclasses.fields(cfg) if not f.name.startswith("_")):
             value = getattr(cfg, f.name)
             value = value.value if isinstance(value, enum.Enum) else value

@@ -10,24 +10,13 @@ from __future__ import annotations
 
 from datasets import Dataset
 
+from . import cli_launch
 from .checkpoints import keeps_earlier_run
-from .config import RunArguments, parse_recipe, sibling_recipe
-from .data import DataArguments, DataReport, pair_features
+from .config import Recipe
+from .data import DataReport, pair_features
 from .stage_setup import Stage, tokenized_trainer
 
-
-def recipe_types() -> tuple:
-    """The dataclasses a dpo recipe fills: data fields, TRL's `DPOConfig`, TRL's `ModelConfig`."""
-    from trl import DPOConfig, ModelConfig
-
-    return (DataArguments, DPOConfig, ModelConfig, RunArguments)
-
-
-def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
-    """Parse a recipe and run DPO. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
-    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv, "dpo")
-    return run(data_args, training_args, model_args, run_args, produced_by=sibling_recipe(recipe, "sft"),
-               callbacks=callbacks)
+main, recipe_types = cli_launch.entry_points("dpo")  # main(argv, callbacks): parse, then `run`
 
 
 def dpo_dataset(feats: dict) -> Dataset:
@@ -38,15 +27,14 @@ def dpo_dataset(feats: dict) -> Dataset:
 
 
 @keeps_earlier_run
-def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None,
-        produced_by: str | None = None, callbacks: list | None = None) -> dict:
-    """Optimise the SFT model ``model_args.model_name_or_path`` on the pairs of ``data_args.dataset_name``. Raises
-    `StageInputError`: no SFT model (``produced_by`` names the command to run first); `DataError`: bad rows, or no pair
+def run(configs: Recipe, callbacks: list | None = None) -> dict:
+    """Optimise the SFT model ``model_name_or_path`` on the recipe's pairs: ``{"output_dir", "merged", "metrics"}``.
+    Raises `StageInputError`: no SFT model (named with the sft recipe to run first); `DataError`: bad rows, or no pair
     left; `ValueError`: quantization that cannot run (`rlhf_trl.models.recipe_quantization_config`)."""
-    from trl import DPOTrainer, get_peft_config
+    from trl import DPOTrainer
 
     # inputs
-    stage = Stage(data_args, training_args, model_args, run_args, "SFT model", produced_by)
+    stage = Stage(configs, "SFT model", "sft")
 
     # data: the RM stage's pairs, tokenized the same way
     report = DataReport("dpo")
@@ -54,8 +42,8 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     tokenizer = stage.tokenizer()
 
     def features(rows, split):  # tokenized pairs (`pair_features`) as DPO rows
-        return dpo_dataset(pair_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
-                                         stage.source(split), report, split))
+        return dpo_dataset(pair_features(rows, tokenizer, template, configs.training.max_length,
+                                         configs.data.length_policy, stage.source(split), report, split))
 
     train_ds, eval_ds = features(train_records, "train"), features(eval_records, "eval") if eval_records else None
 
@@ -63,13 +51,10 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     model = stage.model(tokenizer)
 
     # trainer, train; evaluate (held-out preference accuracy and margins of the implicit reward), save
-    trainer = stage.trainer(tokenized_trainer(DPOTrainer), model, tokenizer, train_ds, eval_ds,
-                            get_peft_config(model_args), callbacks)
+    trainer = stage.trainer(tokenized_trainer(DPOTrainer), model, tokenizer, train_ds, eval_ds, callbacks)
     metrics = stage.train(trainer, "pairs", train_ds, eval_ds)
     return stage.save(trainer, tokenizer, metrics, report, done="DPO done: merged policy at %s")
 
 
 if __name__ == "__main__":
-    from .cli_launch import run_stage
-
-    run_stage("dpo")
+    cli_launch.run_stage("dpo")

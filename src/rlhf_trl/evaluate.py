@@ -25,6 +25,7 @@ import torch
 
 from .atomic import write_json, write_jsonl, write_text
 from .checkpoints import complete_checkpoints
+from .cli_launch import recipe_types, run_stage
 from .config import one_line_arguments, parse_recipe, sibling_recipe
 from .data import DataError, Template, prompt_features, read_records, split_records
 from .demo_task import on_topic, score_response
@@ -422,8 +423,6 @@ def _sample_policies(training_args, paths: dict[str, str], prompts: list[list[in
 def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> dict:
     """``rlhf-trl eval``; ``ppo_logs`` as in `evaluate`. Returns ``{"output_dir", "metrics" (the figures), "report",
     ...}``. Raises `RecipeError`: a bad recipe or command-line argument; otherwise as `evaluate`."""
-    from .ppo import recipe_types
-
     p = one_line_arguments(argparse.ArgumentParser(
         prog="rlhf-trl eval", description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
         epilog="Any other --key value is a PPO recipe override (see rlhf-trl ppo --help)."))
@@ -433,7 +432,8 @@ def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> d
     p.add_argument("--demo", action="store_true", help="also report the demo task's ground-truth scores")
     own, rest = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     rest = ["--config", own.config, *rest] if own.config else rest
-    data_args, ppo_args, training_args, model_args, run_args, _ = parse_recipe(recipe_types(), rest)
+    recipe = parse_recipe(recipe_types("ppo"), rest)
+    data_args, ppo_args, training_args = recipe.data, recipe.script, recipe.training
     result = evaluate(data_args, training_args, own.num_prompts, own.samples_per_prompt, own.demo,
                       ppo_logs=ppo_logs, trust_remote_code=ppo_args.trust_remote_code,
                       functions=load_reward_functions(ppo_args.reward_funcs, ppo_args.reward_weights),
@@ -442,6 +442,4 @@ def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> d
 
 
 if __name__ == "__main__":
-    from .cli_launch import run_stage
-
     run_stage("eval")

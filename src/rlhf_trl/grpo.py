@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from datasets import Dataset
 
+from . import cli_launch
 from .checkpoints import keeps_earlier_run, loading_on_one_process
-from .config import RunArguments, parse_recipe, sibling_recipe
+from .config import Recipe, RunArguments, sibling_recipe
 from .data import DataArguments, DataReport, Template, describe_sources, prompt_features
 from .models import eos_token_ids, load_sequence_classifier, require_model_dir, torch_dtype
-from .reward_models import RewardTokens, apply_reward_baseline, require_reward_model, reward_tokens, score_responses
+from .reward_models import RewardTokens, require_reward_model, reward_tokens, score_responses
 from .rewards import RewardFunctions, load_reward_functions, reward_columns
 from .stage_setup import Stage
 
@@ -40,20 +41,14 @@ class GroupRewardArguments:
                 "reward_weights and added to the reward model's score."})
 
 
-def recipe_types(method: str = "grpo") -> tuple:
-    """The dataclasses a grpo / rloo recipe fills: data fields, TRL's `GRPOConfig` / `RLOOConfig`, `ModelConfig`."""
-    from trl import GRPOConfig, ModelConfig, RLOOConfig
-
-    return (DataArguments, GroupRewardArguments, GRPOConfig if method == "grpo" else RLOOConfig, ModelConfig,
-            RunArguments)
-
-
 def main(argv: list[str] | None = None, callbacks: list | None = None, method: str = "grpo") -> dict:
-    """Parse a recipe and run GRPO (``method`` ``grpo``) or RLOO (``rloo``); see `run`."""
-    data_args, reward_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(method), argv,
-                                                                                       method)
-    hints = {stage: sibling_recipe(recipe, stage) for stage in ("sft", "rm")}
-    return run(data_args, reward_args, training_args, model_args, run_args, method, hints, callbacks)
+    """``rlhf-trl grpo`` (``method`` ``grpo``) or ``rlhf-trl rloo`` (``rloo``): `cli_launch.run_recipe`."""
+    return cli_launch.run_recipe(method, argv, callbacks)
+
+
+def recipe_types(method: str = "grpo") -> tuple:
+    """The dataclasses a grpo / rloo recipe fills (`cli_launch.recipe_types`)."""
+    return cli_launch.recipe_types(method)
 
 
 class RewardModelReward:
@@ -64,9 +59,9 @@ class RewardModelReward:
     ``reward_query_ids`` (its prompt ids) and the completions re-encoded (`score_responses`, PPO's path)."""
 
     def __init__(self, reward_model, pad_token_id: int, eos_ids: list[int], penalty: float | None, batch_size: int,
-                 tokens: RewardTokens | None = None):
+                 tokens: RewardTokens | None = None, baseline: float = 0.0):
         self.reward_model, self.pad, self.eos, self.penalty = reward_model, pad_token_id, set(eos_ids), penalty
-        self.batch_size, self.tokens = batch_size, tokens
+        self.batch_size, self.tokens, self.baseline = batch_size, tokens, baseline
         self.__name__ = "reward_model" if reward_model is not None else "missing_eos_penalty"
 
     def __call__(self, prompts, completions, completion_ids, query_ids, reward_query_ids=None,
@@ -75,7 +70,7 @@ class RewardModelReward:
         if self.tokens is not None and reward_query_ids is None:
             raise ValueError("a reward model of another tokenizer needs the prompt rows' reward_query_ids column")
         scores = (score_responses(self.reward_model, query_ids if self.tokens is None else reward_query_ids,
-                                  completion_ids, ended, self.pad, self.tokens, self.batch_size)
+                                  completion_ids, ended, self.pad, self.tokens, self.batch_size) - self.baseline
                   if self.reward_model is not None else torch.zeros(n))
         if self.penalty:
             scores = scores - self.penalty * (~torch.tensor(ended, dtype=torch.bool)).float()
@@ -113,30 +108,29 @@ def prompt_dataset(records: list[dict], tokenizer, template: Template, data_args
 
 
 @keeps_earlier_run
-def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_args, model_args,
-        run_args: RunArguments | None = None, method: str = "grpo", hints: dict | None = None,
-        callbacks: list | None = None) -> dict:
-    """Optimise the SFT policy ``model_args.model_name_or_path`` on the prompts of ``data_args.dataset_name``. Raises
-    `StageInputError`: the SFT or reward model missing, or the reward model no trained classifier; `DataError`: bad
-    prompt rows (file, row and field named); `ValueError`: no reward (neither ``reward_model_path`` nor
-    ``reward_funcs``), reward functions or weights that cannot load (`rlhf_trl.rewards.load_reward_functions`),
-    quantization settings that cannot run."""
-    from trl import GRPOTrainer, RLOOTrainer, get_peft_config
+def run(configs: Recipe, callbacks: list | None = None) -> dict:
+    """Optimise the SFT policy ``model_name_or_path`` on the recipe's prompts, GRPO (RLOO for TRL's `RLOOConfig`:
+    ``rlhf-trl rloo``): ``{"output_dir", "merged", "metrics"}``. Raises `StageInputError`: the SFT or reward model
+    missing, or the reward model no trained classifier; `DataError`: bad prompt rows (file, row and field named);
+    `ValueError`: no reward (neither ``reward_model_path`` nor ``reward_funcs``), reward functions or weights that
+    cannot load (`rlhf_trl.rewards.load_reward_functions`), quantization settings that cannot run."""
+    from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    data_args, reward_args, training_args = configs.data, configs.script, configs.training
+    method = "rloo" if isinstance(training_args, RLOOConfig) else "grpo"
 
     # inputs: models, reward functions
-    hints = hints or {}
-
     def reward_inputs(run_args: RunArguments) -> tuple:  # (reward model path or None, reward functions or None)
-        rm_path = reward_args.reward_model_path
+        rm_path, hint = reward_args.reward_model_path, sibling_recipe(configs.path, "rm")
         if rm_path:
-            rm_path = require_model_dir(rm_path, "reward model", hints.get("rm"), run_args.allow_pickle_weights)
-            require_reward_model(rm_path, hints.get("rm"))
+            rm_path = require_model_dir(rm_path, "reward model", hint, run_args.allow_pickle_weights)
+            require_reward_model(rm_path, hint)
         functions = load_reward_functions(reward_args.reward_funcs, training_args.reward_weights)
         if not rm_path and functions is None:
             raise ValueError(f"{method}: no reward: set reward_model_path (the RM stage's merged/) and/or reward_funcs")
         return rm_path, functions
 
-    stage = Stage(data_args, training_args, model_args, run_args, "SFT model", hints.get("sft"), reward_inputs)
+    stage = Stage(configs, "SFT model", "sft", reward_inputs)
     rm_path, functions = stage.checked
 
     # data
@@ -154,16 +148,17 @@ def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_ar
     reward_model = None
     if rm_path:
         with loading_on_one_process():  # under ZeRO-3 each process holds the whole frozen RM (it scores alone)
-            reward_model = load_sequence_classifier(rm_path, torch_dtype(model_args.dtype),
+            reward_model = load_sequence_classifier(rm_path, torch_dtype(configs.model.dtype),
                                                     training_args.trust_remote_code,
                                                     stage.run_args.allow_pickle_weights)
-        reward_model = apply_reward_baseline(reward_model.to(training_args.device), reward_args.reward_baseline)
+        reward_model = reward_model.to(training_args.device).eval().requires_grad_(False)
         if tokens is not None:
             reward_model.config.pad_token_id = tokens.pad_token_id
     rewards, weights = [], []
     if reward_model is not None or reward_args.missing_eos_penalty:
         rewards.append(RewardModelReward(reward_model, tokenizer.pad_token_id, eos, reward_args.missing_eos_penalty,
-                                         training_args.per_device_train_batch_size, tokens))
+                                         training_args.per_device_train_batch_size, tokens,
+                                         reward_args.reward_baseline))
         weights.append(1.0)
     if functions is not None:
         columns = [c for c in train_ds.column_names if c not in ("prompt", "query_ids", "reward_query_ids")]
@@ -173,13 +168,10 @@ def run(data_args: DataArguments, reward_args: GroupRewardArguments, training_ar
 
     # trainer, train, save
     trainer = stage.trainer(GRPOTrainer if method == "grpo" else RLOOTrainer, model, tokenizer, train_ds, eval_ds,
-                            get_peft_config(model_args), callbacks, reward_funcs=rewards)
+                            callbacks, reward_funcs=rewards)
     metrics = stage.train(trainer, "prompts", train_ds, eval_ds, evaluate=False)
-    return stage.save(trainer, tokenizer, metrics, report, reward_args,
-                      done=f"{method.upper()} done: merged policy at %s")
+    return stage.save(trainer, tokenizer, metrics, report, done=f"{method.upper()} done: merged policy at %s")
 
 
 if __name__ == "__main__":
-    from .cli_launch import run_stage
-
-    run_stage("grpo")
+    cli_launch.run_stage("grpo")

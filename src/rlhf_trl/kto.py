@@ -21,25 +21,14 @@ from dataclasses import dataclass, field
 
 from datasets import Dataset
 
+from . import cli_launch
 from .checkpoints import keeps_earlier_run
-from .config import RunArguments, parse_recipe, sibling_recipe
+from .config import Recipe
 from .data import (DataArguments, DataError, DataReport, Template, describe_sources, read_records, split_records,
                    unpaired_features)
 from .stage_setup import Stage, tokenized_trainer
 
-
-def recipe_types() -> tuple:
-    """The dataclasses a kto recipe fills: data fields, TRL's `KTOConfig`, TRL's `ModelConfig`."""
-    from trl import KTOConfig, ModelConfig
-
-    return (DataArguments, KTOConfig, ModelConfig, RunArguments)
-
-
-def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
-    """Parse a recipe and run KTO. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
-    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv, "kto")
-    return run(data_args, training_args, model_args, run_args, produced_by=sibling_recipe(recipe, "sft"),
-               callbacks=callbacks)
+main, recipe_types = cli_launch.entry_points("kto")  # main(argv, callbacks): parse, then `run`
 
 
 @dataclass
@@ -101,34 +90,31 @@ def _datasets(data_args: DataArguments, training_args, tokenizer, report: Unpair
 
 
 @keeps_earlier_run
-def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None,
-        produced_by: str | None = None, callbacks: list | None = None) -> dict:
-    """Optimise the SFT model ``model_args.model_name_or_path`` on the labelled answers of ``data_args.dataset_name``.
-    Raises `StageInputError`: no SFT model (``produced_by`` names the command to run first); `DataError`: bad rows, one
-    label only, no example left; `ValueError`: quantization that cannot run, or TRL's checks (KL losses need
+def run(configs: Recipe, callbacks: list | None = None) -> dict:
+    """Optimise the SFT model ``model_name_or_path`` on the recipe's labelled answers: ``{"output_dir", "merged",
+    "metrics"}``. Raises `StageInputError`: no SFT model (named with the sft recipe to run first); `DataError`: bad
+    rows, one label only, no example left; `ValueError`: quantization that cannot run, or TRL's checks (KL losses need
     ``per_device_train_batch_size`` > 1 and ``train_sampling_strategy: sequential``)."""
-    from trl import KTOTrainer, get_peft_config
+    from trl import KTOTrainer
 
     # inputs
-    stage = Stage(data_args, training_args, model_args, run_args, "SFT model", produced_by)
+    stage = Stage(configs, "SFT model", "sft")
 
     # data: labelled answers (pairs unpaired), tokenized as the RM / PPO read them
     report = UnpairedReport("kto")
     tokenizer = stage.tokenizer()
-    train_ds, eval_ds = _datasets(data_args, training_args, tokenizer, report)
+    train_ds, eval_ds = _datasets(configs.data, configs.training, tokenizer, report)
 
     # policy (the reference: the adapter-disabled policy with LoRA, else TRL's frozen copy)
     model = stage.model(tokenizer)
 
     # trainer, train; evaluate (held-out implicit rewards of desirable / undesirable answers and their margin), save
     trainer = stage.trainer(tokenized_trainer(KTOTrainer), model, tokenizer, train_ds, eval_ds,  # KL rows: kto_dataset
-                            get_peft_config(model_args), callbacks)
+                            callbacks)
     metrics = stage.train(trainer, "examples", train_ds, eval_ds, **{
         f"num_{split}_{kind}": n for split, c in report.labels.items() for kind, n in c.items()})
     return stage.save(trainer, tokenizer, metrics, report, done="KTO done: merged policy at %s")
 
 
 if __name__ == "__main__":
-    from .cli_launch import run_stage
-
-    run_stage("kto")
+    cli_launch.run_stage("kto")

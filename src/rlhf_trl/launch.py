@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import logging
 import os
 import warnings
@@ -42,19 +41,19 @@ def launch_environment(config: dict):
 
 def check_before_launch(config_file: str, stage: str, argv: list[str]) -> None:
     """Parse the accelerate config and the stage's recipe as the workers will. Raises `RecipeError` (one line)."""
-    from .cli_launch import MODULES
+    from .cli_launch import COMMANDS, recipe_types
     from .config import parse_recipe
 
     if not os.path.isfile(config_file):
         raise RecipeError(f"accelerate config not found: {config_file}")
     with open(config_file, encoding="utf-8") as f:
         config = yaml.safe_load(f) or {}
-    module = importlib.import_module(f"rlhf_trl.{MODULES.get(stage, stage)}")
-    if not hasattr(module, "recipe_types"):
+    if stage not in COMMANDS:
+        raise RecipeError(f"unknown command '{stage}'")
+    if not COMMANDS[stage].training:
         raise RecipeError(f"'{stage}' runs in one process; launch it without ACCEL / NPROC")
-    types_ = module.recipe_types("rloo") if stage == "rloo" else module.recipe_types()
     with launch_environment(config):
-        parse_recipe(types_, argv, stage)
+        parse_recipe(recipe_types(stage), argv, stage)
 
 
 def _exit_status(error) -> int:

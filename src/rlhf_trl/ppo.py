@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -42,24 +41,22 @@ from .ppo_engine import TrainingDivergedError  # noqa: F401 (importable from the
 from .policy_value import VALUE_HEAD_FILE, ValueHead
 from .ppo_math import AdaptiveKLController  # noqa: F401 (importable from the stage)
 from .ppo_trainer import PtxBatches, RLHFPPOTrainer, deployable_generation_config
-from .reward_models import (RewardTokens, SharedBaseRewardModel, apply_reward_baseline, calibrate_reward_baseline,
+from .reward_models import (RewardTokens, SharedBaseRewardModel, calibrate_reward_baseline,
                             require_reward_model, reward_tokens)
 from .rewards import load_reward_functions, reward_columns
 from .scoring import preserved_rng  # noqa: F401 (importable from the stage)
 
 logger = logging.getLogger(__name__)
-main = functools.partial(cli_launch.run_recipe, "ppo")  # main(argv, callbacks): parse a recipe, then `run`
-recipe_types = functools.partial(cli_launch.recipe_types, "ppo")  # data, PPOScriptArguments, PPOConfig, ModelConfig
+main, recipe_types = cli_launch.entry_points("ppo")  # main(argv, callbacks): parse, then `run`
 
 
 @keeps_earlier_run
 def run(configs: Recipe, callbacks: list | None = None) -> dict:
-    """Train the policy with PPO on the recipe's prompts (``configs.script``: `PPOScriptArguments`,
-    ``configs.training``: `PPOConfig`); returns ``{"output_dir", "merged", "value_model", "metrics", "trainer"}``
-    (``share_reward_value_base``: the trainer's ``reward_model`` is None, merged into the value model). Raises, before
-    anything is written: `StageInputError`: the SFT or reward model missing (the hint names the stage to run) or no
-    trained classifier; `DataError`: bad rows; `ValueError`: too few eval prompts for a batch per process, settings
-    that cannot run (`check_inputs`, `load_models`); then `TrainingDivergedError`: a NaN / inf."""
+    """Train the policy with PPO on the recipe's prompts; returns ``{"output_dir", "merged", "value_model", "metrics",
+    "trainer"}`` (``share_reward_value_base``: the trainer's ``reward_model`` is None, merged into the value model).
+    Raises, before anything is written: `StageInputError`: the SFT or reward model missing (the hint names the stage
+    to run) or no trained classifier; `DataError`: bad rows; `ValueError`: too few eval prompts for a batch per
+    process, settings that cannot run (`check_inputs`, `load_models`); then `TrainingDivergedError`: a NaN / inf."""
     data_args, ppo_args, training_args, model_args = configs.data, configs.script, configs.training, configs.model
     sft_hint, rm_hint = sibling_recipe(configs.path, "sft"), sibling_recipe(configs.path, "rm")
     # inputs: model directories, reward functions
@@ -219,7 +216,7 @@ def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_a
                                                     "value_use_peft": ppo_args.value_use_peft}, training_args.use_cpu)
     policy = load_causal_lm(paths["sft"], dtype, remote, pickle_ok, quantization_config=quant)
     reward_model = paths["rm"] and load_sequence_classifier(paths["rm"], dtype, remote, pickle_ok,
-                                                            quantization_config=quant)
+                                                            quantization_config=quant).eval().requires_grad_(False)
     value_model = reward_model if ppo_args.share_reward_value_base else None if ppo_args.value_head else \
         load_sequence_classifier(paths["value"], dtype, remote, pickle_ok, quantization_config=quant)
     for name, m in (("policy", policy), ("reward model", reward_model), ("value model", value_model)):
@@ -248,8 +245,9 @@ def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_a
 
 def reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model, tokenizer, train_ds, eos_ids,
                     tokens: RewardTokens | None = None) -> float:
-    """The baseline (reward units) applied to ``reward_model``: the resumed checkpoint's, the recipe's, or 'auto'
-    (`calibrate_reward_baseline` on the main process, sent to every process; ``tokens``: `RewardTokens`)."""
+    """The baseline (reward units) the rollouts subtract from every RM score (`PPOEngine.rollout`): the resumed
+    checkpoint's, the recipe's, or 'auto' (`calibrate_reward_baseline` on the main process, sent to every process;
+    ``tokens``: `RewardTokens`)."""
     if resume:
         saved = os.path.join(resume, "reward_baseline.json")
         baseline = json.load(open(saved))["reward_baseline"] if os.path.exists(saved) else 0.0
@@ -261,8 +259,6 @@ def reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model,
     else:
         baseline = ppo_args.reward_baseline_value()
     ppo_args.reward_baseline = str(baseline)
-    if reward_model is not None:
-        apply_reward_baseline(reward_model, baseline)
     return baseline
 
 

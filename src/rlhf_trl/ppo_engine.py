@@ -108,6 +108,7 @@ class PPOEngine(Trainer):
         self.value_head = isinstance(value_model, ValueHead)  # the value on the policy's backbone
         self.ptx_batches, self.ptx_coef = ptx_batches, ptx_coef  # PPO-ptx: SFT micro-batches (`PtxBatches`)
         self.kl_controller: pm.AdaptiveKLController | None = None  # None: kl_coef stays fixed
+        self.reward_baseline = 0.0  # reward units, subtracted from every RM score (`rollout`)
         self.train_dataset, self.eval_dataset, self.train_dataset_len = train_dataset, eval_dataset, len(train_dataset)
         self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
         self.optimizer, self.lr_scheduler = optimizers
@@ -266,8 +267,10 @@ class PPOEngine(Trainer):
                 elif reward_model is not None:
                     out["scores"].append(sequence_scores(reward_model, torch.cat((qr[:, :context], post), 1), pad,
                                                          context))
+        # the score of each rollout, written out: RM score - reward_baseline + weighted reward functions - EOS penalty
         post = torch.cat(out["postprocessed"])
-        scores = torch.cat(out["scores"]) if out["scores"] else torch.zeros(len(post), device=post.device)
+        scores = (torch.cat(out["scores"]) - self.reward_baseline if out["scores"] else
+                  torch.zeros(len(post), device=post.device))
         fn_values = {}
         if self.reward_functions is not None:
             prompts = tok.batch_decode(queries, skip_special_tokens=True)
@@ -535,11 +538,12 @@ class PPOEngine(Trainer):
                 head = self.accelerator.unwrap_model(wrapper).value_model.head_state() if self.value_head else None
             else:
                 full = self.accelerator.get_state_dict(self.deepspeed)  # main process: the whole state dict
+                head = None
                 if self.args.should_save:
                     policy = {k.removeprefix("policy."): v for k, v in full.items() if k.startswith("policy.")}
                     self._save(out, state_dict=policy)
-                head = {f"v_head.{k.removeprefix('value_model.')}": v.detach().cpu().contiguous()
-                        for k, v in full.items() if k.startswith("value_model.summary.")} if self.value_head else None
+                    head = {f"v_head.{k.removeprefix('value_model.')}": v.detach().cpu().contiguous()
+                            for k, v in full.items() if k.startswith("value_model.summary.")} if self.value_head else None
             if head and self.args.should_save:
                 save_file(head, os.path.join(out, VALUE_HEAD_FILE))
         finally:

@@ -139,7 +139,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         merged policies. The rest: `PPOEngine`'s."""
         super().__init__(*args, **kwargs)
         self.stock_generation_config, self.script_args = stock_generation_config, script_args
-        self.reward_baseline, self.recipe_configs = 0.0, recipe_configs
+        self.recipe_configs = recipe_configs
         self.dataloader = ResumableLoader(self.dataloader)
         every = script_args.log_samples_every
         if every and every > 0:
@@ -183,7 +183,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                     texts = zip(tok.batch_decode(query, skip_special_tokens=True),
                                 tok.batch_decode(response, skip_special_tokens=True), reward.float().cpu().tolist())
                     rows += [{"step": self.state.global_step, "query": q, "response": r,
-                              "score": s + self.reward_baseline, "reward": s} for q, r, s in texts]
+                              "score": s, "reward": s - self.reward_baseline} for q, r, s in texts]
                     if sampling:
                         break
             finally:  # off accelerate's gradient state, also after a `break`

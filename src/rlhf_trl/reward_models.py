@@ -48,28 +48,6 @@ def require_reward_model(path: str, train_hint: str | None = None) -> None:
                           f"one with `{train_hint or 'make rm'}` and use its merged/ directory")
 
 
-class BaselineShiftedScore(nn.Module):
-    """A reward model's ``score`` head, ``[b, T, hidden] -> [b, T, 1]``, minus ``baseline`` (read there by PPO)."""
-
-    def __init__(self, score: nn.Module, baseline: float):
-        super().__init__()
-        self.inner = score
-        self.register_buffer("baseline", torch.tensor(float(baseline)), persistent=False)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.inner(hidden_states) - self.baseline.to(hidden_states.dtype)
-
-
-def apply_reward_baseline(reward_model, baseline: float):
-    """Freeze ``reward_model``, put it in eval mode and shift its score head by ``-baseline``. Returns the model."""
-    reward_model.eval().requires_grad_(False)
-    if isinstance(reward_model.score, BaselineShiftedScore):
-        reward_model.score = reward_model.score.inner
-    if baseline:
-        reward_model.score = BaselineShiftedScore(reward_model.score, baseline)
-    return reward_model
-
-
 class SharedBaseRewardModel(nn.Module):
     """The reward model read off the value model's weights (``share_reward_value_base``): the value model (LoRA SEQ_CLS
     on the reward model, in place) with its adapter off, plus the reward model's frozen score head; not a submodule, so

@@ -12,41 +12,30 @@ import os
 
 from datasets import Dataset
 
+from . import cli_launch
 from .atomic import write_json, write_jsonl
 from .checkpoints import keeps_earlier_run
-from .config import RunArguments, parse_recipe, sibling_recipe
-from .data import DataArguments, DataReport, pair_features
+from .config import Recipe
+from .data import DataReport, pair_features
 from .models import load_sequence_classifier
 from .scoring import pairwise_metrics, score_sequences
 from .stage_setup import Stage
 
 logger = logging.getLogger(__name__)
-
-
-def recipe_types() -> tuple:
-    """The dataclasses a rm recipe fills: data fields, TRL's `RewardConfig`, TRL's `ModelConfig`."""
-    from trl import ModelConfig, RewardConfig
-
-    return (DataArguments, RewardConfig, ModelConfig, RunArguments)
-
-
-def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
-    """Parse a recipe and train the reward model. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
-    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv, "rm")
-    return run(data_args, training_args, model_args, produced_by=sibling_recipe(recipe, "sft"), run_args=run_args,
-               callbacks=callbacks)
+main, recipe_types = cli_launch.entry_points("rm")  # main(argv, callbacks): parse, then `run`
 
 
 @keeps_earlier_run
-def run(data_args: DataArguments, training_args, model_args, produced_by: str | None = None,
-        run_args: RunArguments | None = None, callbacks: list | None = None) -> dict:
-    """Train a reward model on ``data_args.dataset_name`` from ``model_args.model_name_or_path``. Raises
-    `StageInputError`: no SFT model (``produced_by`` names the command to run first); `DataError`: bad rows, or no pair
+def run(configs: Recipe, callbacks: list | None = None) -> dict:
+    """Train a reward model on the recipe's pairs from ``model_name_or_path``: ``{"output_dir", "merged", "metrics"}``.
+    Raises `StageInputError`: no SFT model (named with the sft recipe to run first); `DataError`: bad rows, or no pair
     left; `ValueError`: ``load_in_4bit`` / ``load_in_8bit`` unusable (`rlhf_trl.models.recipe_quantization_config`)."""
-    from trl import RewardTrainer, get_peft_config
+    from trl import RewardTrainer
+
+    data_args, training_args = configs.data, configs.training
 
     # inputs
-    stage = Stage(data_args, training_args, model_args, run_args, "SFT model", produced_by)
+    stage = Stage(configs, "SFT model", "sft")
 
     # data
     report = DataReport("rm")
@@ -65,13 +54,12 @@ def run(data_args: DataArguments, training_args, model_args, produced_by: str | 
     # quantized: TRL's RewardTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
     model = stage.model(tokenizer, load_sequence_classifier)
     logger.info("reward model: the SFT model with a new score head (reported MISSING above), trained in this stage")
-    if (peft_config := get_peft_config(model_args)) is not None:
-        peft_config.task_type = "SEQ_CLS"  # makes peft train and save the score head with the adapter
 
-    # trainer, train; save (every process): the main process writes and evaluates the merged model on held-out pairs
+    # trainer (LoRA task SEQ_CLS: peft trains and saves the score head with the adapter), train; save (every
+    # process): the main process writes and evaluates the merged model on held-out pairs
     trainer = stage.trainer(RewardTrainer, model, tokenizer, train_ds.remove_columns("prompt_length"),
-                            eval_ds.remove_columns("prompt_length") if eval_ds is not None else None, peft_config,
-                            callbacks)
+                            eval_ds.remove_columns("prompt_length") if eval_ds is not None else None, callbacks,
+                            peft_task="SEQ_CLS")
     metrics = stage.train(trainer, "pairs", train_ds, eval_ds, evaluate=False)
 
     def evaluate(reward_model) -> dict:  # eval_metrics.json; eval_pairs.jsonl: the pairs `rlhf-trl eval` re-scores
@@ -97,6 +85,4 @@ def evaluate_pairs(model, feats: dict, pad_token_id: int, batch_size: int = 16) 
 
 
 if __name__ == "__main__":
-    from .cli_launch import run_stage
-
-    run_stage("rm")
+    cli_launch.run_stage("rm")

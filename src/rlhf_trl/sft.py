@@ -12,38 +12,26 @@ import torch
 from datasets import Dataset
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from . import cli_launch
 from .checkpoints import keeps_earlier_run
-from .config import RunArguments, parse_recipe
-from .data import DataArguments, DataReport, sft_features
+from .config import Recipe
+from .data import DataReport, sft_features
 from .stage_setup import Stage
 
 logger = logging.getLogger(__name__)
-
-
-def recipe_types() -> tuple:
-    """The dataclasses a sft recipe fills: data fields, TRL's `SFTConfig`, TRL's `ModelConfig`."""
-    from trl import ModelConfig, SFTConfig
-
-    return (DataArguments, SFTConfig, ModelConfig, RunArguments)
-
-
-def main(argv: list[str] | None = None, callbacks: list | None = None) -> dict:
-    """Parse a recipe and run SFT. Returns ``{"output_dir", "merged", "metrics"}``; see `run`."""
-    data_args, training_args, model_args, run_args, recipe = parse_recipe(recipe_types(), argv, "sft")
-    return run(data_args, training_args, model_args, run_args, callbacks=callbacks)
+main, recipe_types = cli_launch.entry_points("sft")  # main(argv, callbacks): parse, then `run`
 
 
 @keeps_earlier_run
-def run(data_args: DataArguments, training_args, model_args, run_args: RunArguments | None = None,
-        callbacks: list | None = None) -> dict:
-    """Fine-tune ``model_args.model_name_or_path`` on ``data_args.dataset_name`` (prompt tokens masked from the loss);
-    ``callbacks``: extra `transformers.TrainerCallback` objects. Raises `StageInputError`: no base model or tokenizer;
-    `DataError`: bad rows (file, row and field named); `ValueError`: ``load_in_4bit`` / ``load_in_8bit`` unusable
-    (`rlhf_trl.models.recipe_quantization_config`)."""
-    from trl import get_peft_config
+def run(configs: Recipe, callbacks: list | None = None) -> dict:
+    """Fine-tune ``model_name_or_path`` on the recipe's data (prompt tokens masked from the loss); ``callbacks``: extra
+    `transformers.TrainerCallback` objects; returns ``{"output_dir", "merged", "metrics"}``. Raises `StageInputError`:
+    no base model or tokenizer; `DataError`: bad rows (file, row and field named); `ValueError`: ``load_in_4bit`` /
+    ``load_in_8bit`` unusable (`rlhf_trl.models.recipe_quantization_config`)."""
+    data_args, training_args = configs.data, configs.training
 
     # inputs
-    stage = Stage(data_args, training_args, model_args, run_args, "base model", None)
+    stage = Stage(configs, "base model")
 
     # data
     report = DataReport("sft")
@@ -64,7 +52,7 @@ def run(data_args: DataArguments, training_args, model_args, run_args: RunArgume
     trainer_cls = _trainer_class(model, stage.model_path, training_args)
 
     # trainer, train
-    trainer = stage.trainer(trainer_cls, model, tokenizer, train_ds, eval_ds, get_peft_config(model_args), callbacks)
+    trainer = stage.trainer(trainer_cls, model, tokenizer, train_ds, eval_ds, callbacks)
     # per-row held-out losses before / after (paired); not under ZeRO-3, whose weights are partitioned until train().
     # A resumed run measures "before" too: train() loads the checkpoint later, so these are the start weights' losses
     rows_loss = eval_ds is not None and not is_deepspeed_zero3_enabled()
@@ -150,6 +138,4 @@ class OwnHeadLossMixin:
 
 
 if __name__ == "__main__":
-    from .cli_launch import run_stage
-
-    run_stage("sft")
+    cli_launch.run_stage("sft")

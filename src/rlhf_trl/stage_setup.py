@@ -4,12 +4,13 @@ it: `Stage` (run directory, model, quantization), `Stage.records`, `Stage.tokeni
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable
 
 from .checkpoints import begin_writing, save_stage_outputs, start_run, with_atomic_checkpoints
-from .config import RunArguments
-from .data import DataArguments, DataReport, Template, describe_sources, read_records, split_records
+from .config import Recipe, RunArguments, sibling_recipe
+from .data import DataReport, Template, describe_sources, read_records, split_records
 from .loop_state import with_loop_state
 from .models import (fp32_adapters_for_fp32_compute, load_causal_lm, load_tokenizer, recipe_quantization_config,
                      require_model_dir, resize_for_tokenizer, torch_dtype)
@@ -18,22 +19,24 @@ logger = logging.getLogger(__name__)
 
 
 class Stage:
-    """One TRL-backed stage run, opened by its checks in this order: `start_run` (``run_args`` with defaults filled
-    in, ``resume``: the checkpoint to resume from or None), ``model_args.model_name_or_path`` (``model_path``: ``what``,
-    made by ``produced_by``), the stage's own ``checks(run_args)`` (what they return in ``checked``), the quantization
-    settings (``quantization``: a `BitsAndBytesConfig` or None). Raises what `start_run` and ``checks`` raise;
-    `StageInputError`: no model; `ValueError`: ``load_in_4bit`` / ``load_in_8bit`` unusable
+    """One TRL-backed stage run of a `config.Recipe` (``data_args``, ``training_args``, ``model_args``), opened by its
+    checks in this order: `start_run` (``run_args``: the recipe's or the defaults, ``resume``: the checkpoint to resume
+    from or None), ``model_args.model_name_or_path`` (``model_path``: ``what``, made by the stage ``produced_by``,
+    whose recipe the error names), the stage's own ``checks(run_args)`` (what they return in ``checked``), the
+    quantization settings (``quantization``: a `BitsAndBytesConfig` or None). Raises what `start_run` and ``checks``
+    raise; `StageInputError`: no model; `ValueError`: ``load_in_4bit`` / ``load_in_8bit`` unusable
     (`rlhf_trl.models.recipe_quantization_config`)."""
 
-    def __init__(self, data_args: DataArguments, training_args, model_args, run_args: RunArguments | None, what: str,
-                 produced_by: str | None, checks: Callable[[RunArguments], Any] | None = None):
-        self.data_args, self.training_args, self.model_args = data_args, training_args, model_args
-        self.run_args, self.resume = start_run(training_args, run_args, model_args.model_name_or_path,
-                                               not model_args.use_peft)
-        self.model_path = require_model_dir(model_args.model_name_or_path or "", what, produced_by,
-                                            self.run_args.allow_pickle_weights)
+    def __init__(self, recipe: Recipe, what: str, produced_by: str | None = None,
+                 checks: Callable[[RunArguments], Any] | None = None):
+        self.data_args, self.training_args, self.model_args = recipe.data, recipe.training, recipe.model
+        model = self.model_args.model_name_or_path
+        self.run_args, self.resume = start_run(self.training_args, recipe.run, model, not self.model_args.use_peft)
+        self.recipe = dataclasses.replace(recipe, run=self.run_args)  # as run_config.yaml records it
+        hint = sibling_recipe(recipe.path, produced_by) if produced_by else None
+        self.model_path = require_model_dir(model or "", what, hint, self.run_args.allow_pickle_weights)
         self.checked = checks(self.run_args) if checks is not None else None
-        self.quantization = recipe_quantization_config(model_args, use_cpu=training_args.use_cpu)
+        self.quantization = recipe_quantization_config(self.model_args, use_cpu=self.training_args.use_cpu)
 
     def source(self, split: str) -> str:
         """The data sources and ``split``, as `DataError` messages name them."""
@@ -63,9 +66,15 @@ class Stage:
         resize_for_tokenizer(model, tokenizer)
         return model
 
-    def trainer(self, trainer_cls, model, tokenizer, train_ds, eval_ds, peft_config, callbacks, **kwargs):
+    def trainer(self, trainer_cls, model, tokenizer, train_ds, eval_ds, callbacks, peft_task: str | None = None,
+                **kwargs):
         """``trainer_cls`` with loop state and atomic checkpoints, after `begin_writing` (evaluation off without
-        ``eval_ds``); with QLoRA computing in fp32 (CPU) its adapters cast back to fp32 (TRL made them bf16)."""
+        ``eval_ds``), and the recipe's LoRA (`trl.get_peft_config`; ``peft_task``: its ``task_type``); with QLoRA
+        computing in fp32 (CPU) its adapters cast back to fp32 (TRL made them bf16)."""
+        from trl import get_peft_config
+
+        if (peft_config := get_peft_config(self.model_args)) is not None and peft_task:
+            peft_config.task_type = peft_task
         if eval_ds is None:
             self.training_args.eval_strategy = "no"
         begin_writing(self.training_args, self.run_args, self.resume)
@@ -85,13 +94,11 @@ class Stage:
             metrics.update(trainer.evaluate())
         return metrics
 
-    def save(self, trainer, tokenizer, metrics: dict, report: DataReport, *more_args, kind: str = "causal_lm",
+    def save(self, trainer, tokenizer, metrics: dict, report: DataReport, kind: str = "causal_lm",
              evaluate: Callable | None = None, done: str | None = None) -> dict:
-        """`save_stage_outputs` (the recipe's dataclasses, then ``more_args``, as ``run_config.yaml``); the main
-        process logs ``done`` % the merged directory. Returns ``{"output_dir", "merged", "metrics"}``."""
-        result = save_stage_outputs(trainer, tokenizer, self.model_path, kind, metrics, report,
-                                    (self.data_args, self.training_args, self.model_args, self.run_args, *more_args),
-                                    evaluate)
+        """`save_stage_outputs` (the recipe's dataclasses as ``run_config.yaml``); the main process logs ``done`` %
+        the merged directory. Returns ``{"output_dir", "merged", "metrics"}``."""
+        result = save_stage_outputs(trainer, tokenizer, self.model_path, kind, metrics, report, self.recipe, evaluate)
         if done and trainer.is_world_process_zero():
             logger.info(done, result["merged"])
         return result
