@@ -191,7 +191,7 @@ def test_negative_kl_is_warned_about(ppo_run, caplog):
 
     trainer = ppo_run["trainer"]
     with caplog.at_level(logging.WARNING, logger="rlhf_trl.ppo"):
-        trainer.check_finite({"objective/kl": -0.25, "objective/scores": 1.0})
+        ppo_engine.check_finite(trainer, {"objective/kl": -0.25, "objective/scores": 1.0})
     assert "mean KL to the reference is negative (-0.2500)" in caplog.text
 
 

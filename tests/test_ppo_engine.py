@@ -73,7 +73,7 @@ def test_the_engines_rollouts_are_samples_of_the_policy(assets, monkeypatch):
 @pytest.mark.slow  # two PPO runs (~10 s)
 def test_single_value_forward_gives_the_same_update_with_one_value_forward_less(assets, sft_run, rm_run, tmp_path):
     """1 PPO epoch of 1 mini-batch: the value model's training forward also gives the rollout's values
-    (`PPOEngine.value_step`). Against the separate no-grad forward (TRL 1.12's order, ``single_value_forward:
+    (`ppo_engine.value_step`). Against the separate no-grad forward (TRL 1.12's order, ``single_value_forward:
     false``): the same losses, statistics and weights to fp32 rounding, and one value forward per micro-batch (with
     gradient) instead of a rollout forward too."""
     class Hook(TrainerCallback):

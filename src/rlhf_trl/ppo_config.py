@@ -67,7 +67,7 @@ class PPOConfig(TrainingArguments):
                                     "weights per update.")
     single_value_forward: bool = _f(True, "With 1 PPO epoch, 1 mini-batch, 1 process and whiten_rewards off: the value "
                                     "model's training forward also gives the rollout's values (one value forward less "
-                                    "per update; `PPOEngine.value_step`). false: TRL 1.12's separate no-grad forward.")
+                                    "per update; `ppo_engine.value_step`). false: TRL 1.12's separate no-grad forward.")
 
     def __post_init__(self):
         self.bf16 = not self.fp16 if self.bf16 is None else self.bf16

@@ -1,6 +1,7 @@
 """PPO of a policy and a value model as TRL 1.12's PPOTrainer (removed in 1.13) computes it; `tests/test_ppo_oracle.py`
-holds it to its numbers. One update (`PPOEngine.train`): `rollout` -> `advantages` -> `optimise` -> `update_metrics`
-(docs/ppo-engine.md: memory measures, differences from TRL 1.12). One process or ``accelerate``: DDP, ZeRO-2/3, FSDP."""
+holds it to its numbers. One update (`PPOEngine.train`): `rollout` -> `advantages` -> `optimise` (`losses`) ->
+`update_metrics` -> `end_update` (`check_finite`, the KL controller, log, checkpoint); the steps the class calls follow
+it, in that order (docs/ppo-engine.md: memory measures, differences from TRL 1.12). One process or ``accelerate``: DDP, ZeRO-2/3, FSDP."""
 
 from __future__ import annotations
 
@@ -113,56 +114,18 @@ class PPOEngine(Trainer):
         self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = None
-        self._set_batch_sizes()
+        set_batch_sizes(self)
         for m in (self.policy_model, self.ref_model, self.value_model, self.reward_model):
             if m is not None:
                 disable_dropout_in_model(m)  # log-probs must be a function of the weights alone
         self.model = PolicyAndValue(self.policy_model, self.value_model)
         self.model.config = self.policy_model.config
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
-        self._set_trainer_machinery(callbacks)
+        set_trainer_machinery(self, callbacks)
         self._prepare()
-        self.reward_offload = self._offload_reward_model() if args.offload_reward_model else None
+        self.reward_offload = offload_reward_model(self) if args.offload_reward_model else None
 
     # -- construction ------------------------------------------------------------------------------------------------
-    def _set_batch_sizes(self) -> None:
-        """The derived sizes (episodes) for this number of processes, and the accelerator."""
-        args = self.args
-        if args.total_episodes is None:
-            args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
-        args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches  # divides: `check_config`
-        # one optimizer step per mini-batch, always: accumulate over its micro-batches only, and never step early at
-        # the end of a pass over the prompts (TRL 1.12 synced there, stepping once per micro-batch in that update)
-        self.accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=math.ceil(args.local_mini_batch_size / args.per_device_train_batch_size),
-            sync_with_dataloader=False))
-        args.world_size = self.accelerator.num_processes
-        args.micro_batch_size = args.per_device_train_batch_size * args.world_size
-        args.batch_size = args.local_batch_size * args.world_size
-        args.mini_batch_size = args.batch_size // args.num_mini_batches
-        args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
-        self.local_seed = args.seed + self.accelerator.process_index * 100003
-        self.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
-
-    def _set_trainer_machinery(self, callbacks) -> None:
-        """What ``Trainer.__init__`` would set: callbacks, control, state, flags."""
-        args = self.args
-        callbacks_all = DEFAULT_CALLBACKS + get_reporting_integration_callbacks(args.report_to) + list(callbacks or [])
-        self.callback_handler = CallbackHandler(callbacks_all, self.model, self.processing_class, self.optimizer,
-                                                self.lr_scheduler)
-        self.add_callback(PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK)
-        self.control = TrainerControl()
-        self.state = OnlineTrainerState(
-            is_local_process_zero=self.is_local_process_zero(), is_world_process_zero=self.is_world_process_zero(),
-            stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
-                                if isinstance(cb, ExportableState)])
-        self.current_flos, self.hp_search_backend, self.hub_model_id = 0, None, None
-        self.is_deepspeed_enabled = getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
-        self.is_fsdp_enabled = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
-        self.is_distributed_loading_by_transformers = False
-        if args.should_save:
-            os.makedirs(args.output_dir, exist_ok=True)
 
     def _prepare(self) -> None:
         """Data loaders (one shuffle on all processes, then a seed each) and ``accelerator.prepare`` of the models."""
@@ -184,19 +147,6 @@ class PPOEngine(Trainer):
         self.single_value_forward = (args.single_value_forward and self.split_backward and args.num_ppo_epochs == 1
                                      and args.num_mini_batches == 1 and not args.whiten_rewards
                                      and not self.value_head)  # a value head's step would move the policy too
-
-    def _offload_reward_model(self) -> OffloadedWeights | None:
-        """``offload_reward_model``: the reward model's weights to ``output_dir/.tmp-offload-*`` between uses."""
-        if self.reward_model is None:
-            return None
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ValueError("offload_reward_model works without DeepSpeed / FSDP (they shard or offload "
-                             "themselves); set `offload_reward_model: false`")
-        if any(p is q for p in self.reward_model.parameters() for q in self.value_model.parameters()):
-            raise ValueError("offload_reward_model: the reward model shares weights with the value model "
-                             "(share_reward_value_base); set `offload_reward_model: false`")
-        return OffloadedWeights(self.reward_model, os.path.join(
-            self.args.output_dir, f"{OFFLOAD_PREFIX}reward-model-{self.accelerator.process_index}.safetensors"))
 
     # -- the models ---------------------------------------------------------------------------------------------------
     @property
@@ -297,40 +247,6 @@ class PPOEngine(Trainer):
                                      args.whiten_rewards, whiten_advantages=whiten)
 
     # -- 3. optimise --------------------------------------------------------------------------------------------------
-    def micro_batches(self, order: np.ndarray):
-        """Yields ``(mini-batch, micro-batch, row indices)`` over one epoch's shuffled ``order [b]``."""
-        args = self.args
-        for mb, start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
-            mini = order[start:start + args.local_mini_batch_size]
-            for k, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
-                yield mb, k, mini[micro_start:micro_start + args.per_device_train_batch_size]
-
-    def value_step(self, ro: dict, order: np.ndarray) -> list[dict]:
-        """``single_value_forward`` (docs/ppo-engine.md): per micro-batch of ``order``, one forward with gradient gives
-        ``values [micro, R]`` (into ``ro["values"]``) and the value loss, then AdamW steps it alone; returns stats."""
-        args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
-        context, fp32 = ro["query_responses"].shape[1] - ro["responses"].shape[1], _fp32(acc)
-        values, stats = None, []
-        self.model.train()
-        for _, _, idx in self.micro_batches(order):
-            with acc.autocast():
-                vpred = fp32(response_values(self.model.value_model, ro["query_responses"][idx], context, pad))
-            with torch.no_grad():
-                rows = {k: ro[k][idx] for k in ("logprobs", "ref_logprobs", "sequence_lengths", "scores")}
-                a = self.advantages({**rows, "values": vpred.detach()}, whiten=False)
-            vf = pm.value_loss(vpred.masked_fill(a["padding_mask_p1"], 0), a["values"], a["returns"],
-                               ~a["padding_mask_p1"], args.cliprange_value)
-            acc.backward(args.vf_coef * vf["loss"])
-            if values is None:  # the value model's output dtype, as the no-grad forward's
-                values = vpred.new_zeros(ro["responses"].shape)
-            values[idx] = vpred.detach()
-            stats.append({k: v.detach() for k, v in vf.items()})
-            del vpred, vf
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside accelerate's
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)  # the policy's step must skip the value model's parameters
-        ro["values"] = values
-        return stats
 
     def optimise(self, ro: dict, adv: dict, orders: list[np.ndarray], value_stats: list[dict] | None = None) -> dict:
         """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over each epoch's shuffle ``orders[e] [b]``;
@@ -342,9 +258,9 @@ class PPOEngine(Trainer):
                  ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio", "ptx_loss")}
         self.model.train()
         for epoch in range(args.num_ppo_epochs):
-            for mb, k, idx in self.micro_batches(orders[epoch]):
+            for mb, k, idx in micro_batches(self.args, orders[epoch]):
                 with acc.accumulate(self.model):
-                    pg, vf, entropy, ptx = self.losses(ro, adv, idx, context, value=value_stats is None)
+                    pg, vf, entropy, ptx = losses(self, ro, adv, idx, context, value=value_stats is None)
                     self.optimizer.step()
                     self.optimizer.zero_grad()
                 vf = vf if value_stats is None else value_stats[k]
@@ -358,80 +274,7 @@ class PPOEngine(Trainer):
                 del entropy, vf, pg
         return stats
 
-    def losses(self, ro: dict, adv: dict, idx, context: int, value: bool = True
-               ) -> tuple[dict, dict | None, torch.Tensor, torch.Tensor | None]:
-        """Forward and backward of micro-batch ``idx``: clipped policy loss + ``vf_coef`` x clipped value loss (one
-        after the other without a wrapper, unless the value is the policy's head) + ``ptx_coef`` x the SFT loss of the
-        next ptx micro-batch (PPO-ptx); returns their statistics, entropy ``[b, R]`` (``value`` false: the policy's
-        only) and the ptx loss (None without ptx data)."""
-        args, acc, pad = self.args, self.accelerator, self.processing_class.pad_token_id
-        ids, mask, mask_p1 = ro["query_responses"][idx], adv["padding_mask"][idx], adv["padding_mask_p1"][idx]
-        ptx = None if self.ptx_batches is None else self.ptx_batches.next(acc.device)
-
-        def policy_loss(new_logprobs):
-            return pm.policy_loss(new_logprobs.masked_fill(mask, pm.INVALID_LOGPROB), adv["logprobs"][idx],
-                                  adv["advantages"][idx], ~mask, args.cliprange)
-
-        def value_loss(vpred):
-            return pm.value_loss(vpred.masked_fill(mask_p1, 0), adv["values"][idx], adv["returns"][idx], ~mask_p1,
-                                 args.cliprange_value)
-
-        if not self.split_backward or self.value_head:  # one forward (the wrapper's) and one backward
-            new_logprobs, entropy, vpred, ptx_loss = self.model(ids, context, pad, args.temperature + 1e-7,
-                                                                args.logits_chunk_size, ptx)
-            pg, vf = policy_loss(new_logprobs), value_loss(vpred)
-            loss = pg["loss"] + args.vf_coef * vf["loss"]
-            acc.backward(loss if ptx_loss is None else loss + self.ptx_coef * ptx_loss)
-            return pg, vf, entropy, None if ptx_loss is None else ptx_loss.detach()
-        fp32 = _fp32(acc)
-        with acc.autocast():
-            new_logprobs, entropy = response_logprobs(self.model.policy, ids, context, pad, args.temperature + 1e-7,
-                                                      args.logits_chunk_size, with_entropy=True)
-        pg = policy_loss(fp32(new_logprobs))
-        acc.backward(pg["loss"])
-        del new_logprobs
-        ptx_loss = None
-        if ptx is not None:
-            with acc.autocast():
-                ptx_loss = fp32(sft_loss(self.model.policy, *ptx, pad, args.logits_chunk_size))
-            acc.backward(self.ptx_coef * ptx_loss)
-            ptx_loss = ptx_loss.detach()
-        if not value:
-            return pg, None, fp32(entropy), ptx_loss
-        with acc.autocast():
-            vpred = response_values(self.model.value_model, ids, context, pad)
-        vf = value_loss(fp32(vpred))
-        acc.backward(args.vf_coef * vf["loss"])
-        return pg, vf, fp32(entropy), ptx_loss
-
     # -- 4. metrics ---------------------------------------------------------------------------------------------------
-    def update_metrics(self, ro: dict, adv: dict, stats: dict, start_time: float) -> dict:
-        """The logged statistics of one update (TRL 1.12's names), averaged over processes."""
-        g = self.accelerator.gather_for_metrics
-        kl_sum, entropy = adv["kl"].sum(1).mean(), ((-adv["logprobs"]) * (~adv["padding_mask"]).float()).sum(1).mean()
-        non_score = adv["non_score_reward"].sum(1).mean()
-        metrics = {"eps": int(self.state.episode / max(time.time() - start_time, 1e-9)),
-                   "objective/kl": g(kl_sum).mean().item(), "objective/entropy": g(entropy).mean().item(),
-                   "objective/non_score_reward": g(non_score).mean().item(),
-                   "objective/rlhf_reward": g(non_score + ro["scores"].mean()).mean().item(),
-                   "objective/scores": g(ro["scores"].mean()).mean().item()}
-        for name, key in (("policy/approxkl_avg", "approxkl"), ("policy/clipfrac_avg", "pg_clipfrac"),
-                          ("loss/policy_avg", "pg_loss"), ("loss/value_avg", "vf_loss"),
-                          ("val/clipfrac_avg", "vf_clipfrac"), ("policy/entropy_avg", "entropy"),
-                          ("val/ratio", "ratio")):
-            metrics[name] = g(stats[key]).mean().item()
-        if self.ptx_batches is not None:
-            metrics["loss/ptx_avg"] = g(stats["ptx_loss"]).mean().item()
-        ratios = g(stats["ratio"])  # one value per micro-batch; one alone has no spread: 0 (TRL 1.12 logged NaN)
-        metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
-        metrics["val/num_eos_tokens"] = (int(g(eos_mask(ro["responses"], self.eos_token_ids).sum()).sum().item())
-                                         if self.eos_token_ids is not None else 0)
-        metrics["val/eos_rate"] = g(ro["ended"].float().mean()).mean().item()
-        for name, values in ro["fn_values"].items():
-            metrics[f"objective/reward_fn/{name}"] = g(values.to(self.accelerator.device).float().mean()).mean().item()
-        metrics["lr"] = self.lr_scheduler.get_last_lr()[0]
-        metrics["episode"] = self.state.episode
-        return metrics
 
     # -- the loop -----------------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None):
@@ -440,7 +283,7 @@ class PPOEngine(Trainer):
         done = self.restore(resume_from_checkpoint) if resume_from_checkpoint else 0
         if not done:
             self.state.global_step, self.state.episode = 0, 0
-        self.begin_state()
+        begin_state(self)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped = self.model
@@ -452,12 +295,12 @@ class PPOEngine(Trainer):
             gc.collect()
             # each epoch's shuffle of the batch, drawn before anything trains (the same numpy draws as one per epoch)
             orders = [np.random.permutation(args.local_batch_size) for _ in range(args.num_ppo_epochs)]
-            value_stats = self.value_step(ro, orders[0]) if self.single_value_forward else None
+            value_stats = value_step(self, ro, orders[0]) if self.single_value_forward else None
             with torch.no_grad():
                 adv = self.advantages(ro)
             stats = self.optimise(ro, adv, orders, value_stats)
             with torch.no_grad():
-                metrics = self.update_metrics(ro, adv, stats, start_time)
+                metrics = update_metrics(self, ro, adv, stats, start_time)
             del ro, adv, stats
             self.end_update(update, metrics)
             if self.control.should_training_stop:  # a stop signal: this update's checkpoint is written
@@ -476,7 +319,7 @@ class PPOEngine(Trainer):
         args = self.args
         self.state.epoch = self.state.episode / self.train_dataset_len
         self.state.global_step += 1
-        self.check_finite(metrics)
+        check_finite(self, metrics)
         metrics["objective/kl_coef"] = args.kl_coef  # the coefficient this update's rewards used
         if self.kl_controller is not None:
             args.kl_coef = self.kl_controller.update(metrics["objective/kl"], args.batch_size)
@@ -491,30 +334,6 @@ class PPOEngine(Trainer):
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(args, self.state, self.control)
-
-    def check_finite(self, metrics: dict) -> None:
-        """Stop on a non-finite statistic (`TrainingDivergedError`, naming the last good checkpoint); warn about a
-        negative mean KL (the rollouts are then not samples of the policy, or the estimate is noisy)."""
-        if bad := sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)):
-            out = self.args.output_dir
-            last = get_last_checkpoint(out) if os.path.isdir(out) else None
-            raise TrainingDivergedError(
-                f"non-finite {', '.join(bad)} at update {self.state.global_step} (episode {self.state.episode}); "
-                f"nothing was saved for this update; last good checkpoint: {last or 'none yet'}")
-        if metrics["objective/kl"] < -1e-3:  # below rounding noise
-            logger.warning("update %d: mean KL to the reference is negative (%.4f): the rollouts are not samples of "
-                           "the policy (check temperature / generation settings) or the estimate is noisy (use "
-                           "kl_estimator k3)", self.state.global_step, metrics["objective/kl"])
-
-    def begin_state(self) -> None:
-        """Counters and logging / saving intervals for a run of ``num_total_batches`` updates."""
-        args = self.args
-        self.state.max_steps = args.num_total_batches
-        self.state.num_train_epochs = args.total_episodes / self.train_dataset_len
-        for name in ("logging_steps", "eval_steps", "save_steps"):
-            value = getattr(args, name)
-            if value is not None:
-                setattr(self.state, name, math.ceil(self.state.max_steps * value) if value < 1 else value)
 
     def batches(self):
         """Prompt batches without end: passes over the (shuffled) data loader one after another."""
@@ -543,8 +362,204 @@ class PPOEngine(Trainer):
                     policy = {k.removeprefix("policy."): v for k, v in full.items() if k.startswith("policy.")}
                     self._save(out, state_dict=policy)
                     head = {f"v_head.{k.removeprefix('value_model.')}": v.detach().cpu().contiguous()
-                            for k, v in full.items() if k.startswith("value_model.summary.")} if self.value_head else None
+                            for k, v in full.items() if self.value_head and k.startswith("value_model.summary.")}
             if head and self.args.should_save:
                 save_file(head, os.path.join(out, VALUE_HEAD_FILE))
         finally:
             self.model = wrapper
+
+
+# -- the steps of one update, in order (`PPOEngine.train` / `optimise` / `end_update` call them) ------------------
+def value_step(engine, ro: dict, order: np.ndarray) -> list[dict]:
+    """``single_value_forward`` (docs/ppo-engine.md): per micro-batch of ``order``, one forward with gradient gives
+    ``values [micro, R]`` (into ``ro["values"]``) and the value loss, then AdamW steps it alone; returns stats."""
+    args, acc, pad = engine.args, engine.accelerator, engine.processing_class.pad_token_id
+    context, fp32 = ro["query_responses"].shape[1] - ro["responses"].shape[1], _fp32(acc)
+    values, stats = None, []
+    engine.model.train()
+    for _, _, idx in micro_batches(engine.args, order):
+        with acc.autocast():
+            vpred = fp32(response_values(engine.model.value_model, ro["query_responses"][idx], context, pad))
+        with torch.no_grad():
+            rows = {k: ro[k][idx] for k in ("logprobs", "ref_logprobs", "sequence_lengths", "scores")}
+            a = engine.advantages({**rows, "values": vpred.detach()}, whiten=False)
+        vf = pm.value_loss(vpred.masked_fill(a["padding_mask_p1"], 0), a["values"], a["returns"],
+                           ~a["padding_mask_p1"], args.cliprange_value)
+        acc.backward(args.vf_coef * vf["loss"])
+        if values is None:  # the value model's output dtype, as the no-grad forward's
+            values = vpred.new_zeros(ro["responses"].shape)
+        values[idx] = vpred.detach()
+        stats.append({k: v.detach() for k, v in vf.items()})
+        del vpred, vf
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer inside accelerate's
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # the policy's step must skip the value model's parameters
+    ro["values"] = values
+    return stats
+
+
+def losses(engine, ro: dict, adv: dict, idx, context: int, value: bool = True
+           ) -> tuple[dict, dict | None, torch.Tensor, torch.Tensor | None]:
+    """Forward and backward of micro-batch ``idx``: clipped policy loss + ``vf_coef`` x clipped value loss (one
+    after the other without a wrapper, unless the value is the policy's head) + ``ptx_coef`` x the SFT loss of the
+    next ptx micro-batch (PPO-ptx); returns their statistics, entropy ``[b, R]`` (``value`` false: the policy's
+    only) and the ptx loss (None without ptx data)."""
+    args, acc, pad = engine.args, engine.accelerator, engine.processing_class.pad_token_id
+    ids, mask, mask_p1 = ro["query_responses"][idx], adv["padding_mask"][idx], adv["padding_mask_p1"][idx]
+    ptx = None if engine.ptx_batches is None else engine.ptx_batches.next(acc.device)
+
+    def policy_loss(new_logprobs):
+        return pm.policy_loss(new_logprobs.masked_fill(mask, pm.INVALID_LOGPROB), adv["logprobs"][idx],
+                              adv["advantages"][idx], ~mask, args.cliprange)
+
+    def value_loss(vpred):
+        return pm.value_loss(vpred.masked_fill(mask_p1, 0), adv["values"][idx], adv["returns"][idx], ~mask_p1,
+                             args.cliprange_value)
+
+    if not engine.split_backward or engine.value_head:  # one forward (the wrapper's) and one backward
+        new_logprobs, entropy, vpred, ptx_loss = engine.model(ids, context, pad, args.temperature + 1e-7,
+                                                            args.logits_chunk_size, ptx)
+        pg, vf = policy_loss(new_logprobs), value_loss(vpred)
+        loss = pg["loss"] + args.vf_coef * vf["loss"]
+        acc.backward(loss if ptx_loss is None else loss + engine.ptx_coef * ptx_loss)
+        return pg, vf, entropy, None if ptx_loss is None else ptx_loss.detach()
+    fp32 = _fp32(acc)
+    with acc.autocast():
+        new_logprobs, entropy = response_logprobs(engine.model.policy, ids, context, pad, args.temperature + 1e-7,
+                                                  args.logits_chunk_size, with_entropy=True)
+    pg = policy_loss(fp32(new_logprobs))
+    acc.backward(pg["loss"])
+    del new_logprobs
+    ptx_loss = None
+    if ptx is not None:
+        with acc.autocast():
+            ptx_loss = fp32(sft_loss(engine.model.policy, *ptx, pad, args.logits_chunk_size))
+        acc.backward(engine.ptx_coef * ptx_loss)
+        ptx_loss = ptx_loss.detach()
+    if not value:
+        return pg, None, fp32(entropy), ptx_loss
+    with acc.autocast():
+        vpred = response_values(engine.model.value_model, ids, context, pad)
+    vf = value_loss(fp32(vpred))
+    acc.backward(args.vf_coef * vf["loss"])
+    return pg, vf, fp32(entropy), ptx_loss
+
+
+def micro_batches(args, order: np.ndarray):
+    """Yields ``(mini-batch, micro-batch, row indices)`` over one epoch's shuffled ``order [b]`` (``args``: the
+    `PPOConfig` with its derived batch sizes)."""
+    for mb, start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
+        mini = order[start:start + args.local_mini_batch_size]
+        for k, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
+            yield mb, k, mini[micro_start:micro_start + args.per_device_train_batch_size]
+
+
+def update_metrics(engine, ro: dict, adv: dict, stats: dict, start_time: float) -> dict:
+    """The logged statistics of one update (TRL 1.12's names), averaged over processes."""
+    g = engine.accelerator.gather_for_metrics
+    kl_sum, entropy = adv["kl"].sum(1).mean(), ((-adv["logprobs"]) * (~adv["padding_mask"]).float()).sum(1).mean()
+    non_score = adv["non_score_reward"].sum(1).mean()
+    metrics = {"eps": int(engine.state.episode / max(time.time() - start_time, 1e-9)),
+               "objective/kl": g(kl_sum).mean().item(), "objective/entropy": g(entropy).mean().item(),
+               "objective/non_score_reward": g(non_score).mean().item(),
+               "objective/rlhf_reward": g(non_score + ro["scores"].mean()).mean().item(),
+               "objective/scores": g(ro["scores"].mean()).mean().item()}
+    for name, key in (("policy/approxkl_avg", "approxkl"), ("policy/clipfrac_avg", "pg_clipfrac"),
+                      ("loss/policy_avg", "pg_loss"), ("loss/value_avg", "vf_loss"),
+                      ("val/clipfrac_avg", "vf_clipfrac"), ("policy/entropy_avg", "entropy"),
+                      ("val/ratio", "ratio")):
+        metrics[name] = g(stats[key]).mean().item()
+    if engine.ptx_batches is not None:
+        metrics["loss/ptx_avg"] = g(stats["ptx_loss"]).mean().item()
+    ratios = g(stats["ratio"])  # one value per micro-batch; one alone has no spread: 0 (TRL 1.12 logged NaN)
+    metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
+    metrics["val/num_eos_tokens"] = (int(g(eos_mask(ro["responses"], engine.eos_token_ids).sum()).sum().item())
+                                     if engine.eos_token_ids is not None else 0)
+    metrics["val/eos_rate"] = g(ro["ended"].float().mean()).mean().item()
+    for name, values in ro["fn_values"].items():
+        metrics[f"objective/reward_fn/{name}"] = g(values.to(engine.accelerator.device).float().mean()).mean().item()
+    metrics["lr"] = engine.lr_scheduler.get_last_lr()[0]
+    metrics["episode"] = engine.state.episode
+    return metrics
+
+
+def check_finite(engine, metrics: dict) -> None:
+    """Stop on a non-finite statistic (`TrainingDivergedError`, naming the last good checkpoint); warn about a
+    negative mean KL (the rollouts are then not samples of the policy, or the estimate is noisy)."""
+    if bad := sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)):
+        out = engine.args.output_dir
+        last = get_last_checkpoint(out) if os.path.isdir(out) else None
+        raise TrainingDivergedError(
+            f"non-finite {', '.join(bad)} at update {engine.state.global_step} (episode {engine.state.episode}); "
+            f"nothing was saved for this update; last good checkpoint: {last or 'none yet'}")
+    if metrics["objective/kl"] < -1e-3:  # below rounding noise
+        logger.warning("update %d: mean KL to the reference is negative (%.4f): the rollouts are not samples of "
+                       "the policy (check temperature / generation settings) or the estimate is noisy (use "
+                       "kl_estimator k3)", engine.state.global_step, metrics["objective/kl"])
+
+
+# -- construction (`PPOEngine.__init__` calls them) --------------------------------------------------------------
+def set_batch_sizes(engine) -> None:
+    """The derived sizes (episodes) for this number of processes, and the accelerator."""
+    args = engine.args
+    if args.total_episodes is None:
+        args.total_episodes = int(args.num_train_epochs * engine.train_dataset_len)
+    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches  # divides: `check_config`
+    # one optimizer step per mini-batch, always: accumulate over its micro-batches only, and never step early at
+    # the end of a pass over the prompts (TRL 1.12 synced there, stepping once per micro-batch in that update)
+    engine.accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=math.ceil(args.local_mini_batch_size / args.per_device_train_batch_size),
+        sync_with_dataloader=False))
+    args.world_size = engine.accelerator.num_processes
+    args.micro_batch_size = args.per_device_train_batch_size * args.world_size
+    args.batch_size = args.local_batch_size * args.world_size
+    args.mini_batch_size = args.batch_size // args.num_mini_batches
+    args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+    engine.local_seed = args.seed + engine.accelerator.process_index * 100003
+    engine.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
+
+
+def set_trainer_machinery(engine, callbacks) -> None:
+    """What ``Trainer.__init__`` would set: callbacks, control, state, flags."""
+    args = engine.args
+    callbacks_all = DEFAULT_CALLBACKS + get_reporting_integration_callbacks(args.report_to) + list(callbacks or [])
+    engine.callback_handler = CallbackHandler(callbacks_all, engine.model, engine.processing_class, engine.optimizer,
+                                            engine.lr_scheduler)
+    engine.add_callback(PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK)
+    engine.control = TrainerControl()
+    engine.state = OnlineTrainerState(
+        is_local_process_zero=engine.is_local_process_zero(), is_world_process_zero=engine.is_world_process_zero(),
+        stateful_callbacks=[cb for cb in engine.callback_handler.callbacks + [engine.control]
+                            if isinstance(cb, ExportableState)])
+    engine.current_flos, engine.hp_search_backend, engine.hub_model_id = 0, None, None
+    engine.is_deepspeed_enabled = getattr(engine.accelerator.state, "deepspeed_plugin", None) is not None
+    engine.is_fsdp_enabled = getattr(engine.accelerator.state, "fsdp_plugin", None) is not None
+    engine.is_distributed_loading_by_transformers = False
+    if args.should_save:
+        os.makedirs(args.output_dir, exist_ok=True)
+
+
+def offload_reward_model(engine) -> OffloadedWeights | None:
+    """``offload_reward_model``: the reward model's weights to ``output_dir/.tmp-offload-*`` between uses."""
+    if engine.reward_model is None:
+        return None
+    if engine.is_deepspeed_enabled or engine.is_fsdp_enabled:
+        raise ValueError("offload_reward_model works without DeepSpeed / FSDP (they shard or offload "
+                         "themselves); set `offload_reward_model: false`")
+    if any(p is q for p in engine.reward_model.parameters() for q in engine.value_model.parameters()):
+        raise ValueError("offload_reward_model: the reward model shares weights with the value model "
+                         "(share_reward_value_base); set `offload_reward_model: false`")
+    return OffloadedWeights(engine.reward_model, os.path.join(
+        engine.args.output_dir, f"{OFFLOAD_PREFIX}reward-model-{engine.accelerator.process_index}.safetensors"))
+
+
+def begin_state(engine) -> None:
+    """Counters and logging / saving intervals for a run of ``num_total_batches`` updates."""
+    args = engine.args
+    engine.state.max_steps = args.num_total_batches
+    engine.state.num_train_epochs = args.total_episodes / engine.train_dataset_len
+    for name in ("logging_steps", "eval_steps", "save_steps"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(engine.state, name, math.ceil(engine.state.max_steps * value) if value < 1 else value)
