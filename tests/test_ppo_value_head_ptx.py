@@ -61,10 +61,28 @@ def test_value_head_trains_is_saved_everywhere_and_reloads(assets, sft_run, rm_r
         mine = response_values(loaded, ids, 4, 0)
         theirs = response_values(trainer.unwrapped.value_model, ids, 4, 0)
     assert torch.allclose(mine, theirs, atol=1e-5)
+    # `rlhf-trl merge` of the adapter carries the head into the merged directory
+    from rlhf_trl import merge
+
+    merge.main(["--adapter", str(tmp_path / "adapter"), "--output", str(tmp_path / "remerged")])
+    assert torch.equal(head(tmp_path / "remerged")["v_head.summary.weight"], final["v_head.summary.weight"])
     # the policy learned: its merged weights differ from the SFT model's
     sft = load_file(os.path.join(sft_run["merged"], "model.safetensors"))
     merged = load_file(tmp_path / "merged" / "model.safetensors")
     assert any(not torch.equal(sft[k], merged[k]) for k in sft if k in merged)
+
+
+def test_value_head_on_a_fully_trained_policy(assets, sft_run, rm_run, tmp_path):
+    """Without LoRA the reference is a frozen copy; the head and every policy weight train, the reference does not."""
+    res = ppo.main(argv(assets, sft_run, rm_run, tmp_path, "--value_head", "true", "--use_peft", "false",
+                        "--learning_rate", "1e-4", "--total_episodes", "32", "--save_strategy", "no"))
+    trainer = res["trainer"]
+    sft = load_file(os.path.join(sft_run["merged"], "model.safetensors"))
+    ref = trainer.ref_model.state_dict()
+    assert all(torch.equal(ref[k], sft[k]) for k in sft if k in ref)
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert any(not torch.equal(sft[k], merged[k]) for k in sft if k in merged)
+    assert head(tmp_path / "merged")["v_head.summary.weight"].abs().sum() > 0 and not (tmp_path / "adapter").exists()
 
 
 def test_value_head_runs_with_reward_functions_alone(assets, sft_run, tmp_path):
