@@ -61,9 +61,12 @@ def test_bench_quick_writes_every_key(tmp_path):
     for stage in ("sft", "rm"):
         assert memory["stages"][stage]["peak_rss_mb"] > 0
     layouts = memory["stages"]["ppo"]["layouts"]
-    assert set(layouts) == {"trl_default", "lora_value", "shared"}
-    for name in ("trl_default", "lora_value"):
+    assert set(layouts) == {"trl_default", "lora_value", "shared", "value_head"}
+    for name in ("trl_default", "lora_value", "value_head"):
         assert layouts[name]["model_copies"] is not None and layouts[name]["peak_rss_mb"] > 0
+    # the value as a head on the policy: no value model, so one base copy fewer than a separate value model
+    copies = memory["ppo_base_weight_copies_by_layout"]
+    assert copies["value_head"] == pytest.approx(copies["lora_value"] - 1, abs=0.05)
     # the shared layout runs once src/rlhf_trl/ppo.py has `share_reward_value_base`; else null with a reason
     assert layouts["shared"]["model_copies"] is not None or layouts["shared"].get("reason")
     assert bench["ppo_model_copies"] == layouts["shared"]["model_copies"]
