@@ -349,3 +349,15 @@ def ppo_runs(assets, sft_runs, rm_runs, tmp_path_factory):
     from test_multiprocess import ppo_args, run_both
 
     return run_both(tmp_path_factory, "ppo", ppo_args(assets, sft_runs, rm_runs))
+
+
+def crash_after(at: int):
+    """A trainer callback that simulates a killed run: it raises right after checkpoint ``at`` has been written."""
+    from transformers import TrainerCallback
+
+    class Crash(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == at:
+                raise KeyboardInterrupt(f"crash after checkpoint {at}")
+
+    return Crash()

@@ -7,23 +7,12 @@ import os
 
 import pytest
 import torch
-from conftest import ppo_argv
+from conftest import crash_after, ppo_argv
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from rlhf_trl import ppo, ppo_engine
 from rlhf_trl.ppo import AdaptiveKLController, TrainingDivergedError, rollout_generation_config
-
-
-class Crash(TrainerCallback):
-    """Simulates a killed run: raises right after checkpoint `at` has been written."""
-
-    def __init__(self, at):
-        self.at = at
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.at:
-            raise KeyboardInterrupt(f"crash after checkpoint {self.at}")
 
 
 @pytest.mark.slow  # two PPO runs (~15 s)
@@ -32,7 +21,7 @@ def test_resume_continues_exactly(assets, sft_run, rm_run, tmp_path):
     common = ["--total_episodes", "32", "--save_steps", "2", "--kl_target", "0.5", "--kl_horizon", "40"]
     straight = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "a", *common))
     with pytest.raises(KeyboardInterrupt):
-        ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "b", *common), callbacks=[Crash(2)])
+        ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "b", *common), callbacks=[crash_after(2)])
     assert sorted(os.listdir(tmp_path / "b")) == ["checkpoint-2", "runs"]  # no staging leftovers
     resumed = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path / "b", *common, "--resume_from_checkpoint", "true"))
 
@@ -294,7 +283,7 @@ def test_resume_with_another_total_is_refused(assets, sft_run, rm_run, tmp_path)
     would resume with a wrong schedule (a learning rate of 0), so it is refused, naming both lengths."""
     with pytest.raises(KeyboardInterrupt):
         ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "24", "--save_steps", "1"),
-                 callbacks=[Crash(1)])
+                 callbacks=[crash_after(1)])
     with pytest.raises(ValueError, match=r"checkpoint-1 belongs to a run of 3 updates; this recipe makes 6"):
         ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "48", "--resume_from_checkpoint",
                           "true"))

@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
-from conftest import RECIPES
+from conftest import RECIPES, crash_after
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
 from rlhf_trl import ppo
 from rlhf_trl.policy_value import VALUE_HEAD_FILE, ValueHead, load_value_head
@@ -17,17 +17,6 @@ def argv(assets, sft_run, rm_run, out, *extra):
     return ["--config", f"{RECIPES}/ppo.yaml", "--dataset_name", assets["prompts"], "--sft_model_path",
             sft_run["merged"], "--reward_model_path", rm_run["merged"], "--output_dir", str(out),
             "--log_samples_every", "0", "--logging_steps", "1", *extra]
-
-
-class Crash(TrainerCallback):
-    """A killed run: raises right after checkpoint ``at`` is written."""
-
-    def __init__(self, at):
-        self.at = at
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.at:
-            raise KeyboardInterrupt(f"crash after checkpoint {self.at}")
 
 
 def head(folder) -> dict:
@@ -104,7 +93,7 @@ def test_value_head_and_ptx_resume_bit_exact(extra, assets, sft_run, rm_run, tmp
     common = ["--total_episodes", "128", "--save_steps", "2", *extra]
     straight = ppo.main(argv(assets, sft_run, rm_run, tmp_path / "a", *common))
     with pytest.raises(KeyboardInterrupt):
-        ppo.main(argv(assets, sft_run, rm_run, tmp_path / "b", *common), callbacks=[Crash(2)])
+        ppo.main(argv(assets, sft_run, rm_run, tmp_path / "b", *common), callbacks=[crash_after(2)])
     resumed = ppo.main(argv(assets, sft_run, rm_run, tmp_path / "b", *common, "--resume_from_checkpoint", "true"))
     a, b = load_file(os.path.join(straight["merged"], "model.safetensors")), \
         load_file(os.path.join(resumed["merged"], "model.safetensors"))
@@ -175,7 +164,7 @@ def test_resuming_with_ptx_a_run_without_is_refused(assets, sft_run, rm_run, tmp
     """The checkpoint has no ptx data position: one line, nothing of the run changed."""
     common = ["--total_episodes", "64", "--save_steps", "1"]
     with pytest.raises(KeyboardInterrupt):
-        ppo.main(argv(assets, sft_run, rm_run, tmp_path, *common), callbacks=[Crash(1)])
+        ppo.main(argv(assets, sft_run, rm_run, tmp_path, *common), callbacks=[crash_after(1)])
     with pytest.raises(ValueError, match="checkpoint-1 was written without ptx_dataset; resume it without ptx_dataset"):
         ppo.main(argv(assets, sft_run, rm_run, tmp_path, *common, "--resume_from_checkpoint", "true",
                       "--ptx_dataset", assets["sft"]))
