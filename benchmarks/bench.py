@@ -320,7 +320,7 @@ def ppo_breakdown(paths: dict, mode: dict, run_dir: Path) -> dict:
         ], callbacks=[UpdateTimer()])
     finally:
         ppo_engine.generate_rollouts, ppo_engine.PPOEngine.rollout = original["generate_rollouts"], original["rollout"]
-    args = result["trainer"].args
+    args, sizes = result["trainer"].args, result["trainer"].sizes
     del result
     shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -334,7 +334,7 @@ def ppo_breakdown(paths: dict, mode: dict, run_dir: Path) -> dict:
     gen_tps = median(u["generated_tokens"] / u["generation_seconds"] for u in timed)
     plain_tps = median(u["plain_generate_tokens"] / u["plain_generate_seconds"] for u in timed)
     out = {
-        "updates": len(updates), "updates_timed": len(timed), "episodes_per_update": args.batch_size,
+        "updates": len(updates), "updates_timed": len(timed), "episodes_per_update": sizes.batch,
         "prompt_tokens": shape["prompt_tokens"], "response_length": args.response_length,
         "local_rollout_forward_batch_size": args.local_rollout_forward_batch_size, "num_ppo_epochs": epochs,
         "seconds_per_update": med("seconds"), "generation_seconds": med("generation_seconds"),

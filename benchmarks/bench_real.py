@@ -189,7 +189,7 @@ def child(variant: str, settings: dict, out: Path) -> None:
         from rlhf_trl import ppo, ppo_engine
 
         _wrap(ppo_engine, "generate_rollouts", generation, meter.rolled_out)
-        _wrap(ppo_engine.PPOEngine, "value_step", optimisation)  # single_value_forward: the value model's training
+        _wrap(ppo_engine, "value_step", optimisation)  # single_value_forward: the value model's training
         _wrap(ppo_engine.PPOEngine, "optimise", optimisation)
         ppo.main(engine_argv(variant, settings), callbacks=[UpdateEnd()])
     meter.phase = None

@@ -180,8 +180,8 @@ def run_engine(init: dict, workdir: str, replay: dict | None = None) -> dict:
 
     def recorded_rollout(queries, rows, update):
         ro = rollout(queries, rows, update)
-        trajectory.setdefault("query_responses", []).append(ro["query_responses"].clone())
-        raw = ro["scores"] + args.missing_eos_penalty * (~ro["ended"]).float()
+        trajectory.setdefault("query_responses", []).append(ro.query_responses.clone())
+        raw = ro.scores + args.missing_eos_penalty * (~ro.ended).float()
         _record(trajectory, "scores", raw)
         return ro
 

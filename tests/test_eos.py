@@ -100,6 +100,6 @@ def test_ppo_honours_the_eos_list(assets, rm_run, listed_sft, tmp_path, monkeypa
     monkeypatch.setattr(trainer, "reference", lambda: contextlib.nullcontext(base))
     ro = trainer.rollout(query, None, update=1)
     cut = torch.tensor([[20, eos, pad], [20, second, pad], [20, 21, 22]])
-    assert ro["ended"].tolist() == [True, True, False] and ro["sequence_lengths"].tolist() == [1, 1, 2]
+    assert ro.ended.tolist() == [True, True, False] and ro.sequence_lengths.tolist() == [1, 1, 2]
     plain = scoring.sequence_scores(trainer.reward_model, torch.cat((query, cut), 1), pad, 3)
-    torch.testing.assert_close(ro["scores"], plain - torch.tensor([0.0, 0.0, 1.0]))
+    torch.testing.assert_close(ro.scores, plain - torch.tensor([0.0, 0.0, 1.0]))

@@ -60,14 +60,14 @@ def test_the_engines_rollouts_are_samples_of_the_policy(assets, monkeypatch):
             expected_logprobs += [row for row in lp]
     for row, (tokens, logprobs) in enumerate(zip(expected_tokens, expected_logprobs)):
         n = len(tokens)
-        assert torch.equal(ro["responses"][row, :n], tokens)
-        torch.testing.assert_close(ro["logprobs"][row, :n], logprobs, rtol=0, atol=1e-5)
-    post = truncate_at_eos(ro["responses"], engine.eos_token_ids, tok.pad_token_id)
+        assert torch.equal(ro.responses[row, :n], tokens)
+        torch.testing.assert_close(ro.logprobs[row, :n], logprobs, rtol=0, atol=1e-5)
+    post = truncate_at_eos(ro.responses, engine.eos_token_ids, tok.pad_token_id)
     real = post != tok.pad_token_id
     with torch.no_grad():
-        forced = response_logprobs(policy, ro["query_responses"], 5, tok.pad_token_id, args.temperature + 1e-7)
-    torch.testing.assert_close(forced[real], ro["logprobs"][real], rtol=0, atol=1e-4)
-    assert ro["ended"].tolist() == [bool(r.any()) for r in torch.isin(post, torch.tensor(engine.eos_token_ids))]
+        forced = response_logprobs(policy, ro.query_responses, 5, tok.pad_token_id, args.temperature + 1e-7)
+    torch.testing.assert_close(forced[real], ro.logprobs[real], rtol=0, atol=1e-4)
+    assert ro.ended.tolist() == [bool(r.any()) for r in torch.isin(post, torch.tensor(engine.eos_token_ids))]
 
 
 @pytest.mark.slow  # two PPO runs (~10 s)

@@ -113,8 +113,8 @@ def ppo_cross(policy, qwen_rm, assets, tmp_path_factory):
     def spy(self, queries, rows, update):
         ro = rollout(self, queries, rows, update)
         if len(seen) < 2:
-            seen.append({"rows": rows.cpu().clone(), "responses": ro["responses"].cpu().clone(),
-                         "scores": ro["scores"].cpu().clone(), "tokens": self.reward_tokens})
+            seen.append({"rows": rows.cpu().clone(), "responses": ro.responses.cpu().clone(),
+                         "scores": ro.scores.cpu().clone(), "tokens": self.reward_tokens})
         return ro
 
     with pytest.MonkeyPatch.context() as mp:

@@ -112,7 +112,7 @@ def test_the_recipe_runs_ppo_through_the_re_encoding_path(bc_rm, qwen_policy, tm
 
     def spy(self, queries, rows, update):
         ro = rollout(self, queries, rows, update)
-        seen.append((rows.cpu().clone(), ro["responses"].cpu().clone(), ro["scores"].cpu().clone()))
+        seen.append((rows.cpu().clone(), ro.responses.cpu().clone(), ro.scores.cpu().clone()))
         return ro
 
     with pytest.MonkeyPatch.context() as mp:

@@ -121,7 +121,7 @@ def test_reward_baseline_is_subtracted_where_the_score_is_assembled(assets, sft_
 
     def spy(self, queries, rows, update):
         ro = rollout(self, queries, rows, update)
-        seen.setdefault(self.reward_baseline, ro["scores"].clone())
+        seen.setdefault(self.reward_baseline, ro.scores.clone())
         return ro
 
     with pytest.MonkeyPatch.context() as mp:

@@ -302,7 +302,7 @@ def save_outputs(trainer, tokenizer, stock_config, configs: Recipe, report: Data
     out, ppo_args = trainer.args.output_dir, configs.script
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     metrics = {"global_step": trainer.state.global_step, "episode": trainer.state.episode,
-               "reward_baseline": trainer.reward_baseline, "kl_coef_final": trainer.args.kl_coef,
+               "reward_baseline": trainer.reward_baseline, "kl_coef_final": trainer.kl_coef,
                "train_runtime": getattr(trainer, "train_runtime", None), "peak_memory_mb": peak_memory_mb()}
     if logs:
         metrics.update({k: v for k, v in logs[-1].items() if isinstance(v, (int, float))})

@@ -19,8 +19,8 @@ def _f(default, help: str):
 @dataclass
 class PPOConfig(TrainingArguments):
     """PPO settings: TRL 1.12's PPOConfig keys (and defaults) plus ``logits_chunk_size``, ``offload_reward_model``,
-    ``single_value_forward``. ``batch_size = per_device_train_batch_size x gradient_accumulation_steps x processes``
-    rollouts per update, ``ceil(total_episodes / batch_size)`` updates. Raises `ValueError`: `check_config`."""
+    ``single_value_forward``; the batch sizes derived from it are a `BatchSizes` (TRL 1.12 wrote them into the config:
+    this one is never changed after parsing). Raises `ValueError`: `check_config`."""
 
     # defaults TRL's configs change from TrainingArguments
     learning_rate: float = _f(3e-6, "AdamW learning rate.")
@@ -41,13 +41,6 @@ class PPOConfig(TrainingArguments):
     missing_eos_penalty: float | None = _f(None, "Subtracted from the score of responses without EOS (reward units).")
     sft_model_path: str | None = _f(None, "Policy initialization (a local directory).")
     reward_model_path: str | None = _f(None, "Reward model (a local directory).")
-    world_size: int | None = _f(None, "Computed: processes.")
-    num_total_batches: int | None = _f(None, "Computed: updates.")
-    micro_batch_size: int | None = _f(None, "Computed.")
-    local_batch_size: int | None = _f(None, "Computed.")
-    batch_size: int | None = _f(None, "Computed: episodes per update.")
-    local_mini_batch_size: int | None = _f(None, "Computed.")
-    mini_batch_size: int | None = _f(None, "Computed.")
     push_to_hub: bool = _f(False, "Push the model to the Hub after training.")
     model_adapter_name: str | None = _f(None, "Trained adapter (several adapters).")
     ref_adapter_name: str | None = _f(None, "Reference adapter (several adapters).")
@@ -93,6 +86,36 @@ def check_config(args: PPOConfig) -> None:
         raise ValueError(f"stop_token must be 'eos' or unset, got {args.stop_token!r}")
     if args.kl_estimator not in ("k1", "k3"):
         raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {args.kl_estimator!r}")
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """A run's batch sizes, derived once (`derive`) and then fixed; units: rollouts (= episodes). One update samples
+    ``local_batch`` rollouts per process (``batch`` in all), trained in mini-batches of ``local_mini_batch`` (one
+    optimizer step each) made of micro-batches of ``per_device`` rows (one forward / backward each)."""
+
+    per_device: int  # rows per micro-batch and process: per_device_train_batch_size
+    local_batch: int  # rollouts per process and update: per_device x gradient_accumulation_steps
+    local_mini_batch: int  # rollouts per process and optimizer step: local_batch / num_mini_batches
+    batch: int  # episodes per update, all processes
+    total_episodes: int  # episodes of the run (total_episodes, else num_train_epochs x prompts)
+    num_updates: int  # ceil(total_episodes / batch)
+
+    @classmethod
+    def derive(cls, args: PPOConfig, num_prompts: int, num_processes: int) -> BatchSizes:
+        """From the recipe's `PPOConfig` (`check_config` proved ``num_mini_batches`` divides ``local_batch``), the
+        number of training prompts and of processes."""
+        total = args.total_episodes if args.total_episodes is not None else int(args.num_train_epochs * num_prompts)
+        local = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        batch = local * num_processes
+        return cls(args.per_device_train_batch_size, local, local // args.num_mini_batches, batch, total,
+                   math.ceil(total / batch))
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches accumulated into one optimizer step (one mini-batch's)."""
+        return math.ceil(self.local_mini_batch / self.per_device)
+
 
 
 def sampling_config(args: PPOConfig, eos_ids: list[int] | None, pad_token_id: int,

@@ -1,11 +1,14 @@
 """PPO of a policy and a value model as TRL 1.12's PPOTrainer (removed in 1.13) computes it; `tests/test_ppo_oracle.py`
-holds it to its numbers. One update (`PPOEngine.train`): `rollout` -> `advantages` -> `optimise` (`losses`) ->
-`update_metrics` -> `end_update` (`check_finite`, the KL controller, log, checkpoint); the steps the class calls follow
-it, in that order (docs/ppo-engine.md: memory measures, differences from TRL 1.12). One process or ``accelerate``: DDP, ZeRO-2/3, FSDP."""
+holds it to its numbers. One update, top to bottom in `PPOEngine.train`: `rollout` (sample; score = RM - baseline +
+reward functions - EOS penalty) -> `advantages` -> `optimise` (`losses`) -> `update_metrics` -> `end_update`
+(`check_finite`, the KL controller, log, sample table, checkpoint). A `Rollout` and the run's `BatchSizes` (derived
+once) carry it; the functions after the class follow the update's order (docs/ppo-engine.md: memory measures,
+differences from TRL 1.12). One process or ``accelerate``: DDP, ZeRO-2/3, FSDP."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import math
@@ -28,7 +31,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prin
 from transformers.trainer_utils import get_last_checkpoint
 
 from . import ppo_math as pm
-from .ppo_config import PPOConfig, sampling_config
+from .ppo_config import BatchSizes, PPOConfig, sampling_config
 from .reward_models import OFFLOAD_PREFIX, OffloadedWeights
 from .policy_value import VALUE_HEAD_FILE, ValueHead
 from .scoring import (eos_mask, generate_rollouts, response_hidden, response_logprobs, response_values,
@@ -47,6 +50,34 @@ class OnlineTrainerState(TrainerState):
     """`transformers.TrainerState` plus the episode counter (episodes trained so far)."""
 
     episode: int = 0
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One update's rollouts on this process (``b`` rows, prompts ``Q`` and responses ``R`` tokens wide): what
+    `PPOEngine.rollout` sampled and scored, read by the rest of the update and never changed (`value_step` makes a
+    copy with its ``values``)."""
+
+    query_responses: torch.Tensor  # [b, Q + R] left-padded prompt, then the response right-padded with pad_token_id
+    logprobs: torch.Tensor  # [b, R] the policy's log-probs of the sampled tokens (unmasked)
+    ref_logprobs: torch.Tensor  # [b, R] the reference's
+    values: torch.Tensor | None  # [b, R] the value model's (None until `value_step` with single_value_forward)
+    sequence_lengths: torch.Tensor  # [b] index of each response's last real token (first pad - 1)
+    scores: torch.Tensor  # [b] reward units: RM score - reward_baseline + reward functions - missing-EOS penalty
+    ended: torch.Tensor  # [b] bool: the response holds a stop (EOS) token
+    fn_values: dict  # reward function name -> [b] its raw values (empty without reward functions)
+    context_length: int  # Q: the prompt width
+
+    @property
+    def responses(self) -> torch.Tensor:
+        """``[b, R]`` the sampled responses (not cut at EOS)."""
+        return self.query_responses[:, self.context_length:]
+
+    def rows(self, idx, **changes) -> Rollout:
+        """The rollouts of rows ``idx`` (reward-function values left whole), with ``changes`` (field -> value)."""
+        picked = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        picked = {k: v[idx] if isinstance(v, torch.Tensor) else v for k, v in picked.items()}
+        return dataclasses.replace(self, **{**picked, **changes})
 
 
 class PolicyAndValue(nn.Module):
@@ -82,11 +113,11 @@ def _fp32(accelerator):
 class PPOEngine(Trainer):
     """PPO of a policy (causal LM; peft model for LoRA) and a value model against a reward model (None: the
     ``reward_functions`` alone) and/or `rlhf_trl.rewards.RewardFunctions` (keyword columns: ``reward_columns(rows)``).
-    A `transformers.Trainer` without its ``__init__`` (`_set_trainer_machinery`). ``ref_model`` None: the peft policy
-    with its adapter disabled, else a frozen copy; ``eos_token_ids``: default the tokenizer's EOS; ``reward_tokens``: a
-    reward model of another tokenizer (`rlhf_trl.reward_models.RewardTokens`; batches carry ``row``). Raises
-    `ValueError`: the reference is the policy; ``offload_reward_model`` under DeepSpeed / FSDP or shared reward / value
-    weights."""
+    A `transformers.Trainer` for its optimizer, scheduler, callbacks and checkpoint writing, without its ``__init__``
+    (`set_trainer_machinery`); ``args`` is read, never changed. ``ref_model`` None: the peft policy with its adapter
+    disabled, else a frozen copy; ``eos_token_ids``: default the tokenizer's EOS; ``reward_tokens``: a reward model of
+    another tokenizer (`rlhf_trl.reward_models.RewardTokens`; batches carry ``row``). Raises `ValueError`: the
+    reference is the policy; ``offload_reward_model`` under DeepSpeed / FSDP or shared reward / value weights."""
 
     def __init__(self, args: PPOConfig, processing_class, model, ref_model, reward_model, train_dataset,
                  value_model, data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None,
@@ -100,6 +131,8 @@ class PPOEngine(Trainer):
         self.eos_token_ids = (list(eos_token_ids or [processing_class.eos_token_id]) if args.stop_token == "eos"
                               else None if args.stop_token_id is None else [args.stop_token_id])
         model.generation_config.eos_token_id = self.eos_token_ids
+        # the one rollout sampling config (TRL 1.12's: temperature alone, stop at the EOS ids)
+        self.generation_config = sampling_config(args, self.eos_token_ids, processing_class.pad_token_id)
         self.is_peft_model = hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
         if ref_model is None and not self.is_peft_model:
             ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -108,29 +141,37 @@ class PPOEngine(Trainer):
         self.reward_tokens = reward_tokens  # a reward model of another tokenizer: `reward_models.RewardTokens`
         self.value_head = isinstance(value_model, ValueHead)  # the value on the policy's backbone
         self.ptx_batches, self.ptx_coef = ptx_batches, ptx_coef  # PPO-ptx: SFT micro-batches (`PtxBatches`)
+        self.kl_coef = args.kl_coef  # reward units per nat; the KL controller moves it
         self.kl_controller: pm.AdaptiveKLController | None = None  # None: kl_coef stays fixed
         self.reward_baseline = 0.0  # reward units, subtracted from every RM score (`rollout`)
         self.train_dataset, self.eval_dataset, self.train_dataset_len = train_dataset, eval_dataset, len(train_dataset)
         self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = None
-        set_batch_sizes(self)
+        # one optimizer step per mini-batch, always: accumulate over its micro-batches only, and never step early at
+        # the end of a pass over the prompts (TRL 1.12 synced there, stepping once per micro-batch in that update)
+        local_mini = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_mini_batches
+        self.accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=math.ceil(local_mini / args.per_device_train_batch_size), sync_with_dataloader=False))
+        self.sizes = BatchSizes.derive(args, self.train_dataset_len, self.accelerator.num_processes)
+        self.local_seed = args.seed + self.accelerator.process_index * 100003
+        # updates between sample tables (0: none)
+        self.sample_every = (max(1, self.sizes.num_updates // args.num_sample_generations)
+                             if args.num_sample_generations > 0 else 0)
         for m in (self.policy_model, self.ref_model, self.value_model, self.reward_model):
             if m is not None:
                 disable_dropout_in_model(m)  # log-probs must be a function of the weights alone
         self.model = PolicyAndValue(self.policy_model, self.value_model)
         self.model.config = self.policy_model.config
-        self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
+        self.create_optimizer_and_scheduler(num_training_steps=self.sizes.num_updates)
         set_trainer_machinery(self, callbacks)
         self._prepare()
         self.reward_offload = offload_reward_model(self) if args.offload_reward_model else None
 
-    # -- construction ------------------------------------------------------------------------------------------------
-
     def _prepare(self) -> None:
         """Data loaders (one shuffle on all processes, then a seed each) and ``accelerator.prepare`` of the models."""
         args, acc = self.args, self.accelerator
-        self.dataloader = DataLoader(self.train_dataset, batch_size=args.local_batch_size, shuffle=True,
+        self.dataloader = DataLoader(self.train_dataset, batch_size=self.sizes.local_batch, shuffle=True,
                                      collate_fn=self.data_collator, drop_last=True)
         torch.manual_seed(args.seed)
         self.model, self.optimizer, self.dataloader = acc.prepare(self.model, self.optimizer, self.dataloader)
@@ -186,18 +227,59 @@ class PPOEngine(Trainer):
         with ctx:
             yield self.unwrapped.policy
 
+    # -- the loop: one update, top to bottom ----------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | None = None):
+        """Run the remaining updates (all of them, or those after ``resume_from_checkpoint``)."""
+        args, sizes = self.args, self.sizes
+        done = self.restore(resume_from_checkpoint) if resume_from_checkpoint else 0
+        if not done:
+            self.state.global_step, self.state.episode = 0, 0
+        begin_state(self)
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if self.is_deepspeed_enabled:
+            self.deepspeed = self.model_wrapped = self.model
+        batches, start_time = self.batches(), time.time()
+        for update in range(done + 1, sizes.num_updates + 1):
+            self.state.episode += sizes.batch
+            data = next(batches)
+            # 1. rollout: sample, then score (RM score - baseline + reward functions - missing-EOS penalty)
+            ro = self.rollout(data["input_ids"].to(self.accelerator.device), data.get("row"), update)
+            gc.collect()
+            # each epoch's shuffle of the batch, drawn before anything trains (the same numpy draws as one per epoch)
+            orders = [np.random.permutation(sizes.local_batch) for _ in range(args.num_ppo_epochs)]
+            value_stats = None
+            if self.single_value_forward:  # the values come from the value model's training forward
+                values, value_stats = value_step(self, ro, orders[0])
+                ro = dataclasses.replace(ro, values=values)
+            # 2. advantages (GAE on the KL-shaped rewards), 3. optimise (the clipped PPO losses)
+            with torch.no_grad():
+                adv = self.advantages(ro)
+            stats = self.optimise(ro, adv, orders, value_stats)
+            # 4. statistics, then 5. finite check, KL controller, log, sample table, checkpoint
+            with torch.no_grad():
+                metrics = update_metrics(self, ro, adv, stats, start_time)
+            del ro, adv, stats
+            self.end_update(update, metrics)
+            if self.control.should_training_stop:  # a stop signal: this update's checkpoint is written
+                break
+        if self.reward_offload is not None:  # training is over: the reward model is an ordinary module again
+            self.reward_offload.restore()
+            self.reward_offload = None
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(args, self.state, self.control)
+
     # -- 1. rollout ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def rollout(self, queries: torch.Tensor, rows: torch.Tensor | None, update: int) -> dict:
-        """Sample and score responses to left-padded prompts ``queries [b, Q]``: a dict of ``query_responses [b, T]``,
-        ``responses [b, R]``, ``logprobs / ref_logprobs / values [b, R]`` (unmasked; values None with
-        ``single_value_forward``), ``sequence_lengths [b]`` (last real response token), ``scores [b]`` (reward units: RM
-        score - baseline + reward functions - EOS penalty), ``ended [b]`` and ``fn_values`` (per function)."""
+    def rollout(self, queries: torch.Tensor, rows: torch.Tensor | None, update: int) -> Rollout:
+        """Sample and score responses to left-padded prompts ``queries [b, Q]`` (``rows [b]``: their record indices,
+        for reward functions' columns and a reward model of another tokenizer; ``update``: 1-based): a `Rollout`
+        (values None with ``single_value_forward``)."""
         args, tok = self.args, self.processing_class
         pad, context, step = tok.pad_token_id, queries.shape[1], args.local_rollout_forward_batch_size
         with self.generation_policy() as policy:
-            query_responses, logprobs = generate_rollouts(policy, queries, pad,
-                                                          sampling_config(args, self.eos_token_ids, pad), step)
+            query_responses, logprobs = generate_rollouts(policy, queries, pad, self.generation_config, step)
         out = {k: [] for k in ("ref_logprobs", "values", "scores", "postprocessed")}
         with self.reward_weights() as reward_model:
             for i in range(0, query_responses.shape[0], step):
@@ -232,35 +314,33 @@ class PPOEngine(Trainer):
                  else torch.zeros(len(post), dtype=torch.bool, device=post.device))
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * (~ended).to(scores.dtype)
-        return {"query_responses": query_responses, "responses": query_responses[:, context:], "logprobs": logprobs,
-                "ref_logprobs": torch.cat(out["ref_logprobs"]),
-                "values": torch.cat(out["values"]) if out["values"] else None,
-                "sequence_lengths": pm.first_true_indices(post == pad) - 1, "scores": scores, "ended": ended,
-                "fn_values": fn_values}
+        return Rollout(query_responses, logprobs, torch.cat(out["ref_logprobs"]),
+                       torch.cat(out["values"]) if out["values"] else None, pm.first_true_indices(post == pad) - 1,
+                       scores, ended, fn_values, context)
 
     # -- 2. advantages ------------------------------------------------------------------------------------------------
-    def advantages(self, ro: dict, whiten: bool = True) -> dict:
-        """`ppo_math.compute_advantages` of the rollout ``ro`` (or some of its rows): ``[b, R]`` tensors."""
+    def advantages(self, ro: Rollout, whiten: bool = True) -> dict:
+        """`ppo_math.compute_advantages` of the rollout ``ro`` (or some of its rows) at this update's ``kl_coef``:
+        ``[b, R]`` tensors."""
         args = self.args
-        return pm.compute_advantages(ro["logprobs"], ro["ref_logprobs"], ro["values"], ro["scores"],
-                                     ro["sequence_lengths"], args.kl_coef, args.kl_estimator, args.gamma, args.lam,
-                                     args.whiten_rewards, whiten_advantages=whiten)
+        return pm.compute_advantages(ro.logprobs, ro.ref_logprobs, ro.values, ro.scores, ro.sequence_lengths,
+                                     self.kl_coef, args.kl_estimator, args.gamma, args.lam, args.whiten_rewards,
+                                     whiten_advantages=whiten)
 
     # -- 3. optimise --------------------------------------------------------------------------------------------------
-
-    def optimise(self, ro: dict, adv: dict, orders: list[np.ndarray], value_stats: list[dict] | None = None) -> dict:
+    def optimise(self, ro: Rollout, adv: dict, orders: list[np.ndarray], value_stats: list[dict] | None = None
+                 ) -> dict:
         """``num_ppo_epochs`` x ``num_mini_batches`` optimizer steps over each epoch's shuffle ``orders[e] [b]``;
         returns the ``[epochs, mini-batches, micro-batches]`` statistics (``value_stats``: `value_step`'s, applied)."""
         args, acc = self.args, self.accelerator
-        context = ro["query_responses"].shape[1] - ro["responses"].shape[1]
         shape = (args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
         stats = {k: torch.zeros(shape, device=acc.device) for k in
                  ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio", "ptx_loss")}
         self.model.train()
         for epoch in range(args.num_ppo_epochs):
-            for mb, k, idx in micro_batches(self.args, orders[epoch]):
+            for mb, k, idx in micro_batches(self.sizes, orders[epoch]):
                 with acc.accumulate(self.model):
-                    pg, vf, entropy, ptx = losses(self, ro, adv, idx, context, value=value_stats is None)
+                    pg, vf, entropy, ptx = losses(self, ro, adv, idx, value=value_stats is None)
                     self.optimizer.step()
                     self.optimizer.zero_grad()
                 vf = vf if value_stats is None else value_stats[k]
@@ -274,45 +354,7 @@ class PPOEngine(Trainer):
                 del entropy, vf, pg
         return stats
 
-    # -- 4. metrics ---------------------------------------------------------------------------------------------------
-
-    # -- the loop -----------------------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | None = None):
-        """Run the remaining updates (all of them, or those after ``resume_from_checkpoint``)."""
-        args = self.args
-        done = self.restore(resume_from_checkpoint) if resume_from_checkpoint else 0
-        if not done:
-            self.state.global_step, self.state.episode = 0, 0
-        begin_state(self)
-        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        if self.is_deepspeed_enabled:
-            self.deepspeed = self.model_wrapped = self.model
-        batches, start_time = self.batches(), time.time()
-        for update in range(done + 1, args.num_total_batches + 1):
-            self.state.episode += args.batch_size
-            data = next(batches)
-            ro = self.rollout(data["input_ids"].to(self.accelerator.device), data.get("row"), update)
-            gc.collect()
-            # each epoch's shuffle of the batch, drawn before anything trains (the same numpy draws as one per epoch)
-            orders = [np.random.permutation(args.local_batch_size) for _ in range(args.num_ppo_epochs)]
-            value_stats = value_step(self, ro, orders[0]) if self.single_value_forward else None
-            with torch.no_grad():
-                adv = self.advantages(ro)
-            stats = self.optimise(ro, adv, orders, value_stats)
-            with torch.no_grad():
-                metrics = update_metrics(self, ro, adv, stats, start_time)
-            del ro, adv, stats
-            self.end_update(update, metrics)
-            if self.control.should_training_stop:  # a stop signal: this update's checkpoint is written
-                break
-        if self.reward_offload is not None:  # training is over: the reward model is an ordinary module again
-            self.reward_offload.restore()
-            self.reward_offload = None
-        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        if self.control.should_save:
-            self._save_checkpoint(self.model, trial=None)
-            self.control = self.callback_handler.on_save(args, self.state, self.control)
-
+    # -- 5. the update's end ------------------------------------------------------------------------------------------
     def end_update(self, update: int, metrics: dict) -> None:
         """Counters, the finite check, the KL controller, log, scheduler step, callbacks, the sample table and the
         checkpoint of update ``update``. Raises `TrainingDivergedError`: a non-finite statistic."""
@@ -320,16 +362,16 @@ class PPOEngine(Trainer):
         self.state.epoch = self.state.episode / self.train_dataset_len
         self.state.global_step += 1
         check_finite(self, metrics)
-        metrics["objective/kl_coef"] = args.kl_coef  # the coefficient this update's rewards used
+        metrics["objective/kl_coef"] = self.kl_coef  # the coefficient this update's rewards used
         if self.kl_controller is not None:
-            args.kl_coef = self.kl_controller.update(metrics["objective/kl"], args.batch_size)
+            self.kl_coef = self.kl_controller.update(metrics["objective/kl"], self.sizes.batch)
         self.log(metrics)
         self.lr_scheduler.step()
         self.control = self.callback_handler.on_step_end(args, self.state, self.control)
         gc.collect()
         # the sample table before the checkpoint: a checkpoint of update N comes with the tables of updates <= N
         # (a resumed run drops later ones and writes them again: no table is lost or written twice)
-        if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+        if self.sample_every and (update - 1) % self.sample_every == 0:
             self.generate_completions(sampling=True)
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
@@ -370,42 +412,41 @@ class PPOEngine(Trainer):
 
 
 # -- the steps of one update, in order (`PPOEngine.train` / `optimise` / `end_update` call them) ------------------
-def value_step(engine, ro: dict, order: np.ndarray) -> list[dict]:
+def value_step(engine, ro: Rollout, order: np.ndarray) -> tuple[torch.Tensor, list[dict]]:
     """``single_value_forward`` (docs/ppo-engine.md): per micro-batch of ``order``, one forward with gradient gives
-    ``values [micro, R]`` (into ``ro["values"]``) and the value loss, then AdamW steps it alone; returns stats."""
+    ``values [micro, R]`` and the value loss, then AdamW steps the value model alone; returns the rollout's
+    ``values [b, R]`` and the per-micro-batch value-loss statistics."""
     args, acc, pad = engine.args, engine.accelerator, engine.processing_class.pad_token_id
-    context, fp32 = ro["query_responses"].shape[1] - ro["responses"].shape[1], _fp32(acc)
-    values, stats = None, []
+    fp32, values, stats = _fp32(acc), None, []
     engine.model.train()
-    for _, _, idx in micro_batches(engine.args, order):
+    for _, _, idx in micro_batches(engine.sizes, order):
         with acc.autocast():
-            vpred = fp32(response_values(engine.model.value_model, ro["query_responses"][idx], context, pad))
+            vpred = fp32(response_values(engine.model.value_model, ro.query_responses[idx], ro.context_length, pad))
         with torch.no_grad():
-            rows = {k: ro[k][idx] for k in ("logprobs", "ref_logprobs", "sequence_lengths", "scores")}
-            a = engine.advantages({**rows, "values": vpred.detach()}, whiten=False)
+            a = engine.advantages(ro.rows(idx, values=vpred.detach()), whiten=False)
         vf = pm.value_loss(vpred.masked_fill(a["padding_mask_p1"], 0), a["values"], a["returns"],
                            ~a["padding_mask_p1"], args.cliprange_value)
         acc.backward(args.vf_coef * vf["loss"])
         if values is None:  # the value model's output dtype, as the no-grad forward's
-            values = vpred.new_zeros(ro["responses"].shape)
+            values = vpred.new_zeros(ro.responses.shape)
         values[idx] = vpred.detach()
         stats.append({k: v.detach() for k, v in vf.items()})
         del vpred, vf
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer inside accelerate's
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # the policy's step must skip the value model's parameters
-    ro["values"] = values
-    return stats
+    return values, stats
 
 
-def losses(engine, ro: dict, adv: dict, idx, context: int, value: bool = True
+def losses(engine, ro: Rollout, adv: dict, idx, value: bool = True
            ) -> tuple[dict, dict | None, torch.Tensor, torch.Tensor | None]:
     """Forward and backward of micro-batch ``idx``: clipped policy loss + ``vf_coef`` x clipped value loss (one
     after the other without a wrapper, unless the value is the policy's head) + ``ptx_coef`` x the SFT loss of the
     next ptx micro-batch (PPO-ptx); returns their statistics, entropy ``[b, R]`` (``value`` false: the policy's
     only) and the ptx loss (None without ptx data)."""
     args, acc, pad = engine.args, engine.accelerator, engine.processing_class.pad_token_id
-    ids, mask, mask_p1 = ro["query_responses"][idx], adv["padding_mask"][idx], adv["padding_mask_p1"][idx]
+    ids, context = ro.query_responses[idx], ro.context_length
+    mask, mask_p1 = adv["padding_mask"][idx], adv["padding_mask_p1"][idx]
     ptx = None if engine.ptx_batches is None else engine.ptx_batches.next(acc.device)
 
     def policy_loss(new_logprobs):
@@ -445,16 +486,15 @@ def losses(engine, ro: dict, adv: dict, idx, context: int, value: bool = True
     return pg, vf, fp32(entropy), ptx_loss
 
 
-def micro_batches(args, order: np.ndarray):
-    """Yields ``(mini-batch, micro-batch, row indices)`` over one epoch's shuffled ``order [b]`` (``args``: the
-    `PPOConfig` with its derived batch sizes)."""
-    for mb, start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
-        mini = order[start:start + args.local_mini_batch_size]
-        for k, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
-            yield mb, k, mini[micro_start:micro_start + args.per_device_train_batch_size]
+def micro_batches(sizes: BatchSizes, order: np.ndarray):
+    """Yields ``(mini-batch, micro-batch, row indices)`` over one epoch's shuffled ``order [b]``."""
+    for mb, start in enumerate(range(0, sizes.local_batch, sizes.local_mini_batch)):
+        mini = order[start:start + sizes.local_mini_batch]
+        for k, micro_start in enumerate(range(0, sizes.local_mini_batch, sizes.per_device)):
+            yield mb, k, mini[micro_start:micro_start + sizes.per_device]
 
 
-def update_metrics(engine, ro: dict, adv: dict, stats: dict, start_time: float) -> dict:
+def update_metrics(engine, ro: Rollout, adv: dict, stats: dict, start_time: float) -> dict:
     """The logged statistics of one update (TRL 1.12's names), averaged over processes."""
     g = engine.accelerator.gather_for_metrics
     kl_sum, entropy = adv["kl"].sum(1).mean(), ((-adv["logprobs"]) * (~adv["padding_mask"]).float()).sum(1).mean()
@@ -462,8 +502,8 @@ def update_metrics(engine, ro: dict, adv: dict, stats: dict, start_time: float) 
     metrics = {"eps": int(engine.state.episode / max(time.time() - start_time, 1e-9)),
                "objective/kl": g(kl_sum).mean().item(), "objective/entropy": g(entropy).mean().item(),
                "objective/non_score_reward": g(non_score).mean().item(),
-               "objective/rlhf_reward": g(non_score + ro["scores"].mean()).mean().item(),
-               "objective/scores": g(ro["scores"].mean()).mean().item()}
+               "objective/rlhf_reward": g(non_score + ro.scores.mean()).mean().item(),
+               "objective/scores": g(ro.scores.mean()).mean().item()}
     for name, key in (("policy/approxkl_avg", "approxkl"), ("policy/clipfrac_avg", "pg_clipfrac"),
                       ("loss/policy_avg", "pg_loss"), ("loss/value_avg", "vf_loss"),
                       ("val/clipfrac_avg", "vf_clipfrac"), ("policy/entropy_avg", "entropy"),
@@ -473,10 +513,10 @@ def update_metrics(engine, ro: dict, adv: dict, stats: dict, start_time: float) 
         metrics["loss/ptx_avg"] = g(stats["ptx_loss"]).mean().item()
     ratios = g(stats["ratio"])  # one value per micro-batch; one alone has no spread: 0 (TRL 1.12 logged NaN)
     metrics["val/ratio_var"] = ratios.var().item() if ratios.numel() > 1 else 0.0
-    metrics["val/num_eos_tokens"] = (int(g(eos_mask(ro["responses"], engine.eos_token_ids).sum()).sum().item())
+    metrics["val/num_eos_tokens"] = (int(g(eos_mask(ro.responses, engine.eos_token_ids).sum()).sum().item())
                                      if engine.eos_token_ids is not None else 0)
-    metrics["val/eos_rate"] = g(ro["ended"].float().mean()).mean().item()
-    for name, values in ro["fn_values"].items():
+    metrics["val/eos_rate"] = g(ro.ended.float().mean()).mean().item()
+    for name, values in ro.fn_values.items():
         metrics[f"objective/reward_fn/{name}"] = g(values.to(engine.accelerator.device).float().mean()).mean().item()
     metrics["lr"] = engine.lr_scheduler.get_last_lr()[0]
     metrics["episode"] = engine.state.episode
@@ -499,27 +539,6 @@ def check_finite(engine, metrics: dict) -> None:
 
 
 # -- construction (`PPOEngine.__init__` calls them) --------------------------------------------------------------
-def set_batch_sizes(engine) -> None:
-    """The derived sizes (episodes) for this number of processes, and the accelerator."""
-    args = engine.args
-    if args.total_episodes is None:
-        args.total_episodes = int(args.num_train_epochs * engine.train_dataset_len)
-    args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    args.local_mini_batch_size = args.local_batch_size // args.num_mini_batches  # divides: `check_config`
-    # one optimizer step per mini-batch, always: accumulate over its micro-batches only, and never step early at
-    # the end of a pass over the prompts (TRL 1.12 synced there, stepping once per micro-batch in that update)
-    engine.accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
-        num_steps=math.ceil(args.local_mini_batch_size / args.per_device_train_batch_size),
-        sync_with_dataloader=False))
-    args.world_size = engine.accelerator.num_processes
-    args.micro_batch_size = args.per_device_train_batch_size * args.world_size
-    args.batch_size = args.local_batch_size * args.world_size
-    args.mini_batch_size = args.batch_size // args.num_mini_batches
-    args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
-    engine.local_seed = args.seed + engine.accelerator.process_index * 100003
-    engine.sample_generations_freq = max(1, args.num_total_batches // max(1, args.num_sample_generations))
-
-
 def set_trainer_machinery(engine, callbacks) -> None:
     """What ``Trainer.__init__`` would set: callbacks, control, state, flags."""
     args = engine.args
@@ -555,10 +574,10 @@ def offload_reward_model(engine) -> OffloadedWeights | None:
 
 
 def begin_state(engine) -> None:
-    """Counters and logging / saving intervals for a run of ``num_total_batches`` updates."""
+    """Counters and logging / saving intervals for a run of ``sizes.num_updates`` updates."""
     args = engine.args
-    engine.state.max_steps = args.num_total_batches
-    engine.state.num_train_epochs = args.total_episodes / engine.train_dataset_len
+    engine.state.max_steps = engine.sizes.num_updates
+    engine.state.num_train_epochs = engine.sizes.total_episodes / engine.train_dataset_len
     for name in ("logging_steps", "eval_steps", "save_steps"):
         value = getattr(args, name)
         if value is not None:

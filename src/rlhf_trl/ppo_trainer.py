@@ -141,14 +141,12 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         self.stock_generation_config, self.script_args = stock_generation_config, script_args
         self.recipe_configs = recipe_configs
         self.dataloader = ResumableLoader(self.dataloader)
-        every = script_args.log_samples_every
-        if every and every > 0:
-            self.args.num_sample_generations = max(1, self.args.num_sample_generations or 1)
-            self.sample_generations_freq = every
-        else:
-            self.args.num_sample_generations = 0
+        self.sample_every = max(0, script_args.log_samples_every or 0)  # updates between sample tables (0: none)
+        # the sample tables' near-greedy sampling, built once as the rollouts' (`PPOEngine.generation_config`)
+        self.sample_table_config = sampling_config(self.args, self.eos_token_ids, self.processing_class.pad_token_id,
+                                                   temperature=0.01)
         self.kl_controller = None if script_args.kl_target is None else AdaptiveKLController(
-            self.args.kl_coef, script_args.kl_target, script_args.kl_horizon)
+            self.kl_coef, script_args.kl_target, script_args.kl_horizon)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Log an update's statistics every ``logging_steps`` updates (the last always); other logs as they come."""
@@ -164,14 +162,14 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         if self.eval_dataloader is None:
             return
         tok, pad = self.processing_class, self.processing_class.pad_token_id
-        gen_config = sampling_config(self.args, self.eos_token_ids, pad, temperature=0.01)
         rows, loader = [], self.eval_dataloader
         with preserved_rng():
             try:
                 for batch in loader:
                     query, context = batch["input_ids"], batch["input_ids"].shape[1]
                     with self.generation_policy() as policy:
-                        query_response, _ = generate_rollouts(policy, query, pad, gen_config, query.shape[0])
+                        query_response, _ = generate_rollouts(policy, query, pad, self.sample_table_config,
+                                                              query.shape[0])
                     response = query_response[:, context:]
                     if self.eos_token_ids is not None:
                         response = truncate_at_eos(response, self.eos_token_ids, pad)
@@ -226,7 +224,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             self.processing_class.save_pretrained(os.path.join(ckpt, "merged"))
         torch.save(data_state, os.path.join(ckpt, "data_state.pt"))
         write_json(os.path.join(ckpt, "reward_baseline.json"), {"reward_baseline": self.reward_baseline,
-                                                                "kl_coef": self.args.kl_coef})
+                                                                "kl_coef": self.kl_coef})
         if self.recipe_configs:
             save_recipe(ckpt, self.recipe_configs)
 
@@ -254,10 +252,10 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         extras = json.load(open(os.path.join(ckpt, "reward_baseline.json"))) if os.path.exists(
             os.path.join(ckpt, "reward_baseline.json")) else {}
         if "kl_coef" in extras:
-            self.args.kl_coef = extras["kl_coef"]
+            self.kl_coef = extras["kl_coef"]
             if self.kl_controller is not None:
                 self.kl_controller.value = extras["kl_coef"]
-        total, done = self.args.num_total_batches, saved.global_step
+        total, done = self.sizes.num_updates, saved.global_step
         planned = getattr(saved, "max_steps", 0) or total
         if planned != total:  # the learning-rate schedule and the data order were laid out for the saved run
             raise ValueError(f"{ckpt} belongs to a run of {planned} updates; this recipe makes {total} (total_episodes "
@@ -265,7 +263,7 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         if done >= total:
             raise ValueError(f"{ckpt} is at update {done}; the recipe has {total} updates: nothing left to run")
         self.state.global_step, self.state.log_history = done, saved.log_history
-        self.state.episode = getattr(saved, "episode", 0) or done * self.args.batch_size
+        self.state.episode = getattr(saved, "episode", 0) or done * self.sizes.batch
         data_state = os.path.join(ckpt, _data_state_name(self.accelerator.process_index))
         if not os.path.exists(data_state):
             raise FileNotFoundError(f"cannot resume from {ckpt}: missing {os.path.basename(data_state)} (the "
