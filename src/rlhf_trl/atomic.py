@@ -11,8 +11,7 @@ import math
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
-
+from contextlib import contextmanager, nullcontext
 
 
 class _Hooks:
@@ -34,14 +33,9 @@ def file_op(kind: str, path: str, do=None):
     return do() if do is not None else None
 
 
-@contextmanager
 def checkpoint_save():
     """Mark one checkpoint save (its file operations are what the tests count and interrupt)."""
-    if HOOKS.checkpoint_save is None:
-        yield
-        return
-    with HOOKS.checkpoint_save():
-        yield
+    return HOOKS.checkpoint_save() if HOOKS.checkpoint_save is not None else nullcontext()
 
 
 def fsync_path(path: str) -> None:
@@ -54,7 +48,6 @@ def fsync_path(path: str) -> None:
             os.close(fd)
 
     file_op("fsync", path, do)
-
 
 
 def publish(staged: str, final: str, aside: str | None = None) -> None:
@@ -81,7 +74,6 @@ def publish(staged: str, final: str, aside: str | None = None) -> None:
             file_op("remove", old, lambda: shutil.rmtree(old, ignore_errors=True))
 
 
-
 class CheckpointWriteError(OSError):
     """Writing ``checkpoint-N`` failed, nothing published; one line naming the path and the newest good checkpoint."""
 
@@ -94,7 +86,6 @@ class CheckpointWriteError(OSError):
 
     def __str__(self) -> str:
         return self.message
-
 
 
 @contextmanager
@@ -111,7 +102,6 @@ def atomic_dir(final_path: str):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
 
 
 def save_pretrained_atomic(model, tokenizer, path: str, files: dict[str, str] | None = None,
@@ -131,14 +121,12 @@ def save_pretrained_atomic(model, tokenizer, path: str, files: dict[str, str] | 
     return path
 
 
-
 def write_text(path: str, text: str) -> None:
     """Write a text file atomically (``path.tmp``, then rename), creating its directory."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
-
 
 
 def strict_json(value):
@@ -153,14 +141,11 @@ def strict_json(value):
     return value
 
 
-
 def write_json(path: str, data: dict) -> None:
     """Write strict JSON (`strict_json`) atomically (`write_text`)."""
     write_text(path, json.dumps(strict_json(data), ensure_ascii=False, indent=2, allow_nan=False))
 
 
-
 def write_jsonl(path: str, rows) -> None:
     """Write one strict JSON object per line (`strict_json`) atomically (`write_text`)."""
-    write_text(path, "".join(json.dumps(strict_json(row), ensure_ascii=False, allow_nan=False) + "\n"
-                             for row in rows))
+    write_text(path, "".join(json.dumps(strict_json(row), ensure_ascii=False, allow_nan=False) + "\n" for row in rows))

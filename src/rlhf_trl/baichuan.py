@@ -34,6 +34,7 @@ CLASSIFIER_ARCH = "BaichuanForSequenceClassification"
 
 # keywords TRL / peft / transformers pass that the remote forwards lack: dropped silently (as private ``_*`` ones are)
 _SILENTLY_DROPPED = frozenset({"position_ids", "cache_position", "logits_to_keep", "num_items_in_batch"})
+_WARNED: set[tuple[str, str]] = set()  # (owner, keyword) of the dropped keywords already logged: once each
 
 
 def _remote_class(ref: str, path: str):
@@ -61,6 +62,11 @@ def _new_instance(factory, args):
     return cls.__new__(cls)
 
 
+def _pickled_as(factory, *args):
+    """A ``__reduce__`` that unpickles an instance of ``factory(*args)`` through `_new_instance`, then its state."""
+    return lambda self: (_new_instance, (factory, args), self.__getstate__())
+
+
 def _code_files(directory: str) -> list[str]:
     """The top-level remote-code ``*.py`` files of a model directory or a dynamic-module cache directory."""
     if not directory or not os.path.isdir(directory):
@@ -70,8 +76,7 @@ def _code_files(directory: str) -> list[str]:
 
 def _copy_code(sources: list[str], save_directory: str) -> None:
     for src in sources:
-        dst = os.path.join(save_directory, os.path.basename(src))
-        if not os.path.exists(dst):
+        if not os.path.exists(dst := os.path.join(save_directory, os.path.basename(src))):
             shutil.copyfile(src, dst)
 
 
@@ -96,25 +101,20 @@ def _named_parameters(forward) -> frozenset:
 def _legacy_past(past, cache):
     """The legacy tuple cache out of ``past_key_values`` / ``cache`` (transformers 5's name); None when empty."""
     past = past if past is not None else cache
-    if isinstance(past, Cache):
-        if past.get_seq_length() == 0:
-            return None
+    if isinstance(past, Cache) and past.get_seq_length() > 0:
         raise ValueError("Baichuan remote code reads a legacy tuple KV cache, not a transformers Cache object; "
                          "generate with rlhf_trl.baichuan.load_causal_lm models (they manage the tuple cache)")
-    return None if isinstance(past, (tuple, list)) and len(past) == 0 else past
+    return None if isinstance(past, Cache) or (isinstance(past, (tuple, list)) and len(past) == 0) else past
 
 
 def _filter_kwargs(owner: str, named: frozenset, kwargs: dict) -> dict:
     """Keep the keywords the remote forward names; drop the others (logged once unless they are expected ones)."""
     for key, value in kwargs.items():
-        if key not in named and key not in _SILENTLY_DROPPED and not key.startswith("_") and value is not None:
-            _warn_dropped(owner, key)
+        if key in named or key in _SILENTLY_DROPPED or key.startswith("_") or value is None or (owner, key) in _WARNED:
+            continue
+        _WARNED.add((owner, key))
+        logger.warning("%s: keyword %r is not an argument of the Baichuan remote forward; ignored", owner, key)
     return {key: value for key, value in kwargs.items() if key in named}
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_dropped(owner: str, key: str) -> None:
-    logger.warning("%s: keyword %r is not an argument of the Baichuan remote forward; ignored", owner, key)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,12 +131,9 @@ def _tolerant_backbone_class(backbone_cls: type) -> type:
         kwargs = _filter_kwargs(backbone_cls.__name__, named, kwargs)
         return backbone_cls.forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
-    def __reduce__(self):
-        return _new_instance, (_tolerant_backbone_class, (backbone_cls,)), self.__getstate__()
-
     return type(backbone_cls.__name__, (backbone_cls,), {
-        "forward": forward, "__reduce__": __reduce__, "_rlhf_trl_tolerant": True, "_rlhf_trl_remote": backbone_cls,
-        "__module__": backbone_cls.__module__})
+        "forward": forward, "__reduce__": _pickled_as(_tolerant_backbone_class, backbone_cls),
+        "_rlhf_trl_tolerant": True, "_rlhf_trl_remote": backbone_cls, "__module__": backbone_cls.__module__})
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,19 +157,15 @@ def _fixed_tokenizer_class(remote_cls: type) -> type:
             data.setdefault("auto_map", {})["AutoTokenizer"] = [f"{module}.{remote_cls.__name__}", None]
             data["tokenizer_class"] = remote_cls.__name__
             # transformers 5 leaves these out; the remote defaults (add_bos_token=True) would then differ on reload
-            for key in ("add_bos_token", "add_eos_token"):
-                if isinstance(getattr(self, key, None), bool):
-                    data[key] = getattr(self, key)
+            data.update({k: v for k in ("add_bos_token", "add_eos_token")
+                         if isinstance(v := getattr(self, k, None), bool)})
 
         _update_json(os.path.join(save_directory, "tokenizer_config.json"), update)
         return files
 
-    def __reduce__(self):
-        return _new_instance, (_fixed_tokenizer_class, (remote_cls,)), self.__getstate__()
-
     return type(remote_cls.__name__, (remote_cls,), {
-        "__init__": __init__, "save_pretrained": save_pretrained, "__reduce__": __reduce__,
-        "__module__": remote_cls.__module__})
+        "__init__": __init__, "save_pretrained": save_pretrained,
+        "__reduce__": _pickled_as(_fixed_tokenizer_class, remote_cls), "__module__": remote_cls.__module__})
 
 
 def load_tokenizer(path: str):
@@ -206,8 +199,8 @@ class _KeepsRemoteCode:
         """Then copy the remote ``*.py`` next to the weights; keep ``auto_map`` / ``model_type`` in ``config.json``."""
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if not (files := _code_files(getattr(self, "_baichuan_code_dir", None))):
-            classes = (type(self.config), *self._remote_classes())
-            dirs = {os.path.dirname(inspect.getfile(c)) for c in classes if c is not None}
+            # the remote backbone's module (our tolerant subclass keeps its __module__) holds the model classes
+            dirs = {os.path.dirname(inspect.getfile(c)) for c in (type(self.config), type(self.model))}
             files = [f for d in sorted(dirs) for f in _code_files(d)]
         _copy_code(files, save_directory)
         auto_map = dict(getattr(self.config, "auto_map", None) or {})
@@ -222,11 +215,7 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
     """Mixed in before the remote ``BaichuanForCausalLM`` (and `GenerationMixin` after it) by `causal_lm_class`."""
 
     accepts_loss_kwargs = False  # the remote loss is a mean over tokens: let Trainer scale for accumulation
-    _rlhf_trl_remote: type | None = None  # the remote BaichuanForCausalLM
-    _rlhf_trl_remote_named: frozenset = frozenset()  # the keywords its forward names
-
-    def __reduce__(self):
-        return _new_instance, (_causal_lm_class, (self._rlhf_trl_remote,)), self.__getstate__()
+    _rlhf_trl_remote_named: frozenset = frozenset()  # the keywords the remote BaichuanForCausalLM's forward names
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -249,8 +238,7 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
     def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None, attention_mask=None,
                                       inputs_embeds=None, is_first_iteration=False, **kwargs):
         """Feed only the tokens the legacy tuple cache has not seen (all of them on the first step)."""
-        past = _legacy_past(kwargs.pop("past_key_values", None), cache)
-        if past is not None:
+        if (past := _legacy_past(kwargs.pop("past_key_values", None), cache)) is not None:
             input_ids = input_ids[:, past[0][0].shape[2]:]
         use_embeds = inputs_embeds is not None and past is None
         out = {"inputs_embeds": inputs_embeds} if use_embeds else {"input_ids": input_ids}
@@ -275,15 +263,12 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
     def _reorder_cache(self, past_key_values, beam_idx):
         return tuple(tuple(s.index_select(0, beam_idx.to(s.device)) for s in layer) for layer in past_key_values)
 
-    def _remote_classes(self) -> tuple:
-        return (self._rlhf_trl_remote,)
-
 
 @functools.lru_cache(maxsize=None)
 def _causal_lm_class(remote_cls: type) -> type:
     return type(remote_cls.__name__, (_BaichuanCausalLMAdapter, remote_cls, GenerationMixin), {
-        "_rlhf_trl_remote": remote_cls, "_rlhf_trl_remote_named": _named_parameters(remote_cls.forward),
-        "__module__": remote_cls.__module__})
+        "_rlhf_trl_remote_named": _named_parameters(remote_cls.forward),
+        "__reduce__": _pickled_as(_causal_lm_class, remote_cls), "__module__": remote_cls.__module__})
 
 
 def causal_lm_class(path: str) -> type:
@@ -312,12 +297,6 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
         self.model = _tolerant_backbone_class(self._backbone_class or _backbone_class_next_to(config))(config)
         self.score = nn.Linear(config.hidden_size, 1, bias=False)
         self.post_init()
-
-    def __reduce_ex__(self, protocol):
-        cls = type(self)
-        if cls._backbone_class is None:  # the importable base class itself
-            return super().__reduce_ex__(protocol)
-        return _new_instance, (_classifier_class, (cls.config_class, cls._backbone_class)), self.__getstate__()
 
     def _init_weights(self, module):
         self.model._init_weights(module)  # the remote code's own initialization (normal(0, initializer_range))
@@ -353,9 +332,6 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
             return torch.full((batch,), seq_len - 1, dtype=torch.long, device=device)
         return (torch.arange(seq_len, device=device) * (input_ids != pad).to(device)).argmax(dim=-1)
 
-    def _remote_classes(self) -> tuple:
-        return (self._backbone_class or type(self.model),)
-
 
 def _backbone_class_of(causal_cls: type, config) -> type:
     """The remote backbone class (``BaichuanModel``; 7B v1: ``Model``) of a causal LM, built on the meta device."""
@@ -383,7 +359,8 @@ def _backbone_class_next_to(config) -> type:
 @functools.lru_cache(maxsize=None)
 def _classifier_class(config_cls: type, backbone_cls: type) -> type:
     return type(CLASSIFIER_ARCH, (BaichuanForSequenceClassification,), {
-        "config_class": config_cls, "_backbone_class": backbone_cls, "__module__": __name__})
+        "config_class": config_cls, "_backbone_class": backbone_cls, "__module__": __name__,
+        "__reduce__": _pickled_as(_classifier_class, config_cls, backbone_cls)})  # the base class pickles as itself
 
 
 def classifier_class(path: str) -> type:

@@ -136,8 +136,7 @@ def claim_output_dir(output_dir: str, model_path: str | None = None, full_traini
     """The first thing a run does (main process): lock ``output_dir`` (`run_dir.RunLock`: a second run is refused
     at once, naming the holder), prove it takes files (`run_dir.preflight`) and estimate whether one checkpoint fits
     (`run_dir.checkpoint_room`, from ``model_path``'s weights). Raises `RunBusyError`, `OutputDirError`."""
-    lock = RunLock(output_dir).acquire()
-    _locks.append(lock)
+    _locks.append(lock := RunLock(output_dir).acquire())
     preflight(lock.output_dir)
     checkpoint_room(lock.output_dir, model_path, full_training)
 

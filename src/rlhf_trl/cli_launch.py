@@ -219,20 +219,18 @@ def leave_launched_process(code: int) -> NoReturn:
 
 def print_demo_summary(summary: dict, path: str) -> None:
     t, methods = summary["targets"], summary.get("methods", ["ppo"])
-    rows = [
-        ("rm_accuracy (held-out topics)", summary["rm_accuracy"], ""),
-        ("  rejected: on-topic negative", summary["rm_accuracy_vs_negative"], f">= {t['rm_accuracy_vs_negative']}"),
-        ("  rejected: praise of another topic", summary["rm_accuracy_vs_off_topic"], "(reported, no target)"),
-        ("rm length-only baseline", summary["rm_length_baseline_accuracy"], ""),
-        ("sft_score (ground truth, [-1, 1])", summary["sft_score"], ""),
-        *((f"{m}_score (ground truth, [-1, 1])", summary[f"{m}_score"], f">= sft_score + {t['ppo_minus_sft']}")
-          for m in methods),
-        ("sft_on_topic_rate ([0, 1])", summary["sft_on_topic_rate"], ""),
-        *((f"{m}_on_topic_rate ([0, 1])", summary[f"{m}_on_topic_rate"], f">= {t['ppo_on_topic_rate']}")
-          for m in methods),
-        *((f"{m} seconds (training stage)", summary["stage_seconds"][m], "(reported, not gated)") for m in methods),
-        ("seconds (whole demo)", summary["seconds"], "(reported, not gated)"),
-    ]
+    rows = [("rm_accuracy (held-out topics)", summary["rm_accuracy"], ""),
+            ("  rejected: on-topic negative", summary["rm_accuracy_vs_negative"], f">= {t['rm_accuracy_vs_negative']}"),
+            ("  rejected: praise of another topic", summary["rm_accuracy_vs_off_topic"], "(reported, no target)"),
+            ("rm length-only baseline", summary["rm_length_baseline_accuracy"], ""),
+            ("sft_score (ground truth, [-1, 1])", summary["sft_score"], ""),
+            *((f"{m}_score (ground truth, [-1, 1])", summary[f"{m}_score"], f">= sft_score + {t['ppo_minus_sft']}")
+              for m in methods),
+            ("sft_on_topic_rate ([0, 1])", summary["sft_on_topic_rate"], ""),
+            *((f"{m}_on_topic_rate ([0, 1])", summary[f"{m}_on_topic_rate"], f">= {t['ppo_on_topic_rate']}")
+              for m in methods),
+            *((f"{m} seconds (training stage)", summary["stage_seconds"][m], "(reported, not gated)") for m in methods),
+            ("seconds (whole demo)", summary["seconds"], "(reported, not gated)")]
     print("\nrlhf-trl demo summary (topics held out of the RM data and PPO prompts; the eval report uses the recipes' "
           "own splits)")
     for name, value, target in rows:

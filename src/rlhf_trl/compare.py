@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import sys
 
 from .atomic import write_json, write_jsonl, write_text
 from .cli_launch import recipe_types, run_stage
@@ -51,10 +50,9 @@ def parse_policies(entries: list[str]) -> dict[str, tuple[str, str | None]]:
         if not os.path.isdir(path):
             raise StageInputError(f"--policies {entry}: no directory '{path}'; give a stage's output_dir (holding "
                                   "merged/) or a model directory")
-        merged = os.path.join(path, "merged")
-        model = merged if os.path.isdir(merged) else path
-        policies[name] = (require_model_dir(model, f"--policies {name} model"), path if model == merged else
-                          _stage_dir(model))
+        model = merged if os.path.isdir(merged := os.path.join(path, "merged")) else path
+        policies[name] = (require_model_dir(model, f"--policies {name} model"),
+                          path if model == merged else _stage_dir(model))
     if len(policies) < 2:
         raise RecipeError(f"--policies: {len(policies)} given; compare needs at least 2, e.g. --policies "
                           "sft=outputs/demo/sft dpo=outputs/demo/dpo")
@@ -104,12 +102,10 @@ def verdict(methods: dict[str, dict], ref: str, demo: bool, reward_name: str = "
 
 def plot_reward_vs_kl(methods: dict[str, dict], ref: str, path: str, reward_name: str = "RM reward") -> str:
     """PNG: mean ``reward_name`` against KL per token, a labelled point per method, reward CIs as error bars."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure manager
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.6))
+    fig = Figure(figsize=(5, 3.6))
+    ax = fig.subplots()
     for name, m in methods.items():
         err = (m["reward_ci"][1] - m["reward_ci"][0]) / 2 if m["reward_ci"] else 0.0
         ax.errorbar(m["kl_per_token"], m["reward"], yerr=err, fmt="o", capsize=4)
@@ -119,7 +115,6 @@ def plot_reward_vs_kl(methods: dict[str, dict], ref: str, path: str, reward_name
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, format="png", dpi=80)
-    plt.close(fig)
     return path
 
 
@@ -137,16 +132,15 @@ def write_md(path: str, result: dict, rows: list[dict], num_examples: int = 4) -
     if demo:
         cols += [("score", "score", ".3f"), ("score_ci", f"score - {ref}, 95% CI", "ci"),
                  ("on_topic_rate", "on-topic", ".2f")]
-    lines = ["# Stage-3 methods compared", "",
-             f"Reference `{ref}`. Policies: " + ", ".join(f"{n} `{p['model']}`" for n, p in result["policies"].items())
+    lines = ["# Stage-3 methods compared", "", f"Reference `{ref}`. Policies: "
+             + ", ".join(f"{n} `{p['model']}`" for n, p in result["policies"].items())
              + f". Reward model `{result['reward_model_path']}`.", "",
              f"{result['num_prompts']} held-out prompts x {result['samples_per_prompt']} samples, the same for every "
              f"policy: temperature {result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} "
              f"tokens, seed {result['seed']}. {rewards_sentence(result['reward_model_path'])}.", "",
              "| method | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for name, m in methods.items():
-        label = f"{name} (reference)" if name == ref else name
-        lines.append(f"| {label} | " + " | ".join(_fmt(m[k], spec) for k, _, spec in cols) + " |")
+    lines += [f"| {n}{' (reference)' if n == ref else ''} | " + " | ".join(_fmt(m[k], spec) for k, _, spec in cols)
+              + " |" for n, m in methods.items()]
     lines += ["", f"95% CI: paired over the same (prompt, sample) pairs, mean of (method - {ref}) +- 1.96 x its "
               f"standard error (sample standard deviation / sqrt(pairs)). Win rate: pairs where the method's "
               f"{reward_name} is above {ref}'s, ties 1/2. KL: mean over the method's own response tokens (EOS "
@@ -206,13 +200,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--samples_per_prompt", type=int, default=4, help="responses per prompt and policy")
     p.add_argument("--demo", action="store_true", help="also report the demo task's ground-truth scores")
     p.add_argument("--output_dir", default=None, help="default: compare/ beside the PPO recipe's output_dir")
-    own, rest = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    own, rest = p.parse_known_args(argv)
     policies = parse_policies(own.policies)
-    rest = ["--config", own.config, *rest] if own.config else rest
-    recipe = parse_recipe(recipe_types("ppo"), rest)
-    data_args, ppo_args, training_args = recipe.data, recipe.script, recipe.training
+    recipe = parse_recipe(recipe_types("ppo"), ["--config", own.config, *rest] if own.config else rest)
+    ppo_args, training_args = recipe.script, recipe.training
     out_dir = own.output_dir or os.path.join(os.path.dirname(os.path.normpath(training_args.output_dir)), "compare")
-    result = compare(data_args, training_args, policies, out_dir, own.num_prompts, own.samples_per_prompt, own.demo,
+    result = compare(recipe.data, training_args, policies, out_dir, own.num_prompts, own.samples_per_prompt, own.demo,
                      ppo_args.trust_remote_code, sibling_recipe(own.config, "rm"),
                      load_reward_functions(ppo_args.reward_funcs, ppo_args.reward_weights))
     metrics = {f"{n}_{k}": m[k] for n, m in result["methods"].items()

@@ -191,12 +191,10 @@ def _describe(hint) -> str:
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return "a string"
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
-    if hint in names:
-        return names[hint]
+    if name := names.get(hint) or names.get(origin):  # dict[str, int] too
+        return name
     if origin in (list, tuple) or hint in (list, tuple):
         return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
-    if origin is dict:
-        return "a mapping"
     return getattr(hint, "__name__", str(hint))
 
 

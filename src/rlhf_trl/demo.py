@@ -42,10 +42,8 @@ def build_assets(assets_dir: str, force: bool = False) -> dict:
              "heldout_prompts": "heldout_prompts.jsonl", "heldout_pairs": "heldout_pairs.jsonl",
              "tokenizer": "tokenizer", "base_model": "base_model"}
     paths = {key: os.path.join(assets_dir, name) for key, name in names.items()}
-    done = os.path.join(assets_dir, "DONE")
-    if os.path.exists(done) and not force:
+    if os.path.exists(done := os.path.join(assets_dir, "DONE")) and not force:
         return paths
-    os.makedirs(assets_dir, exist_ok=True)
     files = {"sft": demo_task.sft_rows(800, seed=1, topics=demo_task.TOPICS),  # every topic: the policy must name them
              "rm": demo_task.ranked_rows(300, seed=2), "prompts": demo_task.prompt_rows(demo_task.TRAIN_TOPICS, seed=3),
              "heldout_prompts": demo_task.prompt_rows(demo_task.HELDOUT_TOPICS, seed=4),
@@ -74,9 +72,8 @@ def sample_responses(model_dir: str, questions: list[str], samples_per_prompt: i
 # stage-3 variants of demo-compare: the stage whose recipe they run, with these overrides (assets, output_dir)
 VARIANTS = {
     "ppo-value-head": lambda assets, out: ("ppo", ["--value_head", "true", "--output_dir", f"{out}/ppo-value-head"]),
-    "ppo-ptx": lambda assets, out: ("ppo", ["--ptx_dataset", assets["sft"], "--ptx_coef", "0.1",
-                                            "--output_dir", f"{out}/ppo-ptx"]),
-}
+    "ppo-ptx": lambda assets, out: ("ppo", ["--ptx_dataset", assets["sft"], "--ptx_coef", "0.1", "--output_dir",
+                                            f"{out}/ppo-ptx"])}
 
 
 def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo", rebuild: bool = False,
@@ -87,9 +84,8 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
     from .cli_launch import stage_main
     from .rm import evaluate_pairs
 
-    start = time.time()
+    start, stage_seconds, results = time.time(), {}, {}
     paths = build_assets(os.path.join(output_dir, "assets"), force=rebuild)
-    stage_seconds, results = {}, {}
     for name in ("sft", "rm", *methods):
         t0 = time.time()
         stage, extra = VARIANTS[name](paths, output_dir) if name in VARIANTS else (name, [])
@@ -101,36 +97,31 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
     rm_dir = results["rm"]["merged"]
     tok, reward_model = load_tokenizer(rm_dir), AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
     pair_rows = [json.loads(line) for line in open(paths["heldout_pairs"], encoding="utf-8")]
-
-    def rm_pairs_eval(rows: list[dict]) -> dict:
-        pairs = pair_records(rows, DataArguments(), paths["heldout_pairs"])
-        return evaluate_pairs(reward_model, pair_features(pairs, tok, Template()), tok.pad_token_id)
-
-    rm_eval = rm_pairs_eval(pair_rows)
     # demo_task.pair_rows alternates the rejected answer: on-topic negative (even rows), praise of another topic (odd)
-    rm_by_kind = {"negative": rm_pairs_eval(pair_rows[0::2])["accuracy"],
-                  "off_topic": rm_pairs_eval(pair_rows[1::2])["accuracy"]}
+    rm_eval, rm_negative, rm_off_topic = (
+        evaluate_pairs(reward_model, pair_features(pair_records(rows, DataArguments(), paths["heldout_pairs"]), tok,
+                                                   Template()), tok.pad_token_id)
+        for rows in (pair_rows, pair_rows[0::2], pair_rows[1::2]))
 
     # ground-truth scores of samples from each policy on held-out prompts
     with open(os.path.join(recipes_dir, "ppo.yaml"), encoding="utf-8") as f:
         ppo_cfg = yaml.safe_load(f) or {}
     questions = [json.loads(line)["instruction"] for line in open(paths["heldout_prompts"], encoding="utf-8")]
-    scores, on_topic, examples = {}, {}, {}
+    figures, examples = {}, {}
     for name in ("sft", *methods):
         responses = sample_responses(results[name]["merged"], questions, samples_per_prompt=4,
                                      max_new_tokens=int(ppo_cfg.get("response_length", 24)),
                                      temperature=float(ppo_cfg.get("temperature", 0.7)), seed=1234)
         asked = [q for q in questions for _ in range(4)]
-        scores[name] = sum(demo_task.score_response(q, r) for q, r in zip(asked, responses)) / len(responses)
-        on_topic[name] = sum(demo_task.on_topic(q, r) for q, r in zip(asked, responses)) / len(responses)
+        figures[f"{name}_score"] = sum(map(demo_task.score_response, asked, responses)) / len(responses)
+        figures[f"{name}_on_topic_rate"] = sum(map(demo_task.on_topic, asked, responses)) / len(responses)
         examples[name] = [{"prompt": q, "response": r} for q, r in zip(questions, responses[::4])][:5]
 
-    summary = {"rm_accuracy": rm_eval["accuracy"], "rm_accuracy_vs_negative": rm_by_kind["negative"],
-               "rm_accuracy_vs_off_topic": rm_by_kind["off_topic"], "rm_margin": rm_eval["margin"],
+    summary = {"rm_accuracy": rm_eval["accuracy"], "rm_accuracy_vs_negative": rm_negative["accuracy"],
+               "rm_accuracy_vs_off_topic": rm_off_topic["accuracy"], "rm_margin": rm_eval["margin"],
                "rm_length_baseline_accuracy": rm_eval["length_baseline_accuracy"], "rm_num_pairs": rm_eval["num_pairs"],
-               "methods": list(methods), "stage_seconds": stage_seconds, "targets": TARGETS, "examples": examples}
-    for name in ("sft", *methods):
-        summary[f"{name}_score"], summary[f"{name}_on_topic_rate"] = scores[name], on_topic[name]
+               "methods": list(methods), "stage_seconds": stage_seconds, "targets": TARGETS, "examples": examples,
+               **figures}
     # merge / evaluate / report: SFT vs PPO (eval.json + report.md), or every method (compare.json + compare.md)
     if methods == ("ppo",):
         trainer = results["ppo"].get("trainer")

@@ -25,7 +25,7 @@ import os
 import re
 import time
 
-from .atomic import write_json
+from .atomic import write_json, write_jsonl
 from .models import require_model_dir
 
 logger = logging.getLogger(__name__)
@@ -57,10 +57,7 @@ def relevance_pairs(source: str, path: str) -> dict:
         other = usable[i ^ 1] if i ^ 1 < len(usable) else usable[i - 1]  # neighbours 0-1, 2-3, ...: either longer
         if other["output"][0] != row["output"][0]:
             pairs.append({"question": _question(row), "chosen": row["output"][0], "rejected": other["output"][0]})
-    order = sorted(range(len(pairs)), key=lambda k: pairs[k]["question"])  # not by length: splits stay mixed
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(pairs[k], ensure_ascii=False) + "\n" for k in order)
+    write_jsonl(path, sorted(pairs, key=lambda p: p["question"]))  # not by length: splits stay mixed
     counts = {"rows": len(rows), "skipped_history_or_no_answer": len(rows) - len(answered),
               "skipped_repeated_question": len(answered) - len(first),
               f"skipped_best_answer_over_{MAX_ANSWER_CHARS}_chars": len(first) - len(usable),
@@ -82,11 +79,7 @@ def question_overlap(prompts: list[str], completions: list[str], question: list[
     """The second scorer, a reward function the PPO reward does not contain: ``[batch]`` share in [0, 1] of the
     question's distinct bigrams (of CJK characters and latin words) found in the completion (does the answer stay on
     the question's terms?)."""
-    out = []
-    for q, c in zip(question, completions):
-        want = _units(q)
-        out.append(len(want & _units(c)) / len(want) if want else 0.0)
-    return out
+    return [len(want & _units(c)) / len(want) if want else 0.0 for want, c in zip(map(_units, question), completions)]
 
 
 def complete_sentence(prompts: list[str], completions: list[str], **kwargs) -> list[float]:
@@ -138,8 +131,7 @@ def run(model_dir: str, recipes_dir: str = "recipes/qwen2.5-0.5b-cpu", output_di
     from . import evaluate, ppo, rm, sft
 
     require_model_dir(model_dir, "base model", "make real-model")
-    t0 = time.time()
-    pairs_path = os.path.join(output_dir, "data", "relevance_pairs.jsonl")
+    t0, pairs_path = time.time(), os.path.join(output_dir, "data", "relevance_pairs.jsonl")
     pair_counts = relevance_pairs(RANKED_SOURCE, pairs_path)
     seconds: dict[str, float] = {"pairs": round(time.time() - t0, 1)}
     argv = {"sft": ["--model_name_or_path", model_dir, "--output_dir", f"{output_dir}/sft"],

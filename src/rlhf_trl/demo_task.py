@@ -67,8 +67,7 @@ def question_of_prompt(prompt: str) -> str:
 
     head, tail = DEFAULT_PROMPT_TEMPLATE.split("{question}")
     text = prompt[: -len(tail)] if prompt.endswith(tail) else prompt
-    k = text.rfind(head)
-    return text[k + len(head):] if k >= 0 else prompt
+    return text[k + len(head):] if (k := text.rfind(head)) >= 0 else prompt
 
 
 def ground_truth_reward(prompts: list[str], completions: list[str], **columns) -> list[float]:
@@ -83,11 +82,10 @@ def ground_truth_reward(prompts: list[str], completions: list[str], **columns) -
 
 def answer(topic: str, sentiment: int, rng: random.Random) -> str:
     """An answer about ``topic`` with sentiment +1, -1 or 0."""
-    if sentiment > 0:
-        return f"{topic}{rng.choice(POSITIVE)}，{rng.choice(POSITIVE_CLOSERS)}"
-    if sentiment < 0:
-        return f"{topic}{rng.choice(NEGATIVE)}，{rng.choice(NEGATIVE_CLOSERS)}"
-    return rng.choice(NEUTRAL).format(t=topic)
+    if sentiment == 0:
+        return rng.choice(NEUTRAL).format(t=topic)
+    words, closers = (POSITIVE, POSITIVE_CLOSERS) if sentiment > 0 else (NEGATIVE, NEGATIVE_CLOSERS)
+    return f"{topic}{rng.choice(words)}，{rng.choice(closers)}"
 
 
 def other_topic(topic: str, rng: random.Random, topics=TOPICS) -> str:

@@ -19,7 +19,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 
 import torch
 
@@ -51,11 +50,9 @@ def policy_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
     """Per-token log-probs (temperature 1, nats) of each response given its prompt, by the PPO engine's
     `rlhf_trl.scoring.response_logprobs`: one list of ``[len(response)]`` floats per response."""
     model.eval()
-    device = next(model.parameters()).device
-    out: list[list[float]] = []
+    device, out = next(model.parameters()).device, []
     for i in range(0, len(prompts), batch_size):
-        query = pad_left(prompts[i:i + batch_size], pad_token_id)
-        chunk = responses[i:i + batch_size]
+        query, chunk = pad_left(prompts[i:i + batch_size], pad_token_id), responses[i:i + batch_size]
         response = pad_right([list(r) or [pad_token_id] for r in chunk], pad_token_id)  # an empty one: one pad
         logp = response_logprobs(model, torch.cat((query, response), 1).to(device), query.shape[1], pad_token_id,
                                  1.0).float().cpu()
@@ -132,18 +129,15 @@ def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
     if os.path.isfile(path) and (history := _log_history(path)):
         return history, path
     for ckpt in reversed(complete_checkpoints(stage_dir)):  # the newest checkpoint whose state file reads
-        path = os.path.join(ckpt, "trainer_state.json")
-        if not os.path.isfile(path):
+        if not os.path.isfile(path := os.path.join(ckpt, "trainer_state.json")):
             continue
         try:
-            history = _log_history(path)
+            if history := _log_history(path):
+                return history, path
+            break
         except (OSError, ValueError, AttributeError) as exc:
             logger.warning("%s is damaged (trainer_state.json cannot be read: %s); reading the logs of an older "
                            "checkpoint", ckpt, exc)
-            continue
-        if history:
-            return history, path
-        break
     path = os.path.join(stage_dir, "metrics.json")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
@@ -162,12 +156,10 @@ def plot_curves(logs: list[dict], keys: list[str], path: str, title: str) -> lis
     present = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in logs)]
     if not present:
         return []
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure manager
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(present), figsize=(3.2 * len(present), 2.8), squeeze=False)
+    fig = Figure(figsize=(3.2 * len(present), 2.8))
+    axes = fig.subplots(1, len(present), squeeze=False)
     for ax, key in zip(axes[0], present):
         pts = [(r.get("step", r.get("global_step", i)), r[key]) for i, r in enumerate(logs)
                if isinstance(r.get(key), (int, float))]
@@ -180,7 +172,6 @@ def plot_curves(logs: list[dict], keys: list[str], path: str, title: str) -> lis
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, format="png", dpi=80)
-    plt.close(fig)
     return present
 
 
@@ -198,8 +189,7 @@ def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
     """Markdown lines: each effect with its 95% interval and what it shows. SFT: held-out completion loss after -
     before (``sft_loss_*``); RM: accuracy - the length-only baseline ("the longer response wins"), paired per pair;
     PPO - SFT over ``rows``' pairs: the optimised reward, the raw RM score and each reward function; KL, EOS, length."""
-    out = ["## Quality at this scale", ""]
-    f = figures
+    out, f = ["## Quality at this scale", ""], figures
     if "sft_loss_diff" in f:
         out.append(f"- SFT: held-out completion loss {f['sft_loss_before']:.3f} -> {f['sft_loss_after']:.3f} nats per "
                    f"token ({f['sft_loss_rows']} rows, difference {f['sft_loss_diff']:+.3f}, "
@@ -247,14 +237,12 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
                  num_examples: int = 5) -> str:
     """Write ``report.md`` (and ``report/<stage>_curves.png``) into ``out_dir``; return its path. ``stage_logs``:
     stage name -> `read_stage_logs`'s ``(log records, source)``."""
-    lines = ["# RLHF evaluation report", "",
-             f"PPO run `{result['ppo_output_dir']}` against its SFT policy `{result['sft_model_path']}`, "
-             f"reward model `{result['reward_model_path']}`.", "",
+    lines = ["# RLHF evaluation report", "", f"PPO run `{result['ppo_output_dir']}` against its SFT policy "
+             f"`{result['sft_model_path']}`, reward model `{result['reward_model_path']}`.", "",
              f"{result['num_prompts']} held-out prompts x {result['samples_per_prompt']} samples, temperature "
              f"{result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} tokens, seed "
              f"{result['seed']}. {rewards_sentence(result['reward_model_path'])} (no baseline, no missing-EOS "
-             "penalty).", "",
-             "## Figures", "", "| figure | value |", "|---|---|"]
+             "penalty).", "", "## Figures", "", "| figure | value |", "|---|---|"]
     for key in FIGURES + [k for k in (*DEMO_FIGURES, *RM_FIGURES) if k in result["figures"]]:
         value = result["figures"][key]
         lines.append(f"| `{key}` | {value if isinstance(value, int) else format(value, '.4f')} |")
@@ -264,14 +252,13 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
                "split).")
     lines += ["", "`kl_per_token`: mean over PPO response tokens (EOS included) of log p_ppo - log p_sft at "
               "temperature 1 (nats per token); lengths in tokens, EOS excluded." + rm_note, ""]
-    lines += quality_lines(result["figures"], rows)
-    lines += ["## Samples", "", "| prompt | SFT response | PPO response | SFT reward | PPO reward |",
-              "|---|---|---|---|---|"]
+    lines += quality_lines(result["figures"], rows) + [
+        "## Samples", "", "| prompt | SFT response | PPO response | SFT reward | PPO reward |", "|---|---|---|---|---|"]
     for r in rows[:num_examples]:
         lines.append(f"| {_cell(r['question'])} | {_cell(r['sft']['text'])} | {_cell(r['ppo']['text'])} | "
                      f"{r['sft']['reward']:.3f} | {r['ppo']['reward']:.3f} |")
     lines += ["", "## Training curves", ""]
-    plots = {}
+    plots = result["plots"] = {}
     for stage, curves in (("sft", SFT_CURVES), ("rm", RM_CURVES), ("ppo", PPO_CURVES)):
         logs, source = stage_logs.get(stage, ([], None))
         png = os.path.join(out_dir, "report", f"{stage}_curves.png")
@@ -284,9 +271,7 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
                       f"![{stage} curves](report/{stage}_curves.png)", ""]
         else:
             lines += [f"No training logs found for this stage{f' (read {source})' if source else ''}.", ""]
-    result["plots"] = plots
-    path = os.path.join(out_dir, "report.md")
-    write_text(path, "\n".join(lines) + "\n")
+    write_text(path := os.path.join(out_dir, "report.md"), "\n".join(lines) + "\n")
     return path
 
 
@@ -303,8 +288,7 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     making each input (``sft`` / ``rm`` / ``ppo``), named when it is missing. Returns eval.json's content plus
     ``report`` and ``plots`` (stage -> PNG). Raises, before loading or writing anything, `StageInputError`: a model
     is missing; otherwise as `sample_and_score`."""
-    out_dir = training_args.output_dir
-    hints = hints or {}
+    out_dir, hints = training_args.output_dir, hints or {}
     sft_path = require_model_dir(training_args.sft_model_path, "SFT model", hints.get("sft"))
     rm_path = None
     if training_args.reward_model_path or functions is None:
@@ -318,18 +302,15 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     if not rm_figures:
         logger.warning("eval: no RM held-out pairs at %s; rm_accuracy is not reported", pairs)
     result = {"figures": {**figures(rows, demo), **rm_figures, **sft_loss_figures(_stage_dir(sft_path))},
-              "rm_pairs": pairs if rm_figures else None,
-              "ppo_output_dir": out_dir, "sft_model_path": sft_path, "reward_model_path": rm_path,
-              "ppo_model_path": ppo_path, "num_prompts": n_prompts, "samples_per_prompt": samples_per_prompt,
-              "temperature": training_args.temperature, "response_length": training_args.response_length,
-              "seed": training_args.seed}
-    samples_path = os.path.join(out_dir, "eval_samples.jsonl")
-    write_jsonl(samples_path, rows)
+              "rm_pairs": pairs if rm_figures else None, "ppo_output_dir": out_dir, "sft_model_path": sft_path,
+              "reward_model_path": rm_path, "ppo_model_path": ppo_path, "num_prompts": n_prompts,
+              "samples_per_prompt": samples_per_prompt, "temperature": training_args.temperature,
+              "response_length": training_args.response_length, "seed": training_args.seed}
+    write_jsonl(samples := os.path.join(out_dir, "eval_samples.jsonl"), rows)
     stage_logs = {"sft": read_stage_logs(_stage_dir(training_args.sft_model_path)),
-                  "rm": read_stage_logs(_stage_dir(training_args.reward_model_path))}
-    stage_logs["ppo"] = (ppo_logs, "the PPO trainer's log_history") if ppo_logs else read_stage_logs(out_dir)
-    result["report"] = write_report(out_dir, result, rows, stage_logs)
-    result["samples"] = samples_path
+                  "rm": read_stage_logs(_stage_dir(training_args.reward_model_path)),
+                  "ppo": (ppo_logs, "the PPO trainer's log_history") if ppo_logs else read_stage_logs(out_dir)}
+    result["report"], result["samples"] = write_report(out_dir, result, rows, stage_logs), samples
     write_json(os.path.join(out_dir, "eval.json"), {**result["figures"], **result})
     logger.info("eval: %s", ", ".join(f"{k} {v:.4g}" for k, v in result["figures"].items() if isinstance(v, float)))
     return {**result["figures"], **result}
@@ -372,9 +353,8 @@ def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: s
     rm_pad = pad if tokens is None else tokens.pad_token_id
     if reward_model is not None:
         reward_model.config.pad_token_id = rm_pad
-    rows = [{"prompt_index": i // samples_per_prompt, "sample_index": i % samples_per_prompt,
-             "question": eval_records[i // samples_per_prompt]["question"], "prompt_ids": p}
-            for i, p in enumerate(prompts)]
+    rows = [{"prompt_index": i, "sample_index": j, "question": r["question"], "prompt_ids": p}
+            for i, (r, p) in enumerate(zip(eval_records, prompt_ids)) for j in range(samples_per_prompt)]
     columns = {k: [v for v in col for _ in range(samples_per_prompt)]
                for k, col in reward_columns(eval_records).items()} if functions else {}
     penalty = getattr(training_args, "missing_eos_penalty", None) or 0.0
@@ -430,12 +410,11 @@ def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> d
     p.add_argument("--num_prompts", type=int, default=None, help="first N held-out prompts (default: all)")
     p.add_argument("--samples_per_prompt", type=int, default=4, help="responses per prompt and policy")
     p.add_argument("--demo", action="store_true", help="also report the demo task's ground-truth scores")
-    own, rest = p.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    rest = ["--config", own.config, *rest] if own.config else rest
-    recipe = parse_recipe(recipe_types("ppo"), rest)
-    data_args, ppo_args, training_args = recipe.data, recipe.script, recipe.training
-    result = evaluate(data_args, training_args, own.num_prompts, own.samples_per_prompt, own.demo,
-                      ppo_logs=ppo_logs, trust_remote_code=ppo_args.trust_remote_code,
+    own, rest = p.parse_known_args(argv)
+    recipe = parse_recipe(recipe_types("ppo"), ["--config", own.config, *rest] if own.config else rest)
+    ppo_args, training_args = recipe.script, recipe.training
+    result = evaluate(recipe.data, training_args, own.num_prompts, own.samples_per_prompt, own.demo, ppo_logs=ppo_logs,
+                      trust_remote_code=ppo_args.trust_remote_code,
                       functions=load_reward_functions(ppo_args.reward_funcs, ppo_args.reward_weights),
                       hints={stage: sibling_recipe(own.config, stage) for stage in ("sft", "rm", "ppo")})
     return {"output_dir": training_args.output_dir, "metrics": dict(result["figures"]), **result}

@@ -143,8 +143,7 @@ def run(configs: Recipe, callbacks: list | None = None) -> dict:
         else None
 
     # policy and rewards (reward model first, weight 1; then the functions with their weights)
-    model = stage.model(tokenizer)
-    eos = eos_token_ids(tokenizer, stage.model_path)
+    model, eos = stage.model(tokenizer), eos_token_ids(tokenizer, stage.model_path)
     reward_model = None
     if rm_path:
         with loading_on_one_process():  # under ZeRO-3 each process holds the whole frozen RM (it scores alone)

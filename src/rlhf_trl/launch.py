@@ -18,9 +18,8 @@ import warnings
 
 import yaml
 
-from .config import RecipeError
-
-USE_ENV = {"FSDP": "ACCELERATE_USE_FSDP", "DEEPSPEED": "ACCELERATE_USE_DEEPSPEED"}
+from .cli_launch import COMMANDS, quiet_libraries, recipe_types
+from .config import RecipeError, parse_recipe
 
 
 @contextlib.contextmanager
@@ -28,8 +27,8 @@ def launch_environment(config: dict):
     """The environment variables ``accelerate launch`` gives its workers for ``config`` (those the recipe checks
     read), set for the duration of the block."""
     env = {"ACCELERATE_MIXED_PRECISION": str(config.get("mixed_precision") or "no")}
-    if (use := USE_ENV.get(str(config.get("distributed_type", "")).upper())) is not None:
-        env[use] = "true"
+    if (kind := str(config.get("distributed_type", "")).upper()) in ("FSDP", "DEEPSPEED"):
+        env[f"ACCELERATE_USE_{kind}"] = "true"
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -41,9 +40,6 @@ def launch_environment(config: dict):
 
 def check_before_launch(config_file: str, stage: str, argv: list[str]) -> None:
     """Parse the accelerate config and the stage's recipe as the workers will. Raises `RecipeError` (one line)."""
-    from .cli_launch import COMMANDS, recipe_types
-    from .config import parse_recipe
-
     if not os.path.isfile(config_file):
         raise RecipeError(f"accelerate config not found: {config_file}")
     with open(config_file, encoding="utf-8") as f:
@@ -59,8 +55,7 @@ def check_before_launch(config_file: str, stage: str, argv: list[str]) -> None:
 def _exit_status(error) -> int:
     """The first failed worker's exit status (killed by a signal: 128 + the signal, as a shell reports it)."""
     failures = getattr(error, "failures", None) or {}
-    codes = [f.exitcode for f in failures.values() if getattr(f, "exitcode", None) is not None]
-    code = codes[0] if codes else 1
+    code = next((f.exitcode for f in failures.values() if getattr(f, "exitcode", None) is not None), 1)
     return 128 - code if code < 0 else code
 
 
@@ -83,8 +78,6 @@ def main(argv: list[str]) -> int:
     ap.add_argument("stage")
     args, rest = ap.parse_known_args(argv)
     debug = bool(os.environ.get("RLHF_TRL_DEBUG"))
-    from .cli_launch import quiet_libraries
-
     quiet_libraries()  # as `run_stage` does: library notices are not for users
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:
@@ -93,9 +86,8 @@ def main(argv: list[str]) -> int:
         raise LaunchRefused(args.stage, exc) from exc
     from accelerate.commands.launch import launch_command, launch_command_parser
 
-    launch_args = launch_command_parser().parse_args(
-        ["--config_file", args.config_file, "--num_processes", str(args.num_processes), "-m", "rlhf_trl.cli",
-         args.stage, *rest])
+    launch_args = launch_command_parser().parse_args(["--config_file", args.config_file, "--num_processes",
+                                                      str(args.num_processes), "-m", "rlhf_trl.cli", args.stage, *rest])
     if not debug:  # the agent's "closing signal" / failure summaries: the worker's own line says what happened
         logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:

@@ -49,8 +49,7 @@ def correct(completions: list[str], golden: list | None = None, answer: list | N
         raise ValueError(f"correct: {n} completions but {len(golden)} golden / {len(answer)} answer values")
     out = []
     for i, (text, g, a) in enumerate(zip(completions, golden, answer)):
-        gold = gold_number(g, a)
-        if gold is None:
+        if (gold := gold_number(g, a)) is None:
             raise ValueError(f"correct: row {i} of the batch has no numeric gold answer (golden={g!r}, answer="
                              f"{(a or '')[-40:]!r}); the prompt file needs a `golden` column or an `answer` ending "
                              "'#### N'")

@@ -8,11 +8,11 @@ import argparse
 import json
 import logging
 import os
-import sys
 
 from safetensors.torch import load_file
 
 from .atomic import save_pretrained_atomic
+from .cli_launch import run_stage
 from .config import RecipeError, one_line_arguments
 from .models import (StageInputError, load_causal_lm, load_sequence_classifier, load_tokenizer, require_model_dir,
                      resize_for_tokenizer, torch_dtype)
@@ -29,8 +29,7 @@ def read_adapter_config(adapter_dir: str) -> dict:
     """``adapter_config.json`` as a dict. Raises `StageInputError`: no adapter; `ValueError`: not a JSON object."""
     if not os.path.isdir(adapter_dir):
         raise StageInputError(f"--adapter: no LoRA adapter at '{adapter_dir}' (directory not found)")
-    path = os.path.join(adapter_dir, "adapter_config.json")
-    if not os.path.isfile(path):
+    if not os.path.isfile(path := os.path.join(adapter_dir, "adapter_config.json")):
         if os.path.isfile(os.path.join(adapter_dir, "config.json")):
             raise StageInputError(f"--adapter: '{adapter_dir}' is a model directory, not a LoRA adapter (no "
                                   "adapter_config.json)")
@@ -55,9 +54,8 @@ def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
             continue  # a hub id
         real = os.path.realpath(path)
         if real == out or real.startswith(out.rstrip(os.sep) + os.sep):
-            inside = "is" if real == out else "holds"
-            raise RecipeError(f"--output '{output_dir}' {inside} the {what} directory '{path}'; merging replaces "
-                              "--output, so choose a new directory")
+            raise RecipeError(f"--output '{output_dir}' {'is' if real == out else 'holds'} the {what} directory "
+                              f"'{path}'; merging replaces --output, so choose a new directory")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise RecipeError(f"--output '{output_dir}' is a file; choose a new directory")
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not os.path.isfile(
@@ -112,8 +110,7 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
 def model_card(adapter_dir: str, base_path: str, task_type: str, tokenizer_src: str, config: dict) -> str:
     """The text of the merged model's ``README.md``: base model, task type, adapter and how it was made."""
     auto = "AutoModelForCausalLM" if task_type == "CAUSAL_LM" else "AutoModelForSequenceClassification"
-    return ("# Merged model (rlhf_trl)\n\n"
-            f"- base model: `{base_path}`\n"
+    return (f"# Merged model (rlhf_trl)\n\n- base model: `{base_path}`\n"
             f"- task type: `{task_type}` — load with `transformers.{auto}.from_pretrained(<this dir>)`"
             + (" (num_labels=1, trained `score` head included)\n" if task_type == "SEQ_CLS" else "\n")
             + f"- LoRA adapter merged in: `{os.path.abspath(adapter_dir)}` (r={config.get('r')}, "
@@ -134,13 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="dtype of the base as loaded (default: the base's)")
     p.add_argument("--trust_remote_code", action="store_true", help="run model code of the base (Baichuan)")
     p.add_argument("--allow_pickle_weights", action="store_true", help="load *.bin weights when no safetensors")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
     merge_adapter(args.adapter, args.output, args.base, torch_dtype(args.dtype), args.trust_remote_code,
                   args.allow_pickle_weights)
     return {"output_dir": args.output, "merged": args.output}
 
 
 if __name__ == "__main__":
-    from .cli_launch import run_stage
-
     run_stage("merge")

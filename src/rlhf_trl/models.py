@@ -106,19 +106,15 @@ def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = 
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at '{path}' has no EOS token; set eos_token in its tokenizer_config.json")
     pad_id, eos, vocab = tok.pad_token_id, _all_eos_ids(tok, path if os.path.isdir(path) else None), tok.get_vocab()
+    if pad_token is not None and vocab.get(pad_token) in eos:
+        raise ValueError(f"pad_token {pad_token!r} is an EOS token (EOS ids {eos}); PPO needs them distinct")
+    if pad_token is None and (pad_id is None or pad_id in eos):
+        pad_token = next((c for c in PAD_CANDIDATES if c in vocab and vocab[c] not in eos), "<|pad|>")
+        logger.info("pad token set to %r (EOS ids %s)", pad_token, eos)
     if pad_token is not None:
-        if vocab.get(pad_token) in eos:
-            raise ValueError(f"pad_token {pad_token!r} is an EOS token (EOS ids {eos}); PPO needs them distinct")
-        if pad_token not in vocab:
+        if pad_token not in vocab or vocab[pad_token] in eos:  # an EOS id: only the "<|pad|>" fallback
             tok.add_special_tokens({"pad_token": pad_token})
         tok.pad_token = pad_token
-    elif pad_id is None or pad_id in eos:
-        choice = next((c for c in PAD_CANDIDATES if c in vocab and vocab[c] not in eos), None)
-        if choice is None:
-            choice = "<|pad|>"
-            tok.add_special_tokens({"pad_token": choice})
-        logger.info("pad token set to %r (EOS ids %s)", choice, eos)
-        tok.pad_token = choice
     tok.padding_side = padding_side
     return tok
 
@@ -214,8 +210,7 @@ def kbit_device_map() -> dict:
     """Where this process loads a quantized model whole: ``{"": local process index}`` (its GPU), or ``{"": "cpu"}``."""
     from accelerate import PartialState
 
-    state = PartialState()
-    return {"": "cpu"} if state.device.type == "cpu" else {"": state.local_process_index}
+    return {"": "cpu" if (state := PartialState()).device.type == "cpu" else state.local_process_index}
 
 
 def fp32_adapters_for_fp32_compute(model, quantization_config) -> int:

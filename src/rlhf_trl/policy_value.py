@@ -16,11 +16,6 @@ VALUE_HEAD_FILE = "value_head.safetensors"
 KEYS = ("v_head.summary.weight", "v_head.summary.bias")
 
 
-def _backbone(policy) -> nn.Module:
-    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    return getattr(base, base.base_model_prefix)
-
-
 class ValueHead(nn.Module):
     """``summary``: ``Linear(hidden_size, 1)`` on the last hidden state of ``policy``'s backbone (with its adapter on):
     a value per position, reward units. ``policy`` is held as a reference, not a submodule (its weights are the
@@ -39,7 +34,8 @@ class ValueHead(nn.Module):
 
     def score_parts(self) -> tuple[nn.Module, nn.Module]:
         """``(backbone, head)`` as `rlhf_trl.scoring` reads a sequence classifier's."""
-        return _backbone(self.policy), self.summary
+        base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
+        return getattr(base, base.base_model_prefix), self.summary
 
     def head_state(self) -> dict[str, torch.Tensor]:
         """The head's tensors under TRL 0.x's names (CPU, contiguous), for `save_value_head`."""

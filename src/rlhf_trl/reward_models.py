@@ -62,8 +62,7 @@ class SharedBaseRewardModel(nn.Module):
         if not isinstance(value_model, PeftModel):
             raise ValueError("share_reward_value_base needs the value model to be a LoRA (peft) model")
         inner = value_model.get_base_model()
-        head = getattr(inner, "score", None)
-        if head is None or not hasattr(head, "original_module"):
+        if not hasattr(head := getattr(inner, "score", None), "original_module"):  # None too
             raise ValueError("share_reward_value_base: the value model has no adapter-wrapped `score` head "
                              "(LoRA task_type must be SEQ_CLS)")
         object.__setattr__(self, "_value_model", value_model)  # not registered: see the class docstring
@@ -182,8 +181,7 @@ class RewardTokens:
 
     def __init__(self, tokenizer, template: Template, policy_tokenizer, source: str):
         self.tokenizer, self.template, self.source = tokenizer, template, source
-        self.policy_tokenizer = policy_tokenizer
-        self.pad_token_id = tokenizer.pad_token_id
+        self.policy_tokenizer, self.pad_token_id = policy_tokenizer, tokenizer.pad_token_id
         self.eos_id = response_eos_id(tokenizer, template)
         self.prompts: dict[str, list[list[int]]] = {}
 
@@ -197,11 +195,8 @@ class RewardTokens:
         ids through the first EOS (kept when ``ended``), no pads."""
         texts = self.policy_tokenizer.batch_decode([list(r[:-1]) if e else list(r) for r, e in zip(responses, ended)],
                                                    skip_special_tokens=True)
-        out = []
-        for prompt, text, e in zip(prompt_ids, texts, ended):
-            ids = encode_response(self.tokenizer, self.template, text, raw=True)
-            out.append(list(prompt) + (ids if e else ids[:-1]))
-        return out
+        return [list(prompt) + encode_response(self.tokenizer, self.template, text, raw=True)[:None if e else -1]
+                for prompt, text, e in zip(prompt_ids, texts, ended)]
 
     def score_batch(self, reward_model, split: str, rows, responses: torch.Tensor, eos_ids, pad_token_id: int,
                     batch_size: int = 16) -> torch.Tensor:

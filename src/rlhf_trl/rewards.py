@@ -16,7 +16,6 @@ with a reward model (weights: RM units per unit of each function), before PPO's 
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import inspect
 import logging
@@ -57,21 +56,17 @@ class RewardFunctions:
         self.specs = list(specs) if specs is not None else [
             f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', type(f).__name__)}" for f in functions]
         self.weights = _check_weights(weights, self.specs)
-        self._keywords = []
-        for i, (spec, fn) in enumerate(zip(self.specs, self.functions)):
-            keywords = _keywords(fn)
-            missing = [k for k in RESERVED if keywords is not None and k not in keywords]
-            if missing:
+        self._keywords = [_keywords(fn) for fn in self.functions]
+        for i, (spec, keywords) in enumerate(zip(self.specs, self._keywords)):
+            if missing := [k for k in RESERVED if keywords is not None and k not in keywords]:
                 raise ValueError(f"reward_funcs[{i}] {spec!r}: takes no {' / '.join(map(repr, missing))} argument; a "
                                  "reward function is f(prompts, completions, **columns) -> list[float]")
-            self._keywords.append(keywords)
         self.names: list[str] = []
         for spec in self.specs:  # unique short names: the function's, then name_2, name_3 ...
             base = spec.rpartition(":")[2].rpartition(".")[2] or spec
-            name, k = base, 1
-            while name in self.names:
+            k = 1
+            while (name := base if k == 1 else f"{base}_{k}") in self.names:
                 k += 1
-                name = f"{base}_{k}"
             self.names.append(name)
         self.last_values: dict[str, torch.Tensor] = {}
 
@@ -160,14 +155,12 @@ def _check_weights(weights, specs: Sequence[str]) -> list[float]:
     if len(weights) != len(specs):
         raise ValueError(f"reward_weights: {len(weights)} weight(s) for {len(specs)} reward_funcs (one per function, "
                          "in order)")
-    out = []
     for j, (w, spec) in enumerate(zip(weights, specs)):
         if isinstance(w, bool) or not isinstance(w, numbers.Real):
             raise ValueError(f"reward_weights[{j}]: {w!r} (for {spec!r}) is not a number")
         if not math.isfinite(w):
             raise ValueError(f"reward_weights[{j}]: {w!r} (for {spec!r}) is not finite")
-        out.append(float(w))
-    return out
+    return [float(w) for w in weights]
 
 
 def _resolve(i: int, spec: str, module_name: str, attr: str) -> Callable:

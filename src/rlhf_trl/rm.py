@@ -66,8 +66,7 @@ def run(configs: Recipe, callbacks: list | None = None) -> dict:
         eval_metrics, out = evaluate_pairs(reward_model, eval_feats, tokenizer.pad_token_id), training_args.output_dir
         write_json(os.path.join(out, "eval_metrics.json"), eval_metrics)
         write_jsonl(os.path.join(out, "eval_pairs.jsonl"), ({"chosen_ids": c, "rejected_ids": r, "prompt_length": n}
-                    for c, r, n in zip(eval_feats["chosen_ids"], eval_feats["rejected_ids"],
-                                       eval_feats["prompt_length"])))
+                    for c, r, n in zip(*(eval_feats[k] for k in ("chosen_ids", "rejected_ids", "prompt_length")))))
         logger.info("RM eval: accuracy %.3f (length baseline %.3f), margin %.3f on %d pairs", eval_metrics["accuracy"],
                     eval_metrics["length_baseline_accuracy"], eval_metrics["margin"], eval_metrics["num_pairs"])
         return {f"eval_{k}": v for k, v in eval_metrics.items()}

@@ -12,6 +12,7 @@ after locking, so a run that opened the file just before it was removed retries 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -37,10 +38,6 @@ class OutputDirError(OSError):
 
 class RunBusyError(RuntimeError):
     """Another live run holds ``output_dir``'s lock: exit 2, one line naming the holder."""
-
-
-def _holder() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def _describe(holder: dict | None) -> str:
@@ -104,12 +101,9 @@ class RunLock:
                     raise
                 raise RunBusyError(f"output_dir '{self.output_dir}' is in use by {_describe(holder)}; wait for it "
                                    "to finish, or choose another output_dir") from None
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
+            with contextlib.suppress(FileNotFoundError):  # the file was removed meanwhile: retry
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
             os.close(fd)
         else:
             raise RunBusyError(f"output_dir '{self.output_dir}': the lock file keeps changing; another run is "
@@ -119,7 +113,8 @@ class RunLock:
             logger.warning("taking over the lock of %s in %s: that run ended without releasing it (killed?)",
                            _describe(stale), self.output_dir)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(_holder()).encode(), 0)
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
         os.fsync(fd)
         return self
 
@@ -127,10 +122,8 @@ class RunLock:
         """Unlock and remove the lock file (first, so no run can lock a file about to vanish unnoticed: the inode
         check in `acquire`), then the directories this run created if they are empty."""
         if self.fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(self.path)
-            except OSError:
-                pass
             os.close(self.fd)  # closing the last descriptor releases the flock
             self.fd = None
         for d in reversed(self.created):
@@ -161,14 +154,10 @@ def preflight(output_dir: str) -> None:
         os.remove(probe + ".renamed")
     except OSError as exc:
         for p in (probe, probe + ".renamed"):
-            if os.path.lexists(p):
-                try:
-                    os.remove(p)
-                except OSError:
-                    pass
-        raise OutputDirError(exc.errno, f"output_dir '{output_dir}' refuses a file {step} ({exc.strerror}); "
-                                        "nothing was loaded or written: choose a writable output_dir with free "
-                                        "space") from None
+            with contextlib.suppress(OSError):
+                os.remove(p)
+        raise OutputDirError(exc.errno, f"output_dir '{output_dir}' refuses a file {step} ({exc.strerror}); nothing "
+                                        "was loaded or written: choose a writable output_dir with free space") from None
 
 
 def checkpoint_room(output_dir: str, model_path: str | None, full_training: bool) -> None:
@@ -180,8 +169,7 @@ def checkpoint_room(output_dir: str, model_path: str | None, full_training: bool
         return
     weights = sum(os.path.getsize(os.path.join(model_path, n)) for n in os.listdir(model_path)
                   if n.endswith((".safetensors", ".bin")) and os.path.isfile(os.path.join(model_path, n)))
-    need, free = weights * (3 if full_training else 1), shutil.disk_usage(output_dir).free
-    gb = 1024 ** 3
+    need, free, gb = weights * (3 if full_training else 1), shutil.disk_usage(output_dir).free, 1024 ** 3
     if need > free:
         raise OutputDirError(errno.ENOSPC, f"output_dir '{output_dir}': one checkpoint needs about {need / gb:.1f} GB "
                                            f"(estimated from '{model_path}'), {free / gb:.1f} GB are free; free space "
@@ -203,10 +191,9 @@ class StoppedBySignal(Exception):
     def __init__(self, signum: int, step: int | None = None, checkpoint: str | None = None, unit: str = "step"):
         self.signum, self.step, self.checkpoint, self.unit = signum, step, checkpoint, unit
         self.exit_code = 128 + signum
-        name = signal.Signals(signum).name
         where = (f"at {unit} {step}: {os.path.basename(checkpoint)} written" if checkpoint else
                  "before training began: nothing of this run was kept")
-        super().__init__(f"stopped by {name} {where}")
+        super().__init__(f"stopped by {signal.Signals(signum).name} {where}")
 
 
 def _on_signal(signum, frame) -> None:

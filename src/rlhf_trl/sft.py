@@ -89,8 +89,7 @@ def _trainer_class(model, model_path: str, training_args):
     """`trl.SFTTrainer`, or with `OwnHeadLossMixin` (``loss_type`` None / chunked_nll -> 'nll') for non-Linear heads."""
     from trl import SFTTrainer
 
-    head = model.get_output_embeddings()
-    if isinstance(head, torch.nn.Linear):
+    if isinstance(head := model.get_output_embeddings(), torch.nn.Linear):
         return SFTTrainer
     logger.warning("%s: output head %s is not nn.Linear; the SFT loss runs the model's own head (loss_type 'nll' "
                    "or 'dft' from its logits)", model_path, type(head).__name__)
@@ -109,10 +108,9 @@ class OwnHeadLossMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
         inputs.pop("_prediction_loss_only", None)  # TRL 1.12's prediction_step marker (read by its Liger path only)
-        labels = inputs["labels"]
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
         log_probs = torch.log_softmax(outputs.logits[:, :-1, :].float(), dim=-1)
-        target = labels[:, 1:]
+        target = inputs["labels"][:, 1:]
         mask = target != -100
         token_log_probs = log_probs.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
         per_token = -token_log_probs
@@ -128,9 +126,8 @@ class OwnHeadLossMixin:
             correct = (log_probs.argmax(-1) == target) & mask
             gather = self.accelerator.gather_for_metrics
             n = gather(mask.sum()).sum()
-            self._metrics[mode]["entropy"].append((gather((entropy * mask).sum()).sum() / n).item() if n > 0 else 0.0)
-            accuracy = (gather(correct.sum()).sum() / n).item() if n > 0 else 0.0
-            self._metrics[mode]["mean_token_accuracy"].append(accuracy)
+            for key, total in (("entropy", (entropy * mask).sum()), ("mean_token_accuracy", correct.sum())):
+                self._metrics[mode][key].append((gather(total).sum() / n).item() if n > 0 else 0.0)
             if mode == "train" and "attention_mask" in inputs:
                 self._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item()
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]

@@ -28,7 +28,6 @@ def train_bpe_tokenizer(texts: list[str], output_dir: str, vocab_size: int = 100
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
                                    additional_special_tokens=["<|im_start|>", "<|im_end|>"],
                                    clean_up_tokenization_spaces=False)
-    os.makedirs(output_dir, exist_ok=True)
     fast.save_pretrained(output_dir)
     return load_tokenizer(output_dir)
 
@@ -45,8 +44,7 @@ def build_tiny_qwen2(tokenizer, output_dir: str, hidden_size: int = 64, num_laye
                   intermediate_size=intermediate_size or 4 * hidden_size, num_hidden_layers=num_layers,
                   num_attention_heads=num_heads, num_key_value_heads=max(1, num_heads // 2),
                   max_position_embeddings=max_position_embeddings, tie_word_embeddings=True, bos_token_id=None,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    fields.update(config_overrides)
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id) | config_overrides
     if fields["vocab_size"] < len(tokenizer):
         raise ValueError(f"vocab_size {fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)}")
     model = Qwen2ForCausalLM(Qwen2Config(**fields))

@@ -6,6 +6,7 @@ bad, `SkipRow` (skipped, counted) if it has nothing for the stage (empty answer,
 from __future__ import annotations
 
 import difflib
+from itertools import combinations
 from typing import Any, Iterable
 
 from .args import DataArguments
@@ -99,8 +100,9 @@ def _string(value, source: str, i: int, key: str, allow_empty: bool = False) -> 
 
 def _conversation(row: dict, fmt: str, args: DataArguments, source: str, i: int, end: str) -> tuple:
     """``(record fields, answer)`` of a conversation row cut at its last ``end`` turn (tools: chat ``messages``)."""
-    key = getattr(args, f"{'messages' if fmt == 'messages' else 'conversations'}_key") or CONVERSATION_KEYS[fmt]
-    turns = parse_turns(_column(row, key, source, i, f"{fmt if fmt == 'messages' else 'conversations'}_key"), source, i, key)
+    recipe_key = "messages_key" if fmt == "messages" else "conversations_key"
+    key = getattr(args, recipe_key) or CONVERSATION_KEYS[fmt]
+    turns = parse_turns(_column(row, key, source, i, recipe_key), source, i, key)
     if turns[0][0] != "system" and isinstance(row.get("system"), str) and row["system"].strip():
         turns.insert(0, ("system", row["system"]))
     tools = parse_tools(row.get("tools"), source, i) if "tools" in row else None
@@ -176,12 +178,9 @@ def _dialogue_list(items, source: str, i: int, kind: str) -> tuple:
                                     f"JSON {_JSON_TYPES.get(type(item), type(item).__name__)}", i, f"[{j}]")
         if j % 2 == 0 and not item.strip():
             raise DataError(source, "is an empty user turn", i, f"[{j}]")
-    if kind == "prompts":
-        question = len(items) - 1 if len(items) % 2 else len(items) - 2
-    elif len(items) == 1:
+    if kind != "prompts" and len(items) == 1:
         raise SkipRow("a dialogue list of one user turn (no answer to learn)")
-    else:
-        question = len(items) - 2 if len(items) % 2 == 0 else len(items) - 3
+    question = (len(items) - (1 if kind == "prompts" else 2)) // 2 * 2
     return None, list(zip(items[0:question:2], items[1:question:2])), items[question]
 
 
@@ -215,10 +214,9 @@ def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
     if chosen.__class__ is str and rejected.__class__ is str:  # the common case first: transcripts
         marker = args.assistant_marker
         k = chosen.rfind(marker)
-        text = chosen[: k + len(marker)]
-        while k >= 0 and not rejected.startswith(text):
+        while k >= 0 and not rejected.startswith(chosen[: k + len(marker)]):
             k = chosen.rfind(marker, 0, k)
-            text = chosen[: k + len(marker)]
+        text = chosen[: k + len(marker)]
         good, bad = chosen[len(text):], rejected[len(text):]
         if chosen == rejected:
             raise DataError(source, "chosen and rejected answers are identical", i, both)
@@ -236,9 +234,7 @@ def _implicit(row: dict, args: DataArguments, source: str, i: int) -> dict:
     c, r = parse_turns(chosen, source, i, gkey), parse_turns(rejected, source, i, bkey)
     if c == r:
         raise DataError(source, "chosen and rejected answers are identical", i, both)
-    n = 0
-    while n < min(len(c), len(r)) and c[n] == r[n]:
-        n += 1
+    n = next((k for k, (a, b) in enumerate(zip(c, r)) if a != b), min(len(c), len(r)))  # shared leading messages
     if n == 0 or c[n - 1][0] != "user":
         raise DataError(source, "chosen and rejected share no leading messages ending with a user turn", i, both)
     for key, rest in ((gkey, c[n:]), (bkey, r[n:])):
@@ -344,9 +340,8 @@ def pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, cou
         if len(set(ranked)) < len(ranked):  # a repeated answer is one answer: keep its best (first) rank
             ranked = list(dict.fromkeys(ranked))
             counts["deduplicated"] += 1
-        n = len(ranked)
-        pairs = ([(a, b) for a in range(n) for b in range(a + 1, n)] if args.ranked_pairs == "all"
-                 else [(a, a + 1) for a in range(n - 1)])
+        pairs = (list(combinations(range(len(ranked)), 2)) if args.ranked_pairs == "all"
+                 else [(a, a + 1) for a in range(len(ranked) - 1)])
         field_name = key
     out = []
     for a, b in pairs:

@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+from collections import Counter
 from contextlib import contextmanager
 
 from .args import DataArguments
@@ -89,23 +90,17 @@ def arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int 
         yield from ds.data.table.to_batches(max_chunksize=batch_rows)  # plain Arrow columns: fastest
         return
     for batch in ds.iter(batch_size=batch_rows):
-        keys = list(batch)
-        yield [dict(zip(keys, values)) for values in zip(*batch.values())]
+        yield [dict(zip(batch, values)) for values in zip(*batch.values())]
 
 
 def dialogue_counts(lengths: list, kind: str) -> dict:
     """``data_report.json``'s count of a source's dialogue lists (``lengths``: items per row read, None: not a list;
     bad rows included): rows, rows by length (items) and, for prompts, the answers dropped (an even list ends with
     one), for other stages the user turns dropped after the last answer (odd lists of 3 or more items)."""
-    by_length: dict[str, int] = {}
-    for n in sorted(n for n in lengths if n is not None):
-        by_length[str(n)] = by_length.get(str(n), 0) + 1
-    out = {"rows": sum(by_length.values()), "by_length": by_length}
-    if kind == "prompts":
-        out["answers_dropped"] = sum(n % 2 == 0 for n in lengths if n)
-    else:
-        out["last_user_turns_dropped"] = sum(n % 2 == 1 and n >= 3 for n in lengths if n)
-    return out
+    by_length = {str(n): count for n, count in sorted(Counter(n for n in lengths if n is not None).items())}
+    dropped = (("answers_dropped", sum(n % 2 == 0 for n in lengths if n)) if kind == "prompts"
+               else ("last_user_turns_dropped", sum(n % 2 == 1 and n >= 3 for n in lengths if n)))
+    return {"rows": sum(by_length.values()), "by_length": by_length, dropped[0]: dropped[1]}
 
 
 @contextmanager
@@ -145,20 +140,19 @@ def _local_files(dataset_name) -> list[str] | None:
         name = os.path.expanduser(str(name))
         if any(c in name for c in "*?["):
             hits = sorted(f for f in glob.glob(name, recursive=True) if os.path.isfile(f))
-            if not hits:
-                raise DataError(name, "no file matches this pattern")
-            files += hits
+            empty = "no file matches this pattern"
         elif os.path.isdir(name):
             hits = sorted(os.path.join(root, f) for root, dirs, fs in os.walk(name) for f in fs
                           if not f.startswith(".") and _split_ext(f)[0] in LOCAL_LOADERS
                           and not any(p.startswith(".") for p in os.path.relpath(root, name).split(os.sep) if p != "."))
-            if not hits:
-                raise DataError(name, f"directory holds no data file ({kinds})")
-            files += hits
+            empty = f"directory holds no data file ({kinds})"
         elif os.path.isfile(name):
-            files.append(name)
+            hits, empty = [name], ""
         else:
             raise DataError(name, "file not found")
+        if not hits:
+            raise DataError(name, empty)
+        files += hits
     for f in files:
         ext, compression = _split_ext(f)
         if ext not in LOCAL_LOADERS:
@@ -186,15 +180,6 @@ def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = 
         return _dialogue_rows(paths, files)
     try:
         ds = datasets.load_dataset(loader, data_files=paths, split="train", **text)
-        if text and utf8:
-            try:
-                ds.data.table.validate(full=True)
-            except Exception:  # pyarrow.lib.ArrowInvalid: a string column holds invalid UTF-8
-                for f in files:
-                    _check_encoding(f, "utf-8")
-        return ds
-    except DataError:
-        raise
     except Exception as exc:  # datasets wraps parser errors in several exception types
         if text and utf8:
             for f in files:
@@ -203,6 +188,13 @@ def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = 
             for path, f in zip(paths, files):  # name the file and the row where Python's own parser stops
                 _check_json_file(path, kind, f)
         raise DataError(source_name(dataset_name), f"cannot be read as {kind}: {_root_cause(exc)}") from None
+    if text and utf8:
+        try:
+            ds.data.table.validate(full=True)
+        except Exception:  # pyarrow.lib.ArrowInvalid: a string column holds invalid UTF-8
+            for f in files:
+                _check_encoding(f, "utf-8")
+    return ds
 
 
 def _open_hub(dataset_name: str, split: str, config: str | None):
@@ -222,12 +214,16 @@ def _open_hub(dataset_name: str, split: str, config: str | None):
         raise DataError(dataset_name, f"cannot be loaded from the hub ({where}): {cause}") from None
 
 
-def _opener(path: str):
-    """The ``open`` function reading ``path`` (decompressing it), or None: its decompressor is not installed."""
+def _opener(path: str, name: str | None = None):
+    """The ``open`` function reading ``path`` (decompressing it), or None: its decompressor is not installed (with
+    ``name``: raise `DataError` naming file ``name`` and the package to install instead)."""
     try:
         return importlib.import_module(_OPENERS[_split_ext(path)[1]]).open
     except ImportError:
-        return None
+        if name is None:
+            return None
+        raise DataError(name, f"needs the {_OPENERS[_split_ext(path)[1]].split('.')[0]} package to be decompressed "
+                              "(pip install it)") from None
 
 
 def _utf8_copy(path: str, encoding: str) -> str:
@@ -247,8 +243,7 @@ def _utf8_copy(path: str, encoding: str) -> str:
     tmp = f"{out}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8", newline="") as f:
-            for text in _decoded(path, encoding):
-                f.write(text)
+            f.writelines(_decoded(path, encoding))
         os.replace(tmp, out)  # atomic: a reader (another rank) never sees half a copy
     finally:
         if os.path.exists(tmp):
@@ -274,11 +269,8 @@ def _dialogue_rows(paths: list[str], files: list[str]) -> list[dict]:
     UTF-8 (line, byte offset), not JSON, not an array; no row."""
     rows: list[dict] = []
     for path, name in zip(paths, files):
-        if (opener := _opener(path)) is None:
-            raise DataError(name, f"needs the {_OPENERS[_split_ext(path)[1]].split('.')[0]} package to be decompressed "
-                                  "(pip install it)")
         try:
-            with opener(path, "rt", encoding="utf-8-sig") as f:
+            with _opener(path, name)(path, "rt", encoding="utf-8-sig") as f:
                 doc = json.load(f)
         except UnicodeDecodeError:
             _check_encoding(name, "utf-8")
@@ -297,9 +289,7 @@ def dialogue_row(items) -> dict:
     """A row of a JSON array of dialogue lists (MOSS-RLHF's prompt files; user, assistant, user, ... strings) as an
     alpaca row: ``{DIALOGUE_KEY: items, "output": its last answer}`` (the last item of an even list, the one before
     the last of an odd one; None if none or not a string). Step 2 (`.formats`) checks and splits the list."""
-    answer = None
-    if isinstance(items, list) and len(items) >= 2:
-        answer = items[-1] if len(items) % 2 == 0 else items[-2]
+    answer = items[-1 - len(items) % 2] if isinstance(items, list) and len(items) >= 2 else None
     return {DIALOGUE_KEY: items, "output": answer if isinstance(answer, str) else None}
 
 
@@ -314,17 +304,16 @@ def _decoded(path: str, encoding: str):
     """``path``'s text (decompressed) in chunks of 1 MiB of bytes. Raises `DataError`: the first byte not valid in
     ``encoding``, with its line (1-based) and byte offset (0-based, in the decompressed bytes), and the fix; its
     decompressor is not installed."""
-    if (opener := _opener(path)) is None:
-        raise DataError(path, f"needs the {_OPENERS[_split_ext(path)[1]].split('.')[0]} package to be decompressed "
-                              "(pip install it)")
     decoder, line, offset = codecs.getincrementaldecoder(encoding)(), 1, 0
-    with opener(path, "rb") as f:
-        chunks = iter(lambda: f.read(1 << 20), b"")
-        try:
-            chunk = next(chunks, b"")  # a damaged compressed file fails here or below: one line, not a traceback
-        except Exception as exc:
-            raise DataError(path, f"cannot be decompressed: {_root_cause(exc)}") from None
-        while chunk:
+    with _opener(path, path)(path, "rb") as f:
+        while True:
+            try:
+                chunk = f.read(1 << 20)
+            except Exception as exc:  # a damaged compressed file: one line, not a traceback
+                after = f" after byte {offset}" if offset else ""
+                raise DataError(path, f"cannot be decompressed{after}: {_root_cause(exc)}") from None
+            if not chunk:
+                break
             pending = len(decoder.getstate()[0])  # bytes of a character cut at the last chunk's end
             try:
                 text = decoder.decode(chunk)
@@ -336,10 +325,6 @@ def _decoded(path: str, encoding: str):
             line += text.count("\n")
             offset += len(chunk)
             yield text
-            try:
-                chunk = next(chunks, b"")
-            except Exception as exc:
-                raise DataError(path, f"cannot be decompressed after byte {offset}: {_root_cause(exc)}") from None
         try:
             yield decoder.decode(b"", final=True)
         except UnicodeDecodeError as exc:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import gc
 import logging
 import random
+from functools import partial
 from typing import Iterable, Literal
 
-from .args import FORMATS, DataArguments
+from .args import DataArguments
 from .formats import LABEL_KEYS, SkipRow, detect_format, pair_rows, prompt_columns, prompt_row, sft_row, unpaired_rows
 from .read import arrow_batches, dialogue_counts, source_name, sources
 from .report import DataError, DataReport
@@ -61,9 +62,7 @@ def message_records(column, end: str, plans: dict, train_history: bool = False) 
     offsets = column.offsets.to_numpy()
     first = int(offsets[0])
     messages = column.values.slice(first, int(offsets[-1]) - first)
-    roles, contents = messages.field("role"), messages.field("content")
-    texts = contents.to_pylist()
-    coded = pc.dictionary_encode(roles)
+    texts, coded = messages.field("content").to_pylist(), pc.dictionary_encode(messages.field("role"))
     codes = np.array([_ROLE_CODES.get(ROLES.get(r), 0) for r in coded.dictionary.to_pylist()] + [0], np.uint8)
     codes = codes[pc.fill_null(coded.indices, len(codes) - 1).to_numpy()]  # a null role -> 0
     if messages.null_count:
@@ -154,29 +153,13 @@ def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
                report: DataReport | None = None) -> list[dict]:
     """Rows into ``kind`` records (first row's format), per ``on_bad_row``. Raises `DataError`: bad rows."""
     report = report if report is not None else DataReport(kind)
-    if args.dataset_format not in FORMATS:
-        raise ValueError(f"dataset_format must be one of {FORMATS}, got {args.dataset_format!r}")
-    if kind in ("pairs", "unpaired") and args.ranked_pairs not in ("all", "adjacent"):
-        raise ValueError(f"ranked_pairs must be 'all' or 'adjacent', got {args.ranked_pairs!r}")
     enabled = gc.isenabled()
     gc.disable()  # records hold no reference cycles: the cyclic GC would rescan millions of them for nothing
     try:
-        out = _normalise_rows(kind, batches, args, source, report)
+        return _normalise_rows(kind, batches, args, source, report)
     finally:
         if enabled:
             gc.enable()
-    entry = report.sources[-1]  # this source's: its skips logged, too many bad rows or no record left refused
-    bad, n, skips = entry["bad_rows"], entry["rows_read"], entry["skipped"]
-    reasons = "; ".join(f"{reason}: {count}" for reason, count in skips.items())
-    if skips:
-        logger.warning("%s: %d of %d rows skipped (on_bad_row: %s): %s", source, sum(skips.values()), n,
-                       args.on_bad_row, reasons)
-    if bad > args.max_bad_row_fraction * n:
-        raise DataError(source, f"{bad} of {n} rows are bad, more than max_bad_row_fraction="
-                                f"{args.max_bad_row_fraction} ({reasons}); fix the data or raise max_bad_row_fraction")
-    if not entry["records"]:
-        raise DataError(source, f"no usable row: all {n} rows were skipped ({reasons})")
-    return out
 
 
 def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: str, report: DataReport) -> list:
@@ -192,10 +175,8 @@ def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: s
                 raise DataError(source, f"must be an object, got {type(row).__name__}", i)
             fmt, keys0 = detect_format(row, args) if auto else args.dataset_format, tuple(row)
             by_keys = fmt not in ("alpaca", "ranked")  # these two also depend on the answer's type
-            if kind == "pairs":
-                add, one = out.extend, lambda r, f, a, s, n: pair_rows(r, f, a, s, n, counts)
-            elif kind == "unpaired":  # KTO: a labelled answer per row, or two per preference pair
-                add, one = out.extend, lambda r, f, a, s, n: unpaired_rows(r, f, a, s, n, counts)
+            if kind in ("pairs", "unpaired"):  # KTO: a labelled answer per row, or two per preference pair
+                add, one = out.extend, partial(pair_rows if kind == "pairs" else unpaired_rows, counts=counts)
             else:
                 add, one = out.append, sft_row if kind == "sft" else prompt_row
             # messages rows: SFT records and prompts come from the message column alone (`sft_row`, `prompt_row`)
@@ -222,12 +203,11 @@ def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: s
         for row in batch:
             if i and not isinstance(row, dict):
                 raise DataError(source, f"must be an object, got {type(row).__name__}", i)
-            if i and auto and not (by_keys and tuple(row) == keys0):  # Arrow rows of one file share their columns
-                if (got := detect_format(row, args)) != fmt:
-                    _policy(_mixed, add, row, (got, fmt), args, source, i, report, counts)
-                    i += 1
-                    continue
-            _policy(one, add, row, fmt, args, source, i, report, counts)
+            # Arrow rows of one file share their columns
+            if i and auto and not (by_keys and tuple(row) == keys0) and (got := detect_format(row, args)) != fmt:
+                _policy(_mixed, add, row, (got, fmt), args, source, i, report, counts)
+            else:
+                _policy(one, add, row, fmt, args, source, i, report, counts)
             i += 1
     if fmt is None:
         raise DataError(source, "holds no rows")
@@ -237,6 +217,16 @@ def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: s
                        source, counts["deduplicated"])
     report.sources.append({"name": source, "format": fmt, "rows_read": i, "skipped": counts["skipped"],
                            "bad_rows": counts["bad"], "records": len(out)})
+    skips = counts["skipped"]  # this source's: its skips logged, too many bad rows or no record left refused
+    reasons = "; ".join(f"{reason}: {count}" for reason, count in skips.items())
+    if skips:
+        logger.warning("%s: %d of %d rows skipped (on_bad_row: %s): %s", source, sum(skips.values()), i,
+                       args.on_bad_row, reasons)
+    if counts["bad"] > args.max_bad_row_fraction * i:
+        raise DataError(source, f"{counts['bad']} of {i} rows are bad, more than max_bad_row_fraction="
+                                f"{args.max_bad_row_fraction} ({reasons}); fix the data or raise max_bad_row_fraction")
+    if not out:
+        raise DataError(source, f"no usable row: all {i} rows were skipped ({reasons})")
     return out
 
 

@@ -149,9 +149,8 @@ def _check_records(records: list[dict], tokenizer, template: Template, source: s
 
 def _length_hint(length_policy: str) -> str:
     """How to fit more rows into ``max_length``: only what the recipe has not set already."""
-    if length_policy == "truncate_prompt":
-        return "(raise max_length: with length_policy: truncate_prompt the responses alone exceed it)"
-    return "(raise max_length or set length_policy: truncate_prompt)"
+    return ("(raise max_length: with length_policy: truncate_prompt the responses alone exceed it)"
+            if length_policy == "truncate_prompt" else "(raise max_length or set length_policy: truncate_prompt)")
 
 
 def _tally(report: DataReport, source: str, split: str, total: int, limit: int | None, counts: tuple, **lengths):
@@ -226,10 +225,9 @@ def _fit_turns(turns: list[tuple], max_length: int | None, length_policy: str, m
     None: dropped (the first prompt fills ``max_length``, ``'drop'``). Over ``max_length`` tokens: a first turn as a
     single-turn row (``'truncate_prompt'`` cuts its prompt from the left to fit the reply); a later turn whose prompt
     leaves no room for a reply token is left out with the turns after it (a cut at a turn boundary); the last turn
-    kept may run over (the trainer cuts its reply). ``counts``: ``(prompt truncated, reply cut, turns left out,
+    kept may run over (the trainer cuts its reply). ``counts``: ``(prompt truncated, reply cut, any turn left out,
     turns trained, tool calls trained, turns cut)``."""
-    ids, mask = [], []
-    truncated = over = False
+    ids, mask, truncated, over = [], [], False, False
     trained = calls = left_out = 0
     for k, (p, c, call, target) in enumerate(turns):
         if max_length is not None and len(ids) + len(p) + len(c) > max_length:
@@ -251,7 +249,7 @@ def _fit_turns(turns: list[tuple], max_length: int | None, length_policy: str, m
         if over:
             left_out = sum(t[3] for t in turns[k + 1:])
             break
-    return ids, mask, (truncated, over, left_out, trained, calls, left_out + (over and target))
+    return ids, mask, (truncated, over, left_out > 0, trained, calls, left_out + (over and target))
 
 
 def sft_features(records: list[dict], tokenizer, template: Template, max_length: int | None = None,
@@ -268,20 +266,14 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
     row left; `ValueError`: a bad ``length_policy``, chat mode problems."""
     _check_records(records, tokenizer, template, source, length_policy, report)
     report = report if report is not None else DataReport("sft")
-    input_ids, masks = [], []
-    dropped = truncated = cut = split_turns = trained = calls = turns_cut = 0
-    for r in records:
-        fitted = _fit_turns(_sft_turns(tokenizer, template, r), max_length, length_policy, max_prompt_length)
-        if fitted is None:
-            dropped += 1
-            continue
-        ids, mask, counts = fitted
-        input_ids.append(ids)
-        masks.append(mask)
-        truncated, cut, split_turns = truncated + counts[0], cut + counts[1], split_turns + (counts[2] > 0)
-        trained, calls, turns_cut = trained + counts[3], calls + counts[4], turns_cut + counts[5]
+    fitted = (_fit_turns(_sft_turns(tokenizer, template, r), max_length, length_policy, max_prompt_length)
+              for r in records)
+    kept = [f for f in fitted if f is not None]  # None: dropped
+    input_ids, masks = [ids for ids, _, _ in kept], [mask for _, mask, _ in kept]
+    totals = [sum(column) for column in zip(*(counts for _, _, counts in kept))] or [0] * 6
+    truncated, cut, split_turns, trained, calls, turns_cut = totals
     _tally(report, source, split, len(records), max_length, (
-        ("dropped", "rows dropped: the prompt alone fills max_length", dropped),
+        ("dropped", "rows dropped: the prompt alone fills max_length", len(records) - len(kept)),
         ("truncated", "prompts truncated from the left to fit max_length", truncated),
         ("truncated", "answers are cut at max_length", cut),
         ("truncated", "conversations cut after the last turn that fits max_length", split_turns)),

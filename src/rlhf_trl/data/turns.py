@@ -136,9 +136,7 @@ def dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: s
     system, offset = None, 0
     if turns and turns[0][0] == "system":
         system, turns, offset = turns[0][1], turns[1:], 1
-    last = len(turns) - 1
-    while last >= 0 and turns[last][0] != end:
-        last -= 1
+    last = next((k for k in range(len(turns) - 1, -1, -1) if turns[k][0] == end), -1)
     if last < 0 or (end == "assistant" and last == 0):
         need = "a user turn followed by an assistant turn" if end == "assistant" else "a user turn"
         raise DataError(source, f"needs {need}", i, key)
