@@ -62,13 +62,17 @@ def test_truncated_safetensors_inside_its_header(tmp_path):
     assert checkpoint_problem(ckpt).startswith("model.safetensors is truncated (20 bytes")
 
 
-def test_safetensors_with_bytes_added(tmp_path):
-    ckpt = make_checkpoint(tmp_path / "c", manifest=False)
-    path = os.path.join(ckpt, "model.safetensors")
+@pytest.mark.parametrize("manifest, name, added, says", [
+    (False, "model.safetensors", 10, "its header describes"),  # no manifest: the safetensors header gives the size
+    (True, "scheduler.pt", 1, f"{MANIFEST} lists"),  # a file grown after the manifest was written
+], ids=["safetensors-header", "manifest"])
+def test_file_with_bytes_added(tmp_path, manifest, name, added, says):
+    ckpt = make_checkpoint(tmp_path / "c", manifest=manifest)
+    path = os.path.join(ckpt, name)
     size = os.path.getsize(path)
     with open(path, "ab") as f:
-        f.write(b"\0" * 10)
-    assert checkpoint_problem(ckpt) == f"model.safetensors has {size + 10} bytes, its header describes {size}"
+        f.write(b"\0" * added)
+    assert checkpoint_problem(ckpt) == f"{name} has {size + added} bytes, {says} {size}"
 
 
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
@@ -118,15 +122,6 @@ def test_same_size_garbage_in_a_torch_file(tmp_path):
     with open(path, "wb") as f:
         f.write(b"x" * size)
     assert checkpoint_problem(ckpt).startswith("optimizer.pt cannot be read")
-
-
-def test_file_grown_after_the_manifest(tmp_path):
-    ckpt = make_checkpoint(tmp_path / "c", manifest=True)
-    path = os.path.join(ckpt, "scheduler.pt")
-    size = os.path.getsize(path)
-    with open(path, "ab") as f:
-        f.write(b"\0")
-    assert checkpoint_problem(ckpt) == f"scheduler.pt has {size + 1} bytes, {MANIFEST} lists {size}"
 
 
 def test_nested_files_are_checked(tmp_path):

@@ -67,36 +67,51 @@ def _zygote_main() -> None:  # pragma: no cover (runs in the zygote process)
         req = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            code = 1
-            try:
-                fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                for k, v in req.get("env", {}).items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-                if req.get("sweep"):
-                    _install_sweep(req["sweep"])
-                if req.get("signals"):
-                    _install_signals(req["signals"])
-                try:
-                    code = cli.main([req["stage"], *req["argv"]]) or 0
-                except SystemExit as exc:
-                    code = exc.code if isinstance(exc.code, int) else 1
-                except BaseException:
-                    import traceback
-
-                    traceback.print_exc()
-                    code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+            _run_child(_serve, req, cli)
         answer({"pid": pid})
         _, status = os.waitpid(pid, 0)
-        answer({"returncode": -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)})
+        answer({"returncode": _returncode(status)})
+
+
+def _serve(req: dict, cli) -> int:
+    """A forked child's run of request ``req``: its log file as stdout / stderr, its environment, fault sweep and
+    signal hooks, then the stage; returns the exit status."""
+    fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    for k, v in req.get("env", {}).items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if req.get("sweep"):
+        _install_sweep(req["sweep"])
+    if req.get("signals"):
+        _install_signals(req["signals"])
+    return cli.main([req["stage"], *req["argv"]]) or 0
+
+
+def _run_child(body, *args) -> None:
+    """The whole life of a forked child: ``body(*args)`` gives the exit status (`SystemExit`: its code; another
+    exception: its traceback, status 1), then flush and ``os._exit``: never back into the parent's code."""
+    code = 1
+    try:
+        code = body(*args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _returncode(status: int) -> int:
+    """`os.waitpid`'s status as subprocess reports it: the exit status, or minus the signal that killed it."""
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
 class Zygote:
@@ -297,26 +312,19 @@ def _install_sweep(spec: dict) -> None:  # pragma: no cover (runs in a zygote ch
             python_rng = random.getstate()
             pid = os.fork()
             if pid == 0:
-                code = SURVIVED
-                try:
+                def faulty_save(op: str, action: str, port: int, python_rng) -> int:
                     random.setstate(python_rng)  # `random` reseeds itself in a forked child; the save records it
                     os.environ["RLHF_TRL_FAULT"] = f"{spec['save']}:{op}:{action}"
                     os.environ.pop("RLHF_TRL_FAULT_LOG", None)
                     if world > 1:
                         _rejoin_process_group(port, rank, world)
                     original(self, model, trial)
-                except BaseException:
-                    import traceback
+                    return SURVIVED
 
-                    traceback.print_exc()
-                    code = 1
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
+                _run_child(faulty_save, op, action, port, python_rng)
             if rank == 0:
                 _, status = os.waitpid(pid, 0)
-                rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                rc = _returncode(status)
                 others = []
                 if world > 1:
                     _write_file(work / f"dead0-{i}", str(rc))
@@ -332,7 +340,7 @@ def _install_sweep(spec: dict) -> None:  # pragma: no cover (runs in a zygote ch
                 while rc is None:
                     done, status = os.waitpid(pid, os.WNOHANG)
                     if done:
-                        rc = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                        rc = _returncode(status)
                         break
                     if dead_since is None and (work / f"dead0-{i}").exists():
                         dead_since = time.time()

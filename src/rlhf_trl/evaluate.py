@@ -189,7 +189,8 @@ def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
     """Markdown lines: each effect with its 95% interval and what it shows. SFT: held-out completion loss after -
     before (``sft_loss_*``); RM: accuracy - the length-only baseline ("the longer response wins"), paired per pair;
     PPO - SFT over ``rows``' pairs: the optimised reward, the raw RM score and each reward function; KL, EOS, length."""
-    out, f = ["## Quality at this scale", ""], figures
+    out = ["## Quality at this scale", ""]
+    f = figures
     if "sft_loss_diff" in f:
         out.append(f"- SFT: held-out completion loss {f['sft_loss_before']:.3f} -> {f['sft_loss_after']:.3f} nats per "
                    f"token ({f['sft_loss_rows']} rows, difference {f['sft_loss_diff']:+.3f}, "
@@ -237,8 +238,9 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
                  num_examples: int = 5) -> str:
     """Write ``report.md`` (and ``report/<stage>_curves.png``) into ``out_dir``; return its path. ``stage_logs``:
     stage name -> `read_stage_logs`'s ``(log records, source)``."""
-    lines = ["# RLHF evaluation report", "", f"PPO run `{result['ppo_output_dir']}` against its SFT policy "
-             f"`{result['sft_model_path']}`, reward model `{result['reward_model_path']}`.", "",
+    lines = ["# RLHF evaluation report", "",
+             f"PPO run `{result['ppo_output_dir']}` against its SFT policy `{result['sft_model_path']}`, "
+             f"reward model `{result['reward_model_path']}`.", "",
              f"{result['num_prompts']} held-out prompts x {result['samples_per_prompt']} samples, temperature "
              f"{result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} tokens, seed "
              f"{result['seed']}. {rewards_sentence(result['reward_model_path'])} (no baseline, no missing-EOS "

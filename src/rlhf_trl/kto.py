@@ -74,17 +74,19 @@ def _datasets(data_args: DataArguments, training_args, tokenizer, report: Unpair
     require_both_labels([r["label"] for r in records], where)
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
     kl = training_args.per_device_train_batch_size if training_args.loss_type != "apo_zero_unpaired" else None
-
-    def dataset(split: str, rows: list[dict]) -> Dataset:
+    out = []
+    for split, rows in (("train", train_records), ("eval", eval_records)):
+        if not rows:
+            out.append(None)
+            continue
         feats = unpaired_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
                                   f"{where} ({split} split)", report, split)
         n = sum(feats["label"])
         report.labels[split] = {"desirable": n, "undesirable": len(feats["label"]) - n}
         if split == "train":
             require_both_labels(feats["label"], f"{where} (train split)")
-        return kto_dataset(feats, kl)
-
-    return dataset("train", train_records), dataset("eval", eval_records) if eval_records else None
+        out.append(kto_dataset(feats, kl))
+    return tuple(out)
 
 
 @keeps_earlier_run

@@ -148,12 +148,11 @@ class PPOEngine(Trainer):
         self.data_collator = data_collator or DataCollatorWithPadding(processing_class)
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = None
+        self.sizes = BatchSizes.derive(args, self.train_dataset_len, args.world_size)  # processes: accelerate's
         # one optimizer step per mini-batch, always: accumulate over its micro-batches only, and never step early at
         # the end of a pass over the prompts (TRL 1.12 synced there, stepping once per micro-batch in that update)
-        local_mini = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_mini_batches
         self.accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=math.ceil(local_mini / args.per_device_train_batch_size), sync_with_dataloader=False))
-        self.sizes = BatchSizes.derive(args, self.train_dataset_len, self.accelerator.num_processes)
+            num_steps=self.sizes.micro_batches_per_step, sync_with_dataloader=False))
         self.local_seed = args.seed + self.accelerator.process_index * 100003
         # updates between sample tables (0: none)
         self.sample_every = (max(1, self.sizes.num_updates // args.num_sample_generations)

@@ -98,9 +98,12 @@ def dialogue_counts(lengths: list, kind: str) -> dict:
     bad rows included): rows, rows by length (items) and, for prompts, the answers dropped (an even list ends with
     one), for other stages the user turns dropped after the last answer (odd lists of 3 or more items)."""
     by_length = {str(n): count for n, count in sorted(Counter(n for n in lengths if n is not None).items())}
-    dropped = (("answers_dropped", sum(n % 2 == 0 for n in lengths if n)) if kind == "prompts"
-               else ("last_user_turns_dropped", sum(n % 2 == 1 and n >= 3 for n in lengths if n)))
-    return {"rows": sum(by_length.values()), "by_length": by_length, dropped[0]: dropped[1]}
+    out = {"rows": sum(by_length.values()), "by_length": by_length}
+    if kind == "prompts":
+        out["answers_dropped"] = sum(n % 2 == 0 for n in lengths if n)
+    else:
+        out["last_user_turns_dropped"] = sum(n % 2 == 1 and n >= 3 for n in lengths if n)
+    return out
 
 
 @contextmanager
