@@ -117,7 +117,7 @@ real-model: $(STAMP)
 
 demo-real: $(STAMP)
 	@model="$(MODEL)"; if [ -z "$$model" ]; then model=$$($(MAKE) -s real-model | tail -n 1) || exit $$?; fi; \
-	HF_HUB_OFFLINE=1 $(BIN)/rlhf-trl demo-real --model "$$model" $(ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/demo_real.py --model "$$model" $(ARGS)
 
 # Math with a rule reward on real weights: GRPO on CMATH (recipes/qwen2.5-0.5b-cpu-math), then held-out accuracy
 # before vs after with its paired 95% interval (rlhf-trl compare; outputs/qwen2.5-0.5b-cpu-math/compare/compare.md)

@@ -3,12 +3,14 @@ summary's intervals and targets, and smoke runs of both (sized for 2 CPU cores; 
 
 import json
 import os
+import sys
 
 import pytest
 from conftest import REPO, SHARED
 
-from rlhf_trl import demo_real
-from rlhf_trl.demo_real import question_overlap, relevance_pairs
+sys.path.insert(0, str(REPO / "benchmarks"))
+import demo_real  # noqa: E402
+from demo_real import question_overlap, relevance_pairs  # noqa: E402
 
 RANKED = SHARED / "data" / "zh" / "oaast_rm_zh.json"
 needs_shared = pytest.mark.skipif(not RANKED.is_file(), reason="../shared/data absent")

@@ -39,8 +39,6 @@ COMMANDS = {
     "kto": Command("stage 3 on answers labelled desirable / undesirable (or unpaired preference pairs), no reward "
                    "model (trl.KTOTrainer)", "trl:KTOConfig"),
     "demo": Command("build the embedded demo and run SFT -> RM -> PPO on it"),
-    "demo-real": Command("SFT -> RM -> PPO -> eval on a real Qwen2.5 Instruct directory (--model DIR), sized for a CPU",
-                         module="demo_real"),
     "launch": Command("a stage on several processes: --config_file ACCEL.yaml --num_processes N <stage> ... "
                       "(make ACCEL=)"),
     "init-model": Command("build a random-init tiny Qwen2 with a tokenizer's vocabulary (offline smoke runs)",
@@ -148,8 +146,6 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
         leave_launched_process(0)
     if stage == "demo" and "summary" in result:
         print_demo_summary(result["summary"], os.path.join(result["output_dir"], "summary.json"))
-    elif stage == "demo-real":
-        print_real_summary(result["real_summary"], os.path.join(result["output_dir"], "summary.json"))
     else:
         metrics = result.get("metrics", {}) if isinstance(result, dict) else {}
         summary = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.endswith("_runtime")}
@@ -178,7 +174,7 @@ def resume_hint(stage: str, argv: list[str] | None, stop) -> str:
     overrides on the command line: the same ``rlhf-trl`` command plus ``--resume_from_checkpoint true``)."""
     if stop.checkpoint is None:
         return ""
-    if stage in ("demo", "demo-real"):  # several stages in one command: it has no resume of its own
+    if stage == "demo":  # several stages in one command: it has no resume of its own
         return f"; `make {stage}` starts it over"
     argv = list(sys.argv[1:] if argv is None else argv)
     at = argv.index("--config") if "--config" in argv[:-1] else None
@@ -242,33 +238,3 @@ def print_demo_summary(summary: dict, path: str) -> None:
     if summary.get("report"):
         print(f"  report ({' vs '.join(m.upper() for m in ('sft', *methods))}): {summary['report']}")
 
-
-def print_real_summary(summary: dict, path: str) -> None:
-    sft, rm, ppo, t = summary["sft"], summary["rm"], summary["ppo"], summary["targets"]
-
-    def ci(d: dict | None) -> str:
-        if not d or d.get("ci95") is None:
-            return "n/a"
-        return f"{d['diff']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
-
-    gap = {"diff": rm["length_gap"], "ci95": rm["length_gap_ci"]} if rm.get("length_gap") is not None else None
-    print(f"\nrlhf-trl demo-real summary ({summary['model']}); effects with 95% intervals, held-out data")
-    for stage, sec in summary["stage_seconds"].items():
-        print(f"  {stage + ' seconds':36s} {sec:8.1f}")
-    print(f"  {'seconds (whole run)':36s} {summary['seconds']:8.1f}")
-    rows = [("SFT completion loss after - before", ci(sft), sft.get("rows"), "rows", t["sft_loss_down"]),
-            ("RM accuracy - length baseline", ci(gap), rm.get("num_pairs"), "pairs", t["rm_above_length_baseline"]),
-            ("PPO - SFT optimised reward", ci(ppo["objective"]), ppo["prompts"], "prompts", t["ppo_objective_up"]),
-            ("PPO - SFT raw RM score", ci(ppo["rm_reward"]), ppo["prompts"], "prompts", None),
-            *((f"PPO - SFT {k} (2nd scorer)", ci(v), ppo["prompts"], "prompts", None)
-              for k, v in ppo["second_scorers"].items())]
-    for name, text, n, unit, met in rows:
-        print(f"  {name:40s} {text:28s} {n} {unit}" + ("" if met is None else f"  target met: {met}"))
-    print(f"  RM accuracy {rm['accuracy']:.3f} vs length-only {rm['length_baseline_accuracy']:.3f}; KL "
-          f"{ppo['kl_per_token']:.4f} nats/token (budget {ppo['kl_budget']}, met: {t['ppo_kl_in_budget']}); EOS rate "
-          f"{ppo['eos_rate_sft']:.2f} -> {ppo['eos_rate_ppo']:.2f}; length {ppo['mean_length_sft']:.1f} -> "
-          f"{ppo['mean_length_ppo']:.1f} tokens")
-    for ex in summary["examples"][:2]:
-        print(f"  question: {ex['question'][:60]}\n    sft: {ex['sft'][:80]}\n    ppo: {ex['ppo'][:80]}")
-    print(f"  targets met: {summary['targets_met']}\n  written to {path}\n  report (SFT vs PPO, training curves): "
-          f"{summary['report']}")

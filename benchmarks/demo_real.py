@@ -1,4 +1,4 @@
-"""Real weights end to end: ``make demo-real`` (or ``rlhf-trl demo-real --model DIR``).
+"""Real weights end to end: ``make demo-real`` (or ``python benchmarks/demo_real.py --model DIR``).
 
 Runs ``recipes/qwen2.5-0.5b-cpu/{sft,rm,ppo}.yaml`` on a stock Qwen2 / Qwen2.5 Instruct directory (``make
 real-model``), then ``rlhf-trl eval``, and writes ``<output_dir>/summary.json``: per stage the effect on held-out data
@@ -23,10 +23,11 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 
-from .atomic import write_json, write_jsonl
-from .models import require_model_dir
+from rlhf_trl.atomic import write_json, write_jsonl
+from rlhf_trl.models import require_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def _ci_dict(mean: float, ci: list[float] | None) -> dict:
 def quality(evaluation: dict, rows: list[dict]) -> dict:
     """The summary's effects and targets from ``rlhf-trl eval``'s result (with the SFT stage's ``sft_loss_*``) and its
     sample rows."""
-    from .evaluate import paired_ci
+    from rlhf_trl.evaluate import paired_ci
 
     sft = ({"loss_before": evaluation["sft_loss_before"], "loss_after": evaluation["sft_loss_after"],
             "rows": evaluation["sft_loss_rows"], **_ci_dict(evaluation["sft_loss_diff"], evaluation["sft_loss_ci"])}
@@ -128,7 +129,7 @@ def run(model_dir: str, recipes_dir: str = "recipes/qwen2.5-0.5b-cpu", output_di
     ``overrides``: extra ``--key value`` arguments per stage (``sft`` / ``rm`` / ``ppo``; smoke runs). Returns the
     summary, also written to ``summary.json``. Raises `StageInputError`: ``model_dir`` is not a model directory; stage
     errors; `OSError`: the ranked source is missing."""
-    from . import evaluate, ppo, rm, sft
+    from rlhf_trl import evaluate, ppo, rm, sft
 
     require_model_dir(model_dir, "base model", "make real-model")
     t0, pairs_path = time.time(), os.path.join(output_dir, "data", "relevance_pairs.jsonl")
@@ -160,14 +161,63 @@ def run(model_dir: str, recipes_dir: str = "recipes/qwen2.5-0.5b-cpu", output_di
     return summary
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """``rlhf-trl demo-real --model DIR [--recipes DIR] [--output_dir DIR] [--eval_prompts N]``."""
-    p = argparse.ArgumentParser(prog="rlhf-trl demo-real", description=__doc__,
+def print_summary(summary: dict, path: str) -> None:
+    """The summary on stdout: each stage's seconds, each effect with its interval and target, samples."""
+    sft, rm, ppo, t = summary["sft"], summary["rm"], summary["ppo"], summary["targets"]
+
+    def ci(d: dict | None) -> str:
+        if not d or d.get("ci95") is None:
+            return "n/a"
+        return f"{d['diff']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
+
+    gap = {"diff": rm["length_gap"], "ci95": rm["length_gap_ci"]} if rm.get("length_gap") is not None else None
+    print(f"\ndemo-real summary ({summary['model']}); effects with 95% intervals, held-out data")
+    for stage, sec in summary["stage_seconds"].items():
+        print(f"  {stage + ' seconds':36s} {sec:8.1f}")
+    print(f"  {'seconds (whole run)':36s} {summary['seconds']:8.1f}")
+    rows = [("SFT completion loss after - before", ci(sft), sft.get("rows"), "rows", t["sft_loss_down"]),
+            ("RM accuracy - length baseline", ci(gap), rm.get("num_pairs"), "pairs", t["rm_above_length_baseline"]),
+            ("PPO - SFT optimised reward", ci(ppo["objective"]), ppo["prompts"], "prompts", t["ppo_objective_up"]),
+            ("PPO - SFT raw RM score", ci(ppo["rm_reward"]), ppo["prompts"], "prompts", None),
+            *((f"PPO - SFT {k} (2nd scorer)", ci(v), ppo["prompts"], "prompts", None)
+              for k, v in ppo["second_scorers"].items())]
+    for name, text, n, unit, met in rows:
+        print(f"  {name:40s} {text:28s} {n} {unit}" + ("" if met is None else f"  target met: {met}"))
+    print(f"  RM accuracy {rm['accuracy']:.3f} vs length-only {rm['length_baseline_accuracy']:.3f}; KL "
+          f"{ppo['kl_per_token']:.4f} nats/token (budget {ppo['kl_budget']}, met: {t['ppo_kl_in_budget']}); EOS rate "
+          f"{ppo['eos_rate_sft']:.2f} -> {ppo['eos_rate_ppo']:.2f}; length {ppo['mean_length_sft']:.1f} -> "
+          f"{ppo['mean_length_ppo']:.1f} tokens")
+    for ex in summary["examples"][:2]:
+        print(f"  question: {ex['question'][:60]}\n    sft: {ex['sft'][:80]}\n    ppo: {ex['ppo'][:80]}")
+    print(f"  targets met: {summary['targets_met']}\n  written to {path}\n  report (SFT vs PPO, training curves): "
+          f"{summary['report']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/demo_real.py --model DIR [--recipes DIR] [--output_dir DIR] [--eval_prompts N]``: the run,
+    then its summary on stdout. Exit status 0, or 2 with one line on stderr for bad input (as ``rlhf-trl``)."""
+    p = argparse.ArgumentParser(prog="demo_real.py", description=__doc__,
                                 formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True, help="a stock Qwen2 / Qwen2.5 Instruct directory (make real-model)")
     p.add_argument("--recipes", default="recipes/qwen2.5-0.5b-cpu", help="directory with sft.yaml, rm.yaml, ppo.yaml")
     p.add_argument("--output_dir", default="outputs/qwen2.5-0.5b-cpu", help="where the stages write")
     p.add_argument("--eval_prompts", type=int, default=40, help="held-out prompts for the SFT vs PPO evaluation")
     args = p.parse_args(argv)
-    summary = run(args.model, args.recipes, args.output_dir, args.eval_prompts)
-    return {"output_dir": args.output_dir, "real_summary": summary}
+    from rlhf_trl.cli_launch import one_line, quiet_libraries
+
+    quiet_libraries()
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=logging.WARNING)
+    for name in ("rlhf_trl", __name__):
+        logging.getLogger(name).setLevel(logging.INFO)
+    try:
+        summary = run(args.model, args.recipes, args.output_dir, args.eval_prompts)
+    except (ValueError, OSError) as exc:  # bad recipes, data, model directories (their one-line errors)
+        print(f"demo_real.py: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    print_summary(summary, os.path.join(args.output_dir, "summary.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
