@@ -78,3 +78,20 @@ def test_no_reward_at_all_is_one_line(assets, sft_run, tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == ("rlhf-trl ppo: error: reward_model_path: PPO needs a reward model, "
                                                "reward functions (reward_funcs) or both")
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_eval_of_a_run_without_reward_model_scores_with_the_functions(assets, sft_run, rm_run, tmp_path):
+    """`rlhf-trl eval` of a PPO run against reward functions alone (no reward model): every sample's reward is the
+    functions' weighted sum, and eval.json names no reward model and no RM pairs."""
+    from rlhf_trl import demo_task, evaluate, ppo
+
+    args = _ppo_args(assets, sft_run, tmp_path, "--reward_model_path", "", "--reward_funcs", GROUND_TRUTH)
+    ppo.main(args + ["--value_model_path", rm_run["merged"], "--total_episodes", "8"])
+    result = evaluate.main(args + ["--num_prompts", "3", "--samples_per_prompt", "1"])
+    rows = [json.loads(line) for line in open(result["samples"], encoding="utf-8")]
+    assert len(rows) == 3 and result["reward_model_path"] is None and result["rm_pairs"] is None
+    for row in rows:
+        for name in ("sft", "ppo"):
+            truth = demo_task.score_response(row["question"], row[name]["text"])
+            assert row[name]["reward"] == pytest.approx(truth) == row[name]["functions"]["ground_truth_reward"]
+    assert json.load(open(tmp_path / "eval.json", encoding="utf-8"))["reward_model_path"] is None

@@ -12,30 +12,22 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
+
+# Test hooks (tests/fault_hooks/faults.py installs them): ``file_op(kind, path, do)`` runs one file operation of a
+# save, ``checkpoint_save()`` is the context manager of one save. In a run: the operation alone, no context.
+HOOKS = SimpleNamespace(file_op=lambda kind, path, do: do(), checkpoint_save=nullcontext)
 
 
-class _Hooks:
-    """Test hooks (tests/fault_hooks/faults.py installs them): ``file_op(kind, path, do)`` runs one file operation of
-    a save, ``checkpoint_save()`` is the context manager of one save. None in a run."""
-
-    file_op = None
-    checkpoint_save = None
-
-
-HOOKS = _Hooks()
-
-
-def file_op(kind: str, path: str, do=None):
+def file_op(kind: str, path: str, do):
     """Run the file operation ``do`` (``kind``: write, fsync, rename, remove, rotate, on ``path``); returns its
     result. Raises what it raises (and, under a test hook, an injected `OSError`)."""
-    if HOOKS.file_op is not None:
-        return HOOKS.file_op(kind, path, do)
-    return do() if do is not None else None
+    return HOOKS.file_op(kind, path, do)
 
 
 def checkpoint_save():
     """Mark one checkpoint save (its file operations are what the tests count and interrupt)."""
-    return HOOKS.checkpoint_save() if HOOKS.checkpoint_save is not None else nullcontext()
+    return HOOKS.checkpoint_save()
 
 
 def fsync_path(path: str) -> None:

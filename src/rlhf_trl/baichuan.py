@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -37,23 +38,19 @@ _SILENTLY_DROPPED = frozenset({"position_ids", "cache_position", "logits_to_keep
 _WARNED: set[tuple[str, str]] = set()  # (owner, keyword) of the dropped keywords already logged: once each
 
 
-def _remote_class(ref: str, path: str):
-    """Import ``module.Class`` from the remote-code files in the local directory ``path``."""
-    if not os.path.isfile(os.path.join(path, (module := ref.split(".")[0]) + ".py")):
-        raise FileNotFoundError(f"'{path}' has no {module}.py (Baichuan remote code)")
-    return get_class_from_dynamic_module(ref, path)
-
-
-def _auto_ref(path: str, key: str, default: str, config_file: str = "config.json") -> str:
-    """``auto_map[key]`` of ``path``'s config file as ``module.Class`` (Baichuan-7B v1 says ``BaiChuan...``)."""
+def _remote_class(path: str, key: str, default: str, config_file: str = "config.json"):
+    """Import ``module.Class`` from the remote-code files in the local directory ``path``: ``auto_map[key]`` of
+    ``path``'s config file as ``module.Class`` (Baichuan-7B v1 says ``BaiChuan...``), else ``default``."""
     try:
-        with open(os.path.join(path, config_file), encoding="utf-8") as f:
-            ref = (json.load(f).get("auto_map") or {}).get(key)
+        ref = (json.loads(Path(path, config_file).read_text(encoding="utf-8")).get("auto_map") or {}).get(key)
     except (OSError, ValueError):
         ref = None
     if isinstance(ref, (list, tuple)):  # AutoTokenizer: [slow, fast]
         ref = next((r for r in ref if r), None)
-    return ref.split("--")[-1] if isinstance(ref, str) and ref else default  # "org/repo--mod.Class" -> "mod.Class"
+    ref = ref.split("--")[-1] if isinstance(ref, str) and ref else default  # "org/repo--mod.Class" -> "mod.Class"
+    if not os.path.isfile(os.path.join(path, (module := ref.split(".")[0]) + ".py")):
+        raise FileNotFoundError(f"'{path}' has no {module}.py (Baichuan remote code)")
+    return get_class_from_dynamic_module(ref, path)
 
 
 def _new_instance(factory, args):
@@ -69,9 +66,7 @@ def _pickled_as(factory, *args):
 
 def _code_files(directory: str) -> list[str]:
     """The top-level remote-code ``*.py`` files of a model directory or a dynamic-module cache directory."""
-    if not directory or not os.path.isdir(directory):
-        return []
-    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".py") and f != "__init__.py")
+    return sorted(str(f) for f in Path(directory).glob("*.py") if f.name != "__init__.py") if directory else []
 
 
 def _copy_code(sources: list[str], save_directory: str) -> None:
@@ -84,12 +79,9 @@ def _update_json(path: str, update) -> None:
     """Apply ``update(data)`` to the JSON file ``path`` in place (nothing when it does not exist)."""
     if not os.path.isfile(path):
         return
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
     update(data)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, ensure_ascii=False, indent=2)
-        f.write("\n")
+    Path(path).write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
 
 
 def _named_parameters(forward) -> frozenset:
@@ -108,7 +100,10 @@ def _legacy_past(past, cache):
 
 
 def _filter_kwargs(owner: str, named: frozenset, kwargs: dict) -> dict:
-    """Keep the keywords the remote forward names; drop the others (logged once unless they are expected ones)."""
+    """Keep the keywords the remote forward names; drop the others (logged once unless they are expected ones). The KV
+    cache (``past_key_values`` / ``cache``) is passed on as ``past_key_values`` in its legacy form (`_legacy_past`)."""
+    if (past := _legacy_past(kwargs.pop("past_key_values", None), kwargs.pop("cache", None))) is not None:
+        kwargs["past_key_values"] = past
     for key, value in kwargs.items():
         if key in named or key in _SILENTLY_DROPPED or key.startswith("_") or value is None or (owner, key) in _WARNED:
             continue
@@ -120,20 +115,16 @@ def _filter_kwargs(owner: str, named: frozenset, kwargs: dict) -> dict:
 @functools.lru_cache(maxsize=None)
 def _tolerant_backbone_class(backbone_cls: type) -> type:
     """The remote ``BaichuanModel`` subclassed (same name) to drop ``position_ids`` and friends that TRL passes it."""
-    if getattr(backbone_cls, "_rlhf_trl_tolerant", False):
-        return backbone_cls
     named = _named_parameters(backbone_cls.forward)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
-        if (past := _legacy_past(kwargs.pop("past_key_values", None), kwargs.pop("cache", None))) is not None:
-            kwargs["past_key_values"] = past
         kwargs["return_dict"] = True if kwargs.get("return_dict") is None else kwargs["return_dict"]
         kwargs = _filter_kwargs(backbone_cls.__name__, named, kwargs)
         return backbone_cls.forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     return type(backbone_cls.__name__, (backbone_cls,), {
         "forward": forward, "__reduce__": _pickled_as(_tolerant_backbone_class, backbone_cls),
-        "_rlhf_trl_tolerant": True, "_rlhf_trl_remote": backbone_cls, "__module__": backbone_cls.__module__})
+        "_rlhf_trl_remote": backbone_cls, "__module__": backbone_cls.__module__})
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,8 +135,7 @@ def _fixed_tokenizer_class(remote_cls: type) -> type:
         import sentencepiece as spm
 
         self.vocab_file, self.sp_model_kwargs = vocab_file, {} if sp_model_kwargs is None else sp_model_kwargs
-        self.sp_model = spm.SentencePieceProcessor(**self.sp_model_kwargs)
-        self.sp_model.Load(vocab_file)
+        self.sp_model = spm.SentencePieceProcessor(model_file=vocab_file, **self.sp_model_kwargs)
         remote_cls.__init__(self, vocab_file, *args, sp_model_kwargs=sp_model_kwargs, **kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -170,10 +160,7 @@ def _fixed_tokenizer_class(remote_cls: type) -> type:
 
 def load_tokenizer(path: str):
     """The remote ``BaichuanTokenizer`` of ``path``. Raises `ValueError`: no EOS; `OSError`: no remote code / model."""
-    try:
-        remote = _remote_class(_auto_ref(path, "AutoTokenizer", TOKENIZER_REF, "tokenizer_config.json"), path)
-    except FileNotFoundError as exc:
-        raise OSError(str(exc)) from None
+    remote = _remote_class(path, "AutoTokenizer", TOKENIZER_REF, "tokenizer_config.json")
     if not os.path.isfile(os.path.join(path, "tokenizer.model")):
         raise OSError(f"'{path}' has no tokenizer.model (Baichuan sentencepiece model)")
     tok = _fixed_tokenizer_class(remote).from_pretrained(path)
@@ -212,7 +199,7 @@ class _KeepsRemoteCode:
 
 
 class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
-    """Mixed in before the remote ``BaichuanForCausalLM`` (and `GenerationMixin` after it) by `causal_lm_class`."""
+    """Mixed in before the remote ``BaichuanForCausalLM`` (and `GenerationMixin` after it) by `_causal_lm_class`."""
 
     accepts_loss_kwargs = False  # the remote loss is a mean over tokens: let Trainer scale for accumulation
     _rlhf_trl_remote_named: frozenset = frozenset()  # the keywords the remote BaichuanForCausalLM's forward names
@@ -227,9 +214,8 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
         """The remote forward, minus ``position_ids`` (relative position encodings: see the module docstring)."""
-        if (past := _legacy_past(past_key_values, kwargs.pop("cache", None))) is not None:
-            kwargs["past_key_values"] = past
-        kwargs = _filter_kwargs("BaichuanForCausalLM", self._rlhf_trl_remote_named, kwargs)
+        kwargs = _filter_kwargs("BaichuanForCausalLM", self._rlhf_trl_remote_named,
+                                kwargs | {"past_key_values": past_key_values})
         for key in ("output_attentions", "output_hidden_states", "return_dict"):
             if key in kwargs and kwargs[key] is None:
                 del kwargs[key]  # keep the remote defaults (False / False / True)
@@ -252,10 +238,9 @@ class _BaichuanCausalLMAdapter(_KeepsRemoteCode):
         old = old_lm_head.weight
         if new_num_tokens == old.shape[0]:
             return old_lm_head
-        with torch.no_grad():
-            new, keep = old.new_empty((new_num_tokens, old.shape[1])), min(new_num_tokens, old.shape[0])
-            new[:keep] = old[:keep]
-            new[keep:] = old.mean(dim=0, keepdim=True)
+        with torch.no_grad():  # the old rows (cut when shrinking), then the new ones
+            mean = old.mean(dim=0, keepdim=True).expand(max(new_num_tokens - old.shape[0], 0), -1)
+            new = torch.cat((old[:new_num_tokens], mean))
         head = copy.deepcopy(old_lm_head)
         head.weight = nn.Parameter(new, requires_grad=old.requires_grad)
         return head
@@ -271,14 +256,11 @@ def _causal_lm_class(remote_cls: type) -> type:
         "__reduce__": _pickled_as(_causal_lm_class, remote_cls), "__module__": remote_cls.__module__})
 
 
-def causal_lm_class(path: str) -> type:
-    """The TRL-ready subclass of the remote ``BaichuanForCausalLM`` in ``path`` (see `load_causal_lm`)."""
-    return _causal_lm_class(_remote_class(_auto_ref(path, "AutoModelForCausalLM", CAUSAL_LM_REF), path))
-
-
 def load_causal_lm(path: str, dtype=None, **kwargs):
-    """The Baichuan causal LM of ``path``, subclassed (same name) to take ``position_ids``, generate, save its code."""
-    return causal_lm_class(path).from_pretrained(path, dtype=dtype, **kwargs)
+    """The Baichuan causal LM of ``path``, subclassed (same name) to take ``position_ids``, generate, save its code: the
+    TRL-ready subclass of the remote ``BaichuanForCausalLM`` in ``path``."""
+    remote = _remote_class(path, "AutoModelForCausalLM", CAUSAL_LM_REF)
+    return _causal_lm_class(remote).from_pretrained(path, dtype=dtype, **kwargs)
 
 
 class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
@@ -300,12 +282,6 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
 
     def _init_weights(self, module):
         self.model._init_weights(module)  # the remote code's own initialization (normal(0, initializer_range))
-
-    def get_input_embeddings(self):
-        return self.model.get_input_embeddings()
-
-    def set_input_embeddings(self, value):
-        self.model.set_input_embeddings(value)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None, **kwargs):
@@ -334,12 +310,11 @@ class BaichuanForSequenceClassification(_KeepsRemoteCode, PreTrainedModel):
 
 
 def _backbone_class_of(causal_cls: type, config) -> type:
-    """The remote backbone class (``BaichuanModel``; 7B v1: ``Model``) of a causal LM, built on the meta device."""
-    adapted = causal_cls if issubclass(causal_cls, _BaichuanCausalLMAdapter) else _causal_lm_class(causal_cls)
+    """The remote backbone class (``BaichuanModel``; 7B v1: ``Model``) of a remote causal LM class, built (adapted) on
+    the meta device."""
     with torch.device("meta"):
-        skeleton = adapted(copy.deepcopy(config))
-    backbone_cls = type(getattr(skeleton, adapted.base_model_prefix))
-    return getattr(backbone_cls, "_rlhf_trl_remote", backbone_cls)  # the remote class, not our tolerant subclass
+        skeleton = _causal_lm_class(causal_cls)(copy.deepcopy(config))
+    return type(skeleton.model)._rlhf_trl_remote  # the remote class, not the tolerant subclass the adapter made it
 
 
 def _backbone_class_next_to(config) -> type:
@@ -365,8 +340,9 @@ def _classifier_class(config_cls: type, backbone_cls: type) -> type:
 
 def classifier_class(path: str) -> type:
     """`BaichuanForSequenceClassification` bound to the remote config and backbone classes of ``path``."""
-    config_cls = _remote_class(_auto_ref(path, "AutoConfig", CONFIG_REF), path)
-    return _classifier_class(config_cls, _backbone_class_of(causal_lm_class(path), config_cls.from_pretrained(path)))
+    config_cls = _remote_class(path, "AutoConfig", CONFIG_REF)
+    causal_cls = _remote_class(path, "AutoModelForCausalLM", CAUSAL_LM_REF)
+    return _classifier_class(config_cls, _backbone_class_of(causal_cls, config_cls.from_pretrained(path)))
 
 
 def load_sequence_classifier(path: str, dtype=None, **kwargs):

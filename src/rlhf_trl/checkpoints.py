@@ -11,6 +11,7 @@ import shutil
 import struct
 import zipfile
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 from . import atomic
@@ -18,38 +19,14 @@ from .atomic import CheckpointWriteError, write_json
 from .config import Recipe, RecipeError, RunArguments, check_output_dir, save_recipe
 from .merge import merge_adapter
 from .models import StageInputError, load_causal_lm, load_sequence_classifier, merge_and_save, peak_memory_mb
-from .run_dir import (OutputDirError, RunBusyError, RunLock, StoppedBySignal, catch_stop_signals, checkpoint_room,
-                      preflight, release_stop_signals, stop_signal, training_begins)
+from .run_dir import (OutputDirError, RunBusyError, RunLock, StopOnSignal, StoppedBySignal, catch_stop_signals,
+                      checkpoint_room, preflight, release_stop_signals)
 
 logger = logging.getLogger(__name__)
 
 STAGING_PREFIX = ".tmp-"
 MANIFEST = "manifest.json"  # in every checkpoint-N: its files and their sizes (`write_manifest`)
 DAMAGED_PREFIX = "damaged-"  # damaged-checkpoint-N: set aside by a resume from an older one (`set_aside_damaged`)
-
-
-class StopOnSignal:
-    """Trainer callback: after a step during which a stop signal came (`run_dir.stop_signal`, agreed by every process
-    at each step's end), save a checkpoint, then stop training. ``signum``: the agreed signal, or None."""
-
-    signum: int | None = None
-
-    def __getattr__(self, name):  # every other `transformers.TrainerCallback` event: nothing to do
-        if name.startswith("on_"):
-            return lambda *args, **kwargs: None
-        raise AttributeError(name)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        training_begins()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.signum = stop_signal()
-        if self.signum is not None:
-            control.should_save = True
-
-    def on_save(self, args, state, control, **kwargs):  # after the save: the checkpoint holds the TrainerControl
-        if self.signum is not None:  # state of an uninterrupted run, so its resume trains on
-            control.should_training_stop = True
 
 
 class AtomicCheckpointMixin:
@@ -66,9 +43,8 @@ class AtomicCheckpointMixin:
     def train(self, *args, **kwargs):
         result = super().train(*args, **kwargs)
         if (signum := self.stop_on_signal.signum) is not None:
-            step = self.state.global_step
-            raise StoppedBySignal(signum, step, os.path.join(self.args.output_dir, f"checkpoint-{step}"),
-                                  self.stop_unit)
+            raise StoppedBySignal(signum, step := self.state.global_step,
+                                  os.path.join(self.args.output_dir, f"checkpoint-{step}"), self.stop_unit)
         return result
 
     def checkpoint_extras(self, checkpoint_dir: str) -> None:
@@ -89,8 +65,7 @@ class AtomicCheckpointMixin:
                     super()._save_checkpoint(model, trial)
                 finally:
                     self.args.output_dir = root
-                ckpt = os.path.join(staging, name)
-                self.checkpoint_extras(ckpt)
+                self.checkpoint_extras(ckpt := os.path.join(staging, name))
                 self.accelerator.wait_for_everyone()  # every process's files are in staging
                 if self.args.should_save:
                     write_manifest(ckpt)  # last: after every process's files (the barrier above), before publishing
@@ -98,13 +73,12 @@ class AtomicCheckpointMixin:
                     atomic.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
                     atomic.file_op("rotate", root, lambda: rotate_checkpoints(
                         root, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False))
+                    drop_earlier_run(root)  # this run has a checkpoint of its own now
             except OSError as exc:
                 if self.args.should_save:
                     shutil.rmtree(staging, ignore_errors=True)
                 earlier = complete_checkpoints(root)
                 raise CheckpointWriteError(name, root, exc, os.path.basename(earlier[-1]) if earlier else None) from exc
-        if self.args.should_save:
-            drop_earlier_run(root)  # this run has a checkpoint of its own now
         self.accelerator.wait_for_everyone()  # checkpoint-N is in place for every process
 
 
@@ -116,12 +90,18 @@ def with_atomic_checkpoints(trainer_cls):
 _locks: list[RunLock] = []  # the output_dir locks this process holds (released by `keeps_earlier_run`)
 
 
-def _on_main_first(state, fn) -> None:
-    """Run ``fn`` on the main process; its `RunBusyError` / `OutputDirError` is raised on every process."""
+def claim_output_dir(state, output_dir: str, model_path: str | None = None, full_training: bool = False) -> None:
+    """The first thing a run does (main process): lock ``output_dir`` (`run_dir.RunLock`: a second run is refused
+    at once, naming the holder), prove it takes files (`run_dir.preflight`) and estimate whether one checkpoint fits
+    (`run_dir.checkpoint_room`, from ``model_path``'s weights), then put back an earlier run a killed run set aside
+    (`restore_earlier_run`). Raises `RunBusyError`, `OutputDirError` (on every process of ``state``)."""
     error = None
     if state.is_main_process:
         try:
-            fn()
+            _locks.append(lock := RunLock(output_dir).acquire())
+            preflight(lock.output_dir)
+            checkpoint_room(lock.output_dir, model_path, full_training)
+            restore_earlier_run(output_dir)
         except (RunBusyError, OutputDirError) as exc:
             error = exc
     if state.num_processes > 1:
@@ -130,23 +110,6 @@ def _on_main_first(state, fn) -> None:
         error = broadcast_object_list([error], from_process=0)[0]
     if error is not None:
         raise error
-
-
-def claim_output_dir(output_dir: str, model_path: str | None = None, full_training: bool = False) -> None:
-    """The first thing a run does (main process): lock ``output_dir`` (`run_dir.RunLock`: a second run is refused
-    at once, naming the holder), prove it takes files (`run_dir.preflight`) and estimate whether one checkpoint fits
-    (`run_dir.checkpoint_room`, from ``model_path``'s weights). Raises `RunBusyError`, `OutputDirError`."""
-    _locks.append(lock := RunLock(output_dir).acquire())
-    preflight(lock.output_dir)
-    checkpoint_room(lock.output_dir, model_path, full_training)
-
-
-def end_run() -> None:
-    """How every run ends, however it ends: release this process's ``output_dir`` lock (a refused run's empty
-    directories go too) and put back the signal handlers `start_run` replaced."""
-    while _locks:
-        _locks.pop().release()
-    release_stop_signals()
 
 
 def start_run(training_args, run_args=None, model_path: str | None = None, full_training: bool = False):
@@ -162,14 +125,10 @@ def start_run(training_args, run_args=None, model_path: str | None = None, full_
     set_seed(training_args.seed)
     state, out, run_args = distributed_state(training_args), training_args.output_dir, run_args or RunArguments()
     catch_stop_signals()
-    _on_main_first(state, lambda: claim_output_dir(out, model_path, full_training))
-    if state.is_main_process:
-        restore_earlier_run(out)
-    state.wait_for_everyone()
+    claim_output_dir(state, out, model_path, full_training)  # its broadcast: every process waits for the main one
     resume = resolve_resume(training_args.resume_from_checkpoint, out)
     check_output_dir(out, run_args.overwrite_output_dir, bool(resume))
-    earlier = [] if resume else complete_checkpoints(out)
-    if earlier and not run_args.overwrite_output_dir:
+    if not resume and not run_args.overwrite_output_dir and (earlier := complete_checkpoints(out)):
         raise RecipeError(f"output_dir '{out}' holds checkpoints of an earlier, unfinished run "
                           f"({os.path.basename(earlier[-1])}); continue it with resume_from_checkpoint=true, or set "
                           "`overwrite_output_dir: true` to start over")
@@ -232,8 +191,7 @@ def restore_earlier_run(output_dir: str) -> None:
     if not os.path.isdir(aside):
         return
     try:
-        with open(os.path.join(aside, LISTING), encoding="utf-8") as f:
-            before = set(json.load(f))
+        before = set(json.loads(Path(aside, LISTING).read_text(encoding="utf-8")))
     except (OSError, ValueError):  # killed while the listing was written: nothing was moved yet
         before = set(os.listdir(output_dir))
     for name in sorted(set(os.listdir(output_dir)) - {EARLIER_RUN}):
@@ -254,21 +212,24 @@ def drop_earlier_run(output_dir: str) -> None:
 
 def keeps_earlier_run(run):
     """Decorator for a stage's ``run``: a raise (Ctrl-C too) puts the set-aside earlier run back; a return drops it;
-    either way the run ends last (`end_run`: its lock released, its signal handlers put back)."""
+    either way the run ends last, however it ends: this process's ``output_dir`` lock released (a refused run's empty
+    directories go too), the signal handlers `start_run` replaced put back."""
     @functools.wraps(run)
     def wrapper(*args, **kwargs):
         try:
-            try:
-                result = run(*args, **kwargs)
-            except BaseException:
-                for out in sorted(_set_aside):
-                    restore_earlier_run(out)
-                raise
+            result = run(*args, **kwargs)
+        except BaseException:
+            for out in sorted(_set_aside):
+                restore_earlier_run(out)
+            raise
+        else:
             for out in sorted(_set_aside):
                 drop_earlier_run(out)
             return result
         finally:
-            end_run()
+            while _locks:
+                _locks.pop().release()
+            release_stop_signals()
 
     return wrapper
 
@@ -382,8 +343,7 @@ def checkpoint_problem(path: str) -> str | None:
     listed: dict[str, int] = {}
     if os.path.exists(manifest):
         try:
-            with open(manifest, "rb") as f:
-                listed = json.loads(f.read())["files"]
+            listed = json.loads(Path(manifest).read_bytes())["files"]
             if not isinstance(listed, dict) or not all(isinstance(v, int) for v in listed.values()):
                 raise ValueError("'files' is not a mapping of paths to sizes")
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -430,12 +390,10 @@ def _file_problem(root: str, rel: str, expected: int | None) -> str | None:
     try:
         size = os.path.getsize(full)
         if rel.endswith(".json"):  # parsed first: a garbled state file is named as unreadable, whatever its size
-            with open(full, "rb") as f:
-                data = json.loads(f.read())
+            data = json.loads(Path(full).read_bytes())
             if rel.endswith(".index.json") and isinstance(data, dict) and isinstance(data.get("weight_map"), dict):
-                folder = os.path.dirname(full)
                 for shard in sorted(set(map(str, data["weight_map"].values()))):
-                    if not os.path.isfile(os.path.join(folder, shard)):
+                    if not os.path.isfile(os.path.join(os.path.dirname(full), shard)):
                         return f"{os.path.join(os.path.dirname(rel), shard)} is missing (listed in {rel})"
         if expected is not None and size < expected:
             return f"{rel} is truncated ({size} of {expected} bytes)"
@@ -465,9 +423,8 @@ def _safetensors_problem(full: str, rel: str, size: int) -> str | None:
     if not isinstance(header, dict):
         return f"{rel} cannot be read: its header is not a JSON object"
     end = 0
+    header.pop("__metadata__", None)
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
             return f"{rel} cannot be read: tensor {name!r} has no valid data_offsets"
@@ -491,8 +448,7 @@ def _torch_file_problem(full: str, rel: str, size: int) -> str | None:
     if magic != b"PK":
         return f"{rel} cannot be read: not a torch file (no zip archive)"
     try:
-        with zipfile.ZipFile(full) as archive:
-            archive.namelist()
+        zipfile.ZipFile(full).close()  # reading the central directory: what a truncated archive lacks
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
         return f"{rel} cannot be read: incomplete zip archive ({_short(exc)})"
     return None
@@ -529,8 +485,7 @@ def resolve_resume(value, output_dir: str) -> str | None:
     if value is None or str(value).strip().lower() in ("", "false", "no", "0", "none"):
         return None
     if str(value).strip().lower() in ("true", "yes", "1", "last"):
-        found = complete_checkpoints(output_dir) if os.path.isdir(output_dir) else []
-        if not found:
+        if not (found := complete_checkpoints(output_dir) if os.path.isdir(output_dir) else []):
             raise StageInputError(f"resume_from_checkpoint=true, but '{output_dir}' holds no checkpoint-N directory")
         damaged = []
         for path in reversed(found):

@@ -118,10 +118,6 @@ def plot_reward_vs_kl(methods: dict[str, dict], ref: str, path: str, reward_name
     return path
 
 
-def _fmt(value, spec: str) -> str:
-    return "—" if value is None else f"[{value[0]:+.3f}, {value[1]:+.3f}]" if spec == "ci" else format(value, spec)
-
-
 def write_md(path: str, result: dict, rows: list[dict], num_examples: int = 4) -> str:
     """``compare.md``: the table (a row per method), the verdict, the plot, side-by-side samples."""
     ref, methods, demo, reward_name = result["reference"], result["methods"], result["demo"], result["reward_name"]
@@ -139,8 +135,9 @@ def write_md(path: str, result: dict, rows: list[dict], num_examples: int = 4) -
              f"policy: temperature {result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} "
              f"tokens, seed {result['seed']}. {rewards_sentence(result['reward_model_path'])}.", "",
              "| method | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    lines += [f"| {n}{' (reference)' if n == ref else ''} | " + " | ".join(_fmt(m[k], spec) for k, _, spec in cols)
-              + " |" for n, m in methods.items()]
+    lines += [f"| {n}{' (reference)' if n == ref else ''} | " + " | ".join(  # a CI as [lo, hi], a missing value: —
+        "—" if m[k] is None else f"[{m[k][0]:+.3f}, {m[k][1]:+.3f}]" if spec == "ci" else format(m[k], spec)
+        for k, _, spec in cols) + " |" for n, m in methods.items()]
     lines += ["", f"95% CI: paired over the same (prompt, sample) pairs, mean of (method - {ref}) +- 1.96 x its "
               f"standard error (sample standard deviation / sqrt(pairs)). Win rate: pairs where the method's "
               f"{reward_name} is above {ref}'s, ties 1/2. KL: mean over the method's own response tokens (EOS "
@@ -203,11 +200,10 @@ def main(argv: list[str] | None = None) -> dict:
     own, rest = p.parse_known_args(argv)
     policies = parse_policies(own.policies)
     recipe = parse_recipe(recipe_types("ppo"), ["--config", own.config, *rest] if own.config else rest)
-    ppo_args, training_args = recipe.script, recipe.training
-    out_dir = own.output_dir or os.path.join(os.path.dirname(os.path.normpath(training_args.output_dir)), "compare")
-    result = compare(recipe.data, training_args, policies, out_dir, own.num_prompts, own.samples_per_prompt, own.demo,
-                     ppo_args.trust_remote_code, sibling_recipe(own.config, "rm"),
-                     load_reward_functions(ppo_args.reward_funcs, ppo_args.reward_weights))
+    out_dir = own.output_dir or os.path.join(os.path.dirname(os.path.normpath(recipe.training.output_dir)), "compare")
+    result = compare(recipe.data, recipe.training, policies, out_dir, own.num_prompts, own.samples_per_prompt, own.demo,
+                     recipe.script.trust_remote_code, sibling_recipe(own.config, "rm"),
+                     load_reward_functions(recipe.script.reward_funcs, recipe.script.reward_weights))
     metrics = {f"{n}_{k}": m[k] for n, m in result["methods"].items()
                for k in ("reward", "win_rate", "kl_per_token", "score") if k in m}
     return {"output_dir": out_dir, "metrics": metrics, **result}

@@ -60,9 +60,8 @@ def recipe_role(cls) -> str:
 
 def check_output_dir(output_dir: str, overwrite: bool, resuming: bool) -> None:
     """Raise `RecipeError` for a finished run in ``output_dir`` unless ``overwrite_output_dir`` or resuming."""
-    finished = (os.path.isfile(os.path.join(output_dir, "run_config.yaml"))
-                and os.path.isdir(os.path.join(output_dir, "merged")))
-    if finished and not overwrite and not resuming:
+    if not (overwrite or resuming) and os.path.isfile(os.path.join(output_dir, "run_config.yaml")) and os.path.isdir(
+            os.path.join(output_dir, "merged")):
         raise RecipeError(f"output_dir '{output_dir}' already holds a finished run; set `overwrite_output_dir: true` "
                           "(or --overwrite_output_dir true) to replace it, or choose another output_dir")
 
@@ -145,16 +144,11 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
     return Recipe(**{recipe_role(type(c)): c for c in parsed}, path=path)
 
 
-_TRUE_FALSE = {"true", "false", "yes", "no", "1", "0", "t", "f", "y", "n"}  # what HfArgumentParser reads as a bool
-
-
 def _fits(value, hint) -> bool:
     """Whether a YAML ``value`` can stand for a field annotated ``hint``: numbers where numbers belong, never booleans
     (strings go on to argparse, which converts ``"1e-4"`` or refuses ``"fast"`` in one line); lists / dicts only where
     the type allows them."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is typing.Any or hint is object:
-        return True
     if hint is type(None):
         return value is None
     if origin in (typing.Union, types.UnionType):
@@ -163,12 +157,12 @@ def _fits(value, hint) -> bool:
         return any(type(value) is type(a) for a in args)  # the stage's own check names the allowed values
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return isinstance(value, (str, hint))
-    if hint is bool:
-        return isinstance(value, bool) or isinstance(value, str) and value.lower() in _TRUE_FALSE
-    if hint in (int, float):
-        if isinstance(value, str):
-            return True  # argparse converts it ("1e-4"), or refuses it in one line naming the file and key
-        return isinstance(value, int) and not isinstance(value, bool) or hint is float and isinstance(value, float)
+    if hint is bool:  # or a string HfArgumentParser reads as a bool
+        return isinstance(value, bool) or isinstance(value, str) and value.lower() in {
+            "true", "false", "yes", "no", "1", "0", "t", "f", "y", "n"}
+    if hint in (int, float):  # a string: argparse converts it ("1e-4") or refuses it in one line naming file and key
+        return isinstance(value, str) or isinstance(value, int) and not isinstance(value, bool) or (
+            hint is float and isinstance(value, float))
     if hint is str:
         return isinstance(value, str)
     if origin in (list, tuple) or hint in (list, tuple):
@@ -178,7 +172,7 @@ def _fits(value, hint) -> bool:
         return item is str and isinstance(value, str)  # `report_to: tensorboard`: argparse's one-item list
     if origin is dict or hint is dict:
         return isinstance(value, dict) and (len(args) < 2 or all(_fits(v, args[1]) for v in value.values()))
-    return True  # another class (accelerate's ParallelismConfig): the library checks it
+    return True  # `Any`, `object`, another class (accelerate's ParallelismConfig): the library checks it
 
 
 def _describe(hint) -> str:
@@ -209,11 +203,10 @@ def check_types(dataclass_types: tuple, data: dict, path: str) -> None:
     hints of every stage's and TRL's config classes, or the class's ``yaml_types`` where it says more; a key in
     several classes must fit each), and each ``datasets`` entry against `DataArguments`' fields. Raises `RecipeError`
     naming the file and the key."""
-    hints = [(t, typing.get_type_hints(t)) for t in dataclass_types]
+    hints = {t: typing.get_type_hints(t) for t in dataclass_types}
     for key, value in data.items():
-        for cls, types_ in hints:
-            named = key in {f.name for f in dataclasses.fields(cls)}
-            hint = named and getattr(cls, "yaml_types", {}).get(key, types_.get(key))
+        for cls in (t for t in dataclass_types if key in {f.name for f in dataclasses.fields(t)}):
+            hint = getattr(cls, "yaml_types", {}).get(key, hints[cls].get(key))
             if not hint or _fits(value, hint):
                 continue
             fix = f"write e.g. `{key}: {value[0]}`" if isinstance(value, list) and len(value) == 1 and not isinstance(
@@ -248,13 +241,12 @@ def check_launch(training_args, path: str | None) -> None:
     """Refuse a launch that cannot run. Raises `RecipeError`: FSDP without GPUs; a mismatched DeepSpeed precision."""
     import torch
 
-    def on(name):
-        return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-    if on("ACCELERATE_USE_FSDP") and not torch.accelerator.is_available():
+    fsdp, deepspeed = (os.environ.get(f"ACCELERATE_USE_{kind}", "").lower() in ("1", "true", "yes")
+                       for kind in ("FSDP", "DEEPSPEED"))
+    if fsdp and not torch.accelerator.is_available():
         raise RecipeError("ACCEL=fsdp: accelerate runs FSDP only on GPUs and this machine has none (it would run DDP "
                           "instead); use ACCEL=zero3 (DeepSpeed ZeRO-3) or ACCEL=multi_cpu here")
-    config = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") if on("ACCELERATE_USE_DEEPSPEED") else "no"
+    config = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") if deepspeed else "no"
     if config not in ("no", "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no"):
         raise RecipeError(f"{path or 'command line'}: bf16: {str(training_args.bf16).lower()}, fp16: "
                           f"{str(training_args.fp16).lower()}, but the accelerate config says mixed_precision: "
@@ -277,11 +269,10 @@ def value_source(key: str, argv: list[str], path: str | None) -> str:
 def check_values(configs, argv: list[str], path: str | None) -> None:
     """Check ``configs`` against `RANGES` and ``output_dir``. Raises `RecipeError`: ``<key> must be <rule>``."""
     for cfg in configs:
-        for rule, keys in RANGES.items():
-            for key in keys:
-                value = getattr(cfg, key, None)
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and not _MEETS[rule](value):
-                    raise RecipeError(f"{value_source(key, argv, path)}: {key} must be {rule}, got {value}")
+        for rule, key in ((rule, key) for rule, keys in RANGES.items() for key in keys):
+            value = getattr(cfg, key, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not _MEETS[rule](value):
+                raise RecipeError(f"{value_source(key, argv, path)}: {key} must be {rule}, got {value}")
         out = getattr(cfg, "output_dir", None)
         blocker = os.path.abspath(out) if out else None
         while blocker and not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:

@@ -23,7 +23,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from . import demo_task, evaluate
+from . import compare, demo_task, evaluate
 from .atomic import write_json, write_jsonl, write_text
 from .data import DEFAULT_PROMPT_TEMPLATE, DataArguments, Template, encode_prompt, pair_features, pair_records
 from .models import eos_token_ids, load_tokenizer
@@ -124,12 +124,9 @@ def run_demo(recipes_dir: str = "recipes/demo", output_dir: str = "outputs/demo"
                **figures}
     # merge / evaluate / report: SFT vs PPO (eval.json + report.md), or every method (compare.json + compare.md)
     if methods == ("ppo",):
-        trainer = results["ppo"].get("trainer")
         summary["report"] = evaluate.main(["--config", os.path.join(recipes_dir, "ppo.yaml"), "--demo"],
-                                          ppo_logs=trainer.state.log_history if trainer is not None else None)["report"]
+                                          ppo_logs=results["ppo"]["trainer"].state.log_history)["report"]
     else:
-        from . import compare
-
         policies = [f"{name}={os.path.dirname(results[name]['merged'])}" for name in ("sft", *methods)]
         summary["compare"] = compare.main(["--config", os.path.join(recipes_dir, "ppo.yaml"), "--demo",
                                            "--policies", *policies])["metrics"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 
+from .data import DEFAULT_PROMPT_TEMPLATE
+
 TOPICS = [
     "咖啡", "天气", "这部电影", "地铁", "公园", "早餐", "音乐会", "新手机", "这本书", "火锅",
     "图书馆", "这家酒店", "高铁", "动物园", "博物馆", "这首歌", "奶茶", "夜市", "健身房", "海边",
@@ -63,8 +65,6 @@ def score_response(question: str, response: str) -> float:
 
 def question_of_prompt(prompt: str) -> str:
     """The last question of a prompt in the default text template; any other prompt is returned whole."""
-    from .data import DEFAULT_PROMPT_TEMPLATE
-
     head, tail = DEFAULT_PROMPT_TEMPLATE.split("{question}")
     text = prompt[: -len(tail)] if prompt.endswith(tail) else prompt
     return text[k + len(head):] if (k := text.rfind(head)) >= 0 else prompt
@@ -134,8 +134,6 @@ def pair_rows(n: int, seed: int, topics=HELDOUT_TOPICS) -> list[dict]:
 
 def corpus() -> list[str]:
     """All text of the task, for training the demo tokenizer."""
-    from .data import DEFAULT_PROMPT_TEMPLATE
-
     lines = []
     for t in TOPICS:
         lines += [DEFAULT_PROMPT_TEMPLATE.format(question=q.format(t=t)) for q in QUESTIONS]

@@ -21,9 +21,8 @@ main, recipe_types = cli_launch.entry_points("dpo")  # main(argv, callbacks): pa
 
 def dpo_dataset(feats: dict) -> Dataset:
     """`pair_features` output as the ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` rows `trl.DPOTrainer` reads."""
-    return Dataset.from_dict({"prompt_ids": [c[:n] for c, n in zip(feats["chosen_ids"], feats["prompt_length"])],
-                              "chosen_ids": [c[n:] for c, n in zip(feats["chosen_ids"], feats["prompt_length"])],
-                              "rejected_ids": [r[n:] for r, n in zip(feats["rejected_ids"], feats["prompt_length"])]})
+    pairs = zip(feats["chosen_ids"], feats["rejected_ids"], feats["prompt_length"])
+    return Dataset.from_list([{"prompt_ids": c[:n], "chosen_ids": c[n:], "rejected_ids": r[n:]} for c, r, n in pairs])
 
 
 @keeps_earlier_run
@@ -38,14 +37,11 @@ def run(configs: Recipe, callbacks: list | None = None) -> dict:
 
     # data: the RM stage's pairs, tokenized the same way
     report = DataReport("dpo")
-    template, train_records, eval_records = stage.records("pairs", report)
+    template, splits = stage.records("pairs", report)
     tokenizer = stage.tokenizer()
-
-    def features(rows, split):  # tokenized pairs (`pair_features`) as DPO rows
-        return dpo_dataset(pair_features(rows, tokenizer, template, configs.training.max_length,
-                                         configs.data.length_policy, stage.source(split), report, split))
-
-    train_ds, eval_ds = features(train_records, "train"), features(eval_records, "eval") if eval_records else None
+    train_ds, eval_ds = (dpo_dataset(pair_features(  # tokenized pairs (`pair_features`) as DPO rows
+        rows, tokenizer, template, configs.training.max_length, configs.data.length_policy, stage.source(split), report,
+        split)) if rows else None for split, rows in splits.items())
 
     # policy (the reference: the adapter-disabled policy with LoRA, else TRL's frozen copy)
     model = stage.model(tokenizer)

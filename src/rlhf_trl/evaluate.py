@@ -63,9 +63,8 @@ def policy_logprobs(model, prompts: list[list[int]], responses: list[list[int]],
 def sample_values(m: dict, demo: bool = False) -> dict[str, float]:
     """One policy's scored values in a `sample_and_score` row: ``reward``, ``objective``, ``fn_<name>`` per reward
     function and, with ``demo``, ``score``."""
-    out = {"reward": m["reward"], "objective": m.get("objective", m["reward"]),
-           **{f"fn_{k}": v for k, v in m.get("functions", {}).items()}}
-    return {**out, "score": m["score"]} if demo else out
+    return {"reward": m["reward"], "objective": m.get("objective", m["reward"]),
+            **{f"fn_{k}": v for k, v in m.get("functions", {}).items()}, **({"score": m["score"]} if demo else {})}
 
 
 def policy_figures(rows: list[dict], name: str, ref: str | None = None, demo: bool = False) -> dict:
@@ -115,9 +114,8 @@ def rm_pair_figures(reward_model, path: str, pad_token_id: int) -> dict:
                     feats[key].append(row[key])
             except (ValueError, KeyError, TypeError) as exc:
                 raise DataError(path, f"not an eval pair ({exc})", i) from None
-    if not feats["chosen_ids"]:
-        return {}
-    return {f"rm_{k}": v for k, v in evaluate_pairs(reward_model, feats, pad_token_id).items()}
+    return ({f"rm_{k}": v for k, v in evaluate_pairs(reward_model, feats, pad_token_id).items()}
+            if feats["chosen_ids"] else {})  # no pairs: no figures
 
 
 def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
@@ -128,16 +126,15 @@ def read_stage_logs(stage_dir: str | None) -> tuple[list[dict], str | None]:
     path = os.path.join(stage_dir, "log_history.json")
     if os.path.isfile(path) and (history := _log_history(path)):
         return history, path
-    for ckpt in reversed(complete_checkpoints(stage_dir)):  # the newest checkpoint whose state file reads
-        if not os.path.isfile(path := os.path.join(ckpt, "trainer_state.json")):
-            continue
+    states = [os.path.join(ckpt, "trainer_state.json") for ckpt in reversed(complete_checkpoints(stage_dir))]
+    for path in filter(os.path.isfile, states):  # the newest checkpoint whose state file reads
         try:
             if history := _log_history(path):
                 return history, path
             break
         except (OSError, ValueError, AttributeError) as exc:
             logger.warning("%s is damaged (trainer_state.json cannot be read: %s); reading the logs of an older "
-                           "checkpoint", ckpt, exc)
+                           "checkpoint", os.path.dirname(path), exc)
     path = os.path.join(stage_dir, "metrics.json")
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
@@ -159,12 +156,10 @@ def plot_curves(logs: list[dict], keys: list[str], path: str, title: str) -> lis
     from matplotlib.figure import Figure  # no pyplot: no global backend or figure manager
 
     fig = Figure(figsize=(3.2 * len(present), 2.8))
-    axes = fig.subplots(1, len(present), squeeze=False)
-    for ax, key in zip(axes[0], present):
+    for ax, key in zip(fig.subplots(1, len(present), squeeze=False)[0], present):
         pts = [(r.get("step", r.get("global_step", i)), r[key]) for i, r in enumerate(logs)
                if isinstance(r.get(key), (int, float))]
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o" if len(pts) < 20 else None, markersize=3)
+        ax.plot(*zip(*pts), marker="o" if len(pts) < 20 else None, markersize=3)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -180,9 +175,8 @@ def _cell(text: str) -> str:
 
 
 def _interval(ci: list[float] | None, up: str, down: str, none: str = "not told apart from 0 at this size") -> str:
-    if ci is None:
-        return "no interval (one sample)"
-    return f"95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]: " + (up if ci[0] > 0 else down if ci[1] < 0 else none)
+    return "no interval (one sample)" if ci is None else (
+        f"95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]: " + (up if ci[0] > 0 else down if ci[1] < 0 else none))
 
 
 def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
@@ -202,9 +196,8 @@ def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
                    + _interval(ci, "above the baseline: it learned more than length.", "below the baseline.",
                                "not above the baseline: it may have learned little beyond length.") + ")")
     if rows:
-        names = [("objective", "optimised reward"), ("reward", "raw RM score"),
-                 *((f"fn_{k}", f"reward function {k}") for k in rows[0]["ppo"].get("functions", {}))]
-        for key, what in names:
+        for key, what in [("objective", "optimised reward"), ("reward", "raw RM score"),
+                          *((f"fn_{k}", f"reward function {k}") for k in rows[0]["ppo"].get("functions", {}))]:
             if f"{key}_diff" in f:
                 out.append(f"- PPO vs SFT, {what}: {f[f'ppo_{key}']:.3f} vs {f[f'sft_{key}']:.3f} (difference "
                            f"{f[f'{key}_diff']:+.3f} over {len(rows)} paired samples, "
@@ -256,9 +249,8 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
               "temperature 1 (nats per token); lengths in tokens, EOS excluded." + rm_note, ""]
     lines += quality_lines(result["figures"], rows) + [
         "## Samples", "", "| prompt | SFT response | PPO response | SFT reward | PPO reward |", "|---|---|---|---|---|"]
-    for r in rows[:num_examples]:
-        lines.append(f"| {_cell(r['question'])} | {_cell(r['sft']['text'])} | {_cell(r['ppo']['text'])} | "
-                     f"{r['sft']['reward']:.3f} | {r['ppo']['reward']:.3f} |")
+    lines += [f"| {_cell(r['question'])} | {_cell(r['sft']['text'])} | {_cell(r['ppo']['text'])} | "
+              f"{r['sft']['reward']:.3f} | {r['ppo']['reward']:.3f} |" for r in rows[:num_examples]]
     lines += ["", "## Training curves", ""]
     plots = result["plots"] = {}
     for stage, curves in (("sft", SFT_CURVES), ("rm", RM_CURVES), ("ppo", PPO_CURVES)):
@@ -277,8 +269,9 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
     return path
 
 
-def _stage_dir(model_path: str) -> str | None:
-    path = os.path.normpath(model_path)
+def _stage_dir(model_path: str | None) -> str | None:
+    """The stage output_dir of a ``<output_dir>/merged`` model path; None for any other path, or none."""
+    path = os.path.normpath(model_path or "")
     return os.path.dirname(path) if os.path.basename(path) == "merged" else None
 
 
@@ -301,7 +294,7 @@ def evaluate(data_args, training_args, num_prompts: int | None = None, samples_p
     rows, n_prompts, rm_figures = sample_and_score(
         data_args, training_args, {"sft": sft_path, "ppo": ppo_path}, rm_path, num_prompts, samples_per_prompt, demo,
         trust_remote_code, pairs, functions)
-    if not rm_figures:
+    if rm_path and not rm_figures:
         logger.warning("eval: no RM held-out pairs at %s; rm_accuracy is not reported", pairs)
     result = {"figures": {**figures(rows, demo), **rm_figures, **sft_loss_figures(_stage_dir(sft_path))},
               "rm_pairs": pairs if rm_figures else None, "ppo_output_dir": out_dir, "sft_model_path": sft_path,
@@ -338,8 +331,8 @@ def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: s
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1 (or unset: every held-out prompt), got {num_prompts}")
     template = Template.from_args(data_args)
-    _, eval_records = split_records(read_records(data_args, "prompts"), data_args.eval_split_size, training_args.seed)
-    eval_records = eval_records[:num_prompts]  # None: all
+    eval_records = split_records(read_records(data_args, "prompts"), data_args.eval_split_size,
+                                 training_args.seed)[1][:num_prompts]  # num_prompts None: all
     if not eval_records:
         raise ValueError("no held-out prompts to evaluate on; raise eval_split_size")
     ref_path = next(iter(paths.values()))
@@ -375,9 +368,8 @@ def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: s
             if demo:
                 row[name].update(score=score_response(row["question"], text), on_topic=on_topic(row["question"], text))
             row[name].update({f"logprobs_{k}": v[i] for k, v in logprobs.get(name, {}).items()})
-    rm_figures = (rm_pair_figures(reward_model, pairs_file, rm_pad)  # the RM's own held-out ids
-                  if reward_model is not None and pairs_file and os.path.isfile(pairs_file) else {})
-    return rows, len(eval_records), rm_figures
+    return rows, len(eval_records), (rm_pair_figures(reward_model, pairs_file, rm_pad)  # the RM's own held-out ids
+                                     if reward_model is not None and pairs_file and os.path.isfile(pairs_file) else {})
 
 
 def _sample_policies(training_args, paths: dict[str, str], prompts: list[list[int]], pad: int, eos: list[int],
@@ -414,12 +406,11 @@ def main(argv: list[str] | None = None, ppo_logs: list[dict] | None = None) -> d
     p.add_argument("--demo", action="store_true", help="also report the demo task's ground-truth scores")
     own, rest = p.parse_known_args(argv)
     recipe = parse_recipe(recipe_types("ppo"), ["--config", own.config, *rest] if own.config else rest)
-    ppo_args, training_args = recipe.script, recipe.training
-    result = evaluate(recipe.data, training_args, own.num_prompts, own.samples_per_prompt, own.demo, ppo_logs=ppo_logs,
-                      trust_remote_code=ppo_args.trust_remote_code,
-                      functions=load_reward_functions(ppo_args.reward_funcs, ppo_args.reward_weights),
+    result = evaluate(recipe.data, recipe.training, own.num_prompts, own.samples_per_prompt, own.demo,
+                      ppo_logs=ppo_logs, trust_remote_code=recipe.script.trust_remote_code,
+                      functions=load_reward_functions(recipe.script.reward_funcs, recipe.script.reward_weights),
                       hints={stage: sibling_recipe(own.config, stage) for stage in ("sft", "rm", "ppo")})
-    return {"output_dir": training_args.output_dir, "metrics": dict(result["figures"]), **result}
+    return {"output_dir": recipe.training.output_dir, "metrics": dict(result["figures"]), **result}
 
 
 if __name__ == "__main__":

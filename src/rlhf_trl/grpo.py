@@ -83,10 +83,8 @@ def as_trl_reward(functions: RewardFunctions, k: int, columns: list[str]):
     single = RewardFunctions([functions.functions[k]], None, [functions.specs[k]])
 
     def reward(prompts, completions, **kwargs):
-        state = kwargs.get("trainer_state")
-        total, _ = single.compute(prompts, completions, state.global_step if state else 0,
-                                  **{c: kwargs[c] for c in columns if c in kwargs})
-        return total.tolist()
+        return single.compute(prompts, completions, getattr(kwargs.get("trainer_state"), "global_step", 0),
+                              **{c: kwargs[c] for c in columns if c in kwargs})[0].tolist()
 
     reward.__name__ = functions.names[k]
     return reward
@@ -99,10 +97,9 @@ def prompt_dataset(records: list[dict], tokenizer, template: Template, data_args
     model's own prompt ids, `RewardTokens.add_prompts`) and the reward-function columns (`reward_columns`)."""
     ids = prompt_features(records, tokenizer, template, data_args.max_prompt_length,
                           f"{describe_sources(data_args)} ({split} split)", report, split)["input_ids"]
-    extra = {}
     if tokens is not None:
         tokens.add_prompts(split, records)
-        extra["reward_query_ids"] = tokens.prompts[split]
+    extra = {"reward_query_ids": tokens.prompts[split]} if tokens is not None else {}
     return Dataset.from_dict({"prompt": tokenizer.batch_decode(ids), "query_ids": ids, **extra,
                               **reward_columns(records)})
 
@@ -135,12 +132,11 @@ def run(configs: Recipe, callbacks: list | None = None) -> dict:
 
     # data
     report = DataReport(method)
-    template, train_records, eval_records = stage.records("prompts", report)
+    template, splits = stage.records("prompts", report)
     tokenizer = stage.tokenizer(padding_side="left")
     tokens = reward_tokens(rm_path, tokenizer, template, training_args.trust_remote_code)  # None: the same tokenizer
-    train_ds = prompt_dataset(train_records, tokenizer, template, data_args, report, "train", tokens)
-    eval_ds = prompt_dataset(eval_records, tokenizer, template, data_args, report, "eval", tokens) if eval_records \
-        else None
+    train_ds, eval_ds = (prompt_dataset(rows, tokenizer, template, data_args, report, split, tokens) if rows else None
+                         for split, rows in splits.items())
 
     # policy and rewards (reward model first, weight 1; then the functions with their weights)
     model, eos = stage.model(tokenizer), eos_token_ids(tokenizer, stage.model_path)
@@ -153,17 +149,13 @@ def run(configs: Recipe, callbacks: list | None = None) -> dict:
         reward_model = reward_model.to(training_args.device).eval().requires_grad_(False)
         if tokens is not None:
             reward_model.config.pad_token_id = tokens.pad_token_id
-    rewards, weights = [], []
-    if reward_model is not None or reward_args.missing_eos_penalty:
-        rewards.append(RewardModelReward(reward_model, tokenizer.pad_token_id, eos, reward_args.missing_eos_penalty,
-                                         training_args.per_device_train_batch_size, tokens,
-                                         reward_args.reward_baseline))
-        weights.append(1.0)
+    rewards = [] if reward_model is None and not reward_args.missing_eos_penalty else [RewardModelReward(
+        reward_model, tokenizer.pad_token_id, eos, reward_args.missing_eos_penalty,
+        training_args.per_device_train_batch_size, tokens, reward_args.reward_baseline)]
+    training_args.reward_weights = [1.0] * len(rewards) + (functions.weights if functions is not None else [])
     if functions is not None:
         columns = [c for c in train_ds.column_names if c not in ("prompt", "query_ids", "reward_query_ids")]
         rewards += [as_trl_reward(functions, k, columns) for k in range(len(functions))]
-        weights += functions.weights
-    training_args.reward_weights = weights
 
     # trainer, train, save
     trainer = stage.trainer(GRPOTrainer if method == "grpo" else RLOOTrainer, model, tokenizer, train_ds, eval_ds,

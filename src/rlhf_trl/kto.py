@@ -38,9 +38,8 @@ class UnpairedReport(DataReport):
     labels: dict = field(default_factory=dict)
 
     def summary(self) -> str:
-        counts = "; ".join(f"{split}: {c['desirable']} desirable / {c['undesirable']} undesirable"
-                           for split, c in self.labels.items())
-        return super().summary() + (f"; {counts}" if counts else "")
+        return "; ".join([super().summary(), *(f"{split}: {c['desirable']} desirable / {c['undesirable']} undesirable"
+                                               for split, c in self.labels.items())])
 
 
 def require_both_labels(labels: list[bool], where: str) -> None:
@@ -74,19 +73,17 @@ def _datasets(data_args: DataArguments, training_args, tokenizer, report: Unpair
     require_both_labels([r["label"] for r in records], where)
     train_records, eval_records = split_records(records, data_args.eval_split_size, training_args.seed, report)
     kl = training_args.per_device_train_batch_size if training_args.loss_type != "apo_zero_unpaired" else None
-    out = []
-    for split, rows in (("train", train_records), ("eval", eval_records)):
-        if not rows:
-            out.append(None)
-            continue
+
+    def dataset(rows, split):
         feats = unpaired_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
                                   f"{where} ({split} split)", report, split)
         n = sum(feats["label"])
         report.labels[split] = {"desirable": n, "undesirable": len(feats["label"]) - n}
         if split == "train":
             require_both_labels(feats["label"], f"{where} (train split)")
-        out.append(kto_dataset(feats, kl))
-    return tuple(out)
+        return kto_dataset(feats, kl)
+
+    return dataset(train_records, "train"), dataset(eval_records, "eval") if eval_records else None
 
 
 @keeps_earlier_run

@@ -11,7 +11,6 @@ refusal is one line, printed by the main process only)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import warnings
@@ -22,24 +21,10 @@ from .cli_launch import COMMANDS, quiet_libraries, recipe_types
 from .config import RecipeError, parse_recipe
 
 
-@contextlib.contextmanager
-def launch_environment(config: dict):
-    """The environment variables ``accelerate launch`` gives its workers for ``config`` (those the recipe checks
-    read), set for the duration of the block."""
-    env = {"ACCELERATE_MIXED_PRECISION": str(config.get("mixed_precision") or "no")}
-    if (kind := str(config.get("distributed_type", "")).upper()) in ("FSDP", "DEEPSPEED"):
-        env[f"ACCELERATE_USE_{kind}"] = "true"
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-
 def check_before_launch(config_file: str, stage: str, argv: list[str]) -> None:
-    """Parse the accelerate config and the stage's recipe as the workers will. Raises `RecipeError` (one line)."""
+    """Parse the accelerate config and the stage's recipe as the workers will: with the environment variables
+    ``accelerate launch`` gives its workers for that config (those the recipe checks read) set meanwhile. Raises
+    `RecipeError` (one line)."""
     if not os.path.isfile(config_file):
         raise RecipeError(f"accelerate config not found: {config_file}")
     with open(config_file, encoding="utf-8") as f:
@@ -48,15 +33,16 @@ def check_before_launch(config_file: str, stage: str, argv: list[str]) -> None:
         raise RecipeError(f"unknown command '{stage}'")
     if not COMMANDS[stage].training:
         raise RecipeError(f"'{stage}' runs in one process; launch it without ACCEL / NPROC")
-    with launch_environment(config):
+    env = {"ACCELERATE_MIXED_PRECISION": str(config.get("mixed_precision") or "no")}
+    if (kind := str(config.get("distributed_type", "")).upper()) in ("FSDP", "DEEPSPEED"):
+        env[f"ACCELERATE_USE_{kind}"] = "true"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
         parse_recipe(recipe_types(stage), argv, stage)
-
-
-def _exit_status(error) -> int:
-    """The first failed worker's exit status (killed by a signal: 128 + the signal, as a shell reports it)."""
-    failures = getattr(error, "failures", None) or {}
-    code = next((f.exitcode for f in failures.values() if getattr(f, "exitcode", None) is not None), 1)
-    return 128 - code if code < 0 else code
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 class LaunchRefused(RecipeError):
@@ -71,8 +57,8 @@ def main(argv: list[str]) -> int:
     """Check, then launch ``rlhf-trl <stage> args`` on ``--num_processes`` processes. Returns the exit status: 0,
     or the first failed worker's status. Raises `LaunchRefused`: the recipe or launch config refused, before any
     worker starts."""
-    ap = argparse.ArgumentParser(prog="rlhf-trl launch", allow_abbrev=False, usage="rlhf-trl launch --config_file ACCEL.yaml "
-                                 "--num_processes N <stage> --config RECIPE.yaml [--key value ...]")
+    ap = argparse.ArgumentParser(prog="rlhf-trl launch", allow_abbrev=False, usage="rlhf-trl launch --config_file "
+                                 "ACCEL.yaml --num_processes N <stage> --config RECIPE.yaml [--key value ...]")
     ap.add_argument("--config_file", required=True, help="an accelerate config (recipes/accelerate_configs/*.yaml)")
     ap.add_argument("--num_processes", type=int, default=1)
     ap.add_argument("stage")
@@ -95,5 +81,7 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # torch's ChildFailedError (a worker exited non-zero)
         if debug or not hasattr(exc, "failures"):
             raise
-        return _exit_status(exc)
+        # the first failed worker's exit status (killed by a signal: 128 + the signal, as a shell reports it)
+        code = next((f.exitcode for f in exc.failures.values() if f.exitcode is not None), 1)
+        return 128 - code if code < 0 else code
     return 0

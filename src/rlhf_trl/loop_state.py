@@ -6,6 +6,7 @@ import json
 import logging
 import os
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
@@ -57,8 +58,7 @@ class LoopStateMixin:
             logger.warning("%s has no %s: the first logged loss after the resume averages the resumed steps only",
                            ckpt, LOOP_STATE_NAME)
             return
-        with open(path, encoding="utf-8") as f:
-            states = json.load(f)["processes"]
+        states = json.loads(Path(path).read_text(encoding="utf-8"))["processes"]
         if len(states) != self.accelerator.num_processes:
             raise ValueError(f"{path} was written by {len(states)} processes; this run has "
                              f"{self.accelerator.num_processes}")
@@ -71,8 +71,7 @@ class LoopStateMixin:
         if state["total_train_tokens"] is not None:
             self._total_train_tokens = state["total_train_tokens"]
         if state["metrics"] is not None and isinstance(getattr(self, "_metrics", None), dict):
-            for mode, values in state["metrics"].items():
-                self._metrics[mode] = defaultdict(list, values)
+            self._metrics.update({mode: defaultdict(list, values) for mode, values in state["metrics"].items()})
 
     def log(self, logs: dict, start_time: float | None = None) -> None:
         """The Trainer's log; a resumed run's final ``train_loss`` is the whole run's mean, as without the resume."""

@@ -34,9 +34,7 @@ def gold_number(golden: str | None = None, answer: str | None = None) -> Fractio
     """A row's gold answer: ``golden`` (CMATH), else the number after ``####`` in ``answer`` (GSM8K), else None."""
     if golden is not None:
         return parse_number(str(golden).strip())
-    if answer is not None and "####" in answer:
-        return parse_number(answer.rsplit("####", 1)[1].strip())
-    return None
+    return parse_number(answer.rsplit("####", 1)[1].strip()) if answer is not None and "####" in answer else None
 
 
 def correct(completions: list[str], golden: list | None = None, answer: list | None = None, **kwargs) -> list[float]:

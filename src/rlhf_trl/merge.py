@@ -20,7 +20,7 @@ from .policy_value import VALUE_HEAD_FILE
 
 logger = logging.getLogger(__name__)
 
-TASK_KINDS = {"CAUSAL_LM": "causal_lm", "SEQ_CLS": "sequence_classifier"}
+TASK_KINDS = {"CAUSAL_LM": "AutoModelForCausalLM", "SEQ_CLS": "AutoModelForSequenceClassification"}  # -> Auto class
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -50,10 +50,8 @@ def check_output(output_dir: str, adapter_dir: str, base: str) -> None:
     """Refuse an ``--output`` whose replacement deletes inputs or other files (`RecipeError`, one line)."""
     out = os.path.realpath(output_dir)
     for what, path in (("adapter", adapter_dir), ("base model", base)):
-        if not os.path.isdir(path):
-            continue  # a hub id
         real = os.path.realpath(path)
-        if real == out or real.startswith(out.rstrip(os.sep) + os.sep):
+        if os.path.isdir(path) and (real == out or real.startswith(out.rstrip(os.sep) + os.sep)):  # not a hub id
             raise RecipeError(f"--output '{output_dir}' {'is' if real == out else 'holds'} the {what} directory "
                               f"'{path}'; merging replaces --output, so choose a new directory")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
@@ -109,9 +107,8 @@ def merge_adapter(adapter_dir: str, output_dir: str, base: str | None = None, dt
 
 def model_card(adapter_dir: str, base_path: str, task_type: str, tokenizer_src: str, config: dict) -> str:
     """The text of the merged model's ``README.md``: base model, task type, adapter and how it was made."""
-    auto = "AutoModelForCausalLM" if task_type == "CAUSAL_LM" else "AutoModelForSequenceClassification"
     return (f"# Merged model (rlhf_trl)\n\n- base model: `{base_path}`\n"
-            f"- task type: `{task_type}` — load with `transformers.{auto}.from_pretrained(<this dir>)`"
+            f"- task type: `{task_type}` — load with `transformers.{TASK_KINDS[task_type]}.from_pretrained(<this dir>)`"
             + (" (num_labels=1, trained `score` head included)\n" if task_type == "SEQ_CLS" else "\n")
             + f"- LoRA adapter merged in: `{os.path.abspath(adapter_dir)}` (r={config.get('r')}, "
             f"lora_alpha={config.get('lora_alpha')}, target_modules={config.get('target_modules')}, "

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -37,9 +38,7 @@ def sampling_generation_config(temperature: float, max_new_tokens: int | None, e
     # min_length is left unset: min_new_tokens=0 takes precedence over it (and setting both makes generate warn)
     neutral = {k: ok[-1] for k, ok in BIASING_GENERATION_KEYS.items() if ok[-1] is not None and k != "min_length"}
     neutral.update(do_sample=True, temperature=temperature, eos_token_id=list(eos_token_ids), pad_token_id=pad_token_id)
-    if max_new_tokens is not None:
-        neutral["max_new_tokens"] = max_new_tokens
-    return GenerationConfig(**neutral, **extra)
+    return GenerationConfig(**neutral, max_new_tokens=max_new_tokens, **extra)  # None: the default
 
 
 class StageInputError(FileNotFoundError):
@@ -78,11 +77,9 @@ def eos_token_ids(tokenizer, model_dir: str | None = None) -> list[int]:
 
 def _all_eos_ids(tokenizer, model_dir: str | None) -> list[int]:
     ids = [int(tokenizer.eos_token_id)]
-    if model_dir and os.path.isdir(model_dir):
-        for name in ("generation_config.json", "config.json"):
-            if os.path.isfile(path := os.path.join(model_dir, name)):
-                with open(path, encoding="utf-8") as f:
-                    ids += _as_id_list(json.load(f).get("eos_token_id"))
+    for name in ("generation_config.json", "config.json") if model_dir else ():  # a model directory's files
+        if os.path.isfile(path := os.path.join(model_dir, name)):
+            ids += _as_id_list(json.loads(Path(path).read_text(encoding="utf-8")).get("eos_token_id"))
     return list(dict.fromkeys(i for i in ids if 0 <= i < len(tokenizer)))  # in order, without repeats
 
 
@@ -105,7 +102,7 @@ def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = 
         raise StageInputError(f"cannot load a tokenizer from '{path}': {exc}") from None
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at '{path}' has no EOS token; set eos_token in its tokenizer_config.json")
-    pad_id, eos, vocab = tok.pad_token_id, _all_eos_ids(tok, path if os.path.isdir(path) else None), tok.get_vocab()
+    pad_id, eos, vocab = tok.pad_token_id, _all_eos_ids(tok, path), tok.get_vocab()
     if pad_token is not None and vocab.get(pad_token) in eos:
         raise ValueError(f"pad_token {pad_token!r} is an EOS token (EOS ids {eos}); PPO needs them distinct")
     if pad_token is None and (pad_id is None or pad_id in eos):
@@ -119,22 +116,19 @@ def load_tokenizer(path: str, pad_token: str | None = None, padding_side: str = 
     return tok
 
 
-def model_type(path: str, trust_remote_code: bool = False) -> str | None:
-    """``config.model_type`` of a local model directory or hub id (None if it has no readable config)."""
+def is_baichuan(path: str) -> bool:
+    """True for Baichuan / Baichuan2 remote-code checkpoints (``model_type`` starting with ``baichuan``): the
+    ``config.model_type`` of a local model directory or hub id (none if it has no readable config)."""
     if os.path.isfile(local := os.path.join(path, "config.json")):
-        with open(local, encoding="utf-8") as f:
-            return json.load(f).get("model_type")
-    try:
+        kind = json.loads(Path(local).read_text(encoding="utf-8")).get("model_type")
+    else:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).model_type
-    except (OSError, ValueError):
-        return None
-
-
-def is_baichuan(path: str) -> bool:
-    """True for Baichuan / Baichuan2 remote-code checkpoints (``model_type`` starting with ``baichuan``)."""
-    return (model_type(path) or "").lower().startswith("baichuan")
+        try:
+            kind = AutoConfig.from_pretrained(path).model_type
+        except (OSError, ValueError):
+            kind = None
+    return (kind or "").lower().startswith("baichuan")
 
 
 def _check_remote_code(path: str, trust_remote_code: bool) -> None:

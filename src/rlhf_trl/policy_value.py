@@ -47,9 +47,7 @@ class ValueHead(nn.Module):
             found = {k: tuple(v.shape) for k, v in tensors.items()}
             raise ValueError(f"{source}: not a value head of this policy (expected {KEYS[0]} of shape "
                              f"{tuple(self.summary.weight.shape)} and {KEYS[1]}; found {found})")
-        with torch.no_grad():
-            self.summary.weight.copy_(tensors[KEYS[0]])
-            self.summary.bias.copy_(tensors[KEYS[1]])
+        self.summary.load_state_dict({"weight": tensors[KEYS[0]], "bias": tensors[KEYS[1]]})
 
 
 def load_value_head(policy, folder: str) -> ValueHead:

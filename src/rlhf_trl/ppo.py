@@ -25,10 +25,8 @@ from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from safetensors.torch import save_file
-
 from . import cli_launch
-from .atomic import atomic_dir, save_pretrained_atomic, write_json
+from .atomic import save_pretrained_atomic, write_json
 from .checkpoints import begin_writing, distributed_state, keeps_earlier_run, start_run
 from .config import Recipe, RunArguments, save_recipe, sibling_recipe
 from .data import (DataArguments, DataReport, Template, describe_sources, prompt_features, read_records, sft_features,
@@ -168,10 +166,9 @@ def ptx_features(data_args: DataArguments, ppo_args: PPOScriptArguments, tokeniz
         completion_template=ppo_args.ptx_completion_template or data_args.completion_template,
         chat_template=data_args.chat_template, system_prompt=data_args.system_prompt,
         dataset_encoding=data_args.dataset_encoding, on_bad_row=data_args.on_bad_row)
-    records = read_records(args, "sft", report)
-    features = sft_features(records, tokenizer, Template.from_args(args), ppo_args.ptx_max_length,
-                            f"{describe_sources(args)} (ptx)", args.length_policy, args.max_prompt_length, report,
-                            "ptx")
+    features = sft_features(read_records(args, "sft", report), tokenizer, Template.from_args(args),
+                            ppo_args.ptx_max_length, f"{describe_sources(args)} (ptx)", args.length_policy,
+                            args.max_prompt_length, report, "ptx")
     logger.info("ptx: %d SFT rows of %s mixed into PPO (ptx_coef %s)", len(features["input_ids"]),
                 ppo_args.ptx_dataset, ppo_args.ptx_coef)
     return features
@@ -204,8 +201,9 @@ def other_tokenizer(paths: dict, ppo_args: PPOScriptArguments, tokenizer, templa
 def load_models(paths: dict, tokenizer, ppo_args: PPOScriptArguments, training_args: PPOConfig, model_args,
                 pickle_ok: bool, tokens: RewardTokens | None = None):
     """Policy (no adapter yet), reward model (None, or `SharedBaseRewardModel`), value model (``value_use_peft``: own
-    LoRA; ``value_head``: None, the head is made on the policy with its adapter), EOS ids, the policy's stock generation config; ``tokens``: the reward model reads its own tokenizer's ids
-    (`RewardTokens`). Raises `ValueError`: quantization; a vocabulary smaller than its tokenizer's."""
+    LoRA; ``value_head``: None, the head is made on the policy with its adapter), EOS ids, the policy's stock
+    generation config; ``tokens``: the reward model reads its own tokenizer's ids (`RewardTokens`). Raises
+    `ValueError`: quantization; a vocabulary smaller than its tokenizer's."""
     remote = ppo_args.trust_remote_code
     dtype = torch.bfloat16 if training_args.bf16 else torch_dtype(model_args.dtype)  # TRL ignores bf16
     # load_in_4bit quantizes all three models; policy and value model are then trained through LoRA only
@@ -248,16 +246,15 @@ def reward_baseline(resume, ppo_args, training_args, dist, policy, reward_model,
     """The baseline (reward units) the rollouts subtract from every RM score (`PPOEngine.rollout`): the resumed
     checkpoint's, the recipe's, or 'auto' (`calibrate_reward_baseline` on the main process, sent to every process;
     ``tokens``: `RewardTokens`)."""
+    baseline = ppo_args.reward_baseline_value()  # None: auto
     if resume:
         saved = os.path.join(resume, "reward_baseline.json")
         baseline = json.load(open(saved))["reward_baseline"] if os.path.exists(saved) else 0.0
-    elif ppo_args.reward_baseline_value() is None:  # auto
+    elif baseline is None:  # auto
         baseline = None if not dist.is_main_process else calibrate_reward_baseline(
             policy, reward_model, tokenizer, train_ds, training_args, ppo_args.reward_baseline_batches, eos_ids, tokens)
         if dist.num_processes > 1:
             baseline = broadcast_object_list([baseline], from_process=0)[0]
-    else:
-        baseline = ppo_args.reward_baseline_value()
     ppo_args.reward_baseline = str(baseline)
     return baseline
 
@@ -317,20 +314,15 @@ def save_outputs(trainer, tokenizer, stock_config, configs: Recipe, report: Data
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     head = {VALUE_HEAD_FILE: unwrapped.value_model.head_state()} if value_head else None
     if isinstance(unwrapped.policy, PeftModel):
-        with atomic_dir(os.path.join(out, "adapter")) as tmp:
-            unwrapped.policy.save_pretrained(tmp)
-            for name, tensors in (head or {}).items():
-                save_file(tensors, os.path.join(tmp, name))
+        save_pretrained_atomic(unwrapped.policy, None, os.path.join(out, "adapter"), tensors=head)
     with deployable_generation_config(unwrapped.policy, stock_config):
         merge_and_save(unwrapped.policy, tokenizer, result["merged"], tensors=head)
     if value_head:
         result["value_head"] = os.path.join(result["merged"], VALUE_HEAD_FILE)
-    elif isinstance(unwrapped.value_model, PeftModel):
-        merge_and_save(unwrapped.value_model, tokenizer, result["value_model"])  # merges in place: training is over
+    else:  # a peft value model is merged in place: training is over
+        merge_and_save(unwrapped.value_model, tokenizer, result["value_model"])
         if ppo_args.share_reward_value_base:
             trainer.reward_model = None  # its weights now hold the merged value model
-    else:
-        save_pretrained_atomic(unwrapped.value_model, tokenizer, result["value_model"])
     write_json(os.path.join(out, "metrics.json"), metrics)
     write_json(os.path.join(out, "log_history.json"), {"log_history": trainer.state.log_history})  # curves
     if report is not None:

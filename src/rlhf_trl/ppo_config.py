@@ -117,7 +117,6 @@ class BatchSizes:
         return math.ceil(self.local_mini_batch / self.per_device)
 
 
-
 def sampling_config(args: PPOConfig, eos_ids: list[int] | None, pad_token_id: int,
                     temperature: float | None = None) -> GenerationConfig:
     """Rollout sampling of ``softmax(logits / (temperature + 1e-7))`` alone (TRL 1.12's) to ``eos_ids`` (None: none)."""
@@ -170,7 +169,8 @@ class PPOScriptArguments:
     ptx_coef: float | None = _f(None, "Weight of the ptx SFT loss (nats per token) against the PPO loss (default 0.05 "
                                 "with ptx_dataset, as OpenRLHF).")
     ptx_split: str = _f("train", "Split of ptx_dataset to read (all its rows are used: none is held out).")
-    ptx_prompt_template: str | None = _f(None, "Prompt template of ptx_dataset (default: the recipe's prompt_template).")
+    ptx_prompt_template: str | None = _f(None, "Prompt template of ptx_dataset (default: the recipe's "
+                                         "prompt_template).")
     ptx_completion_template: str | None = _f(None, "Completion template of ptx_dataset (default: the recipe's).")
     ptx_max_length: int = _f(512, "Tokens per ptx row (longer rows: dropped, or cut as the sft stage's "
                              "length_policy says; counted in data_report.json).")
@@ -185,8 +185,8 @@ class PPOScriptArguments:
             raise ValueError(f"value_head: true puts the value on the policy's backbone, so there is no separate value "
                              f"model for {key}; remove {key} (or set value_head: false)")
         if self.ptx_coef is not None and not self.ptx_dataset:
-            raise ValueError("ptx_coef is set without ptx_dataset: name the SFT data to mix in (ptx_dataset), or remove "
-                             "ptx_coef")
+            raise ValueError("ptx_coef is set without ptx_dataset: name the SFT data to mix in (ptx_dataset), or "
+                             "remove ptx_coef")
         if self.ptx_dataset and self.ptx_coef is None:
             self.ptx_coef = 0.05
         if self.ptx_coef is not None and not (math.isfinite(self.ptx_coef) and self.ptx_coef > 0):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import itertools
 import logging
 import math
 import os
@@ -75,8 +76,7 @@ class Rollout:
 
     def rows(self, idx, **changes) -> Rollout:
         """The rollouts of rows ``idx`` (reward-function values left whole), with ``changes`` (field -> value)."""
-        picked = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        picked = {k: v[idx] if isinstance(v, torch.Tensor) else v for k, v in picked.items()}
+        picked = {k: v[idx] for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         return dataclasses.replace(self, **{**picked, **changes})
 
 
@@ -94,9 +94,8 @@ class PolicyAndValue(nn.Module):
         """``[b, T]`` ids -> ``(logprobs, entropy, values, ptx_loss)``, each ``[b, R]`` (entropy without gradient; a
         `ValueHead` reads the policy's own hidden states: one backbone pass); ``ptx``: ``(input_ids [p, L],
         completion_mask [p, L])`` of SFT data -> ptx_loss, `scoring.sft_loss` (else None)."""
-        hidden = None
-        if isinstance(self.value_model, ValueHead):
-            hidden = response_hidden(self.value_model.score_parts()[0], query_responses, context_length, pad_token_id)
+        hidden = (response_hidden(self.value_model.score_parts()[0], query_responses, context_length, pad_token_id)
+                  if isinstance(self.value_model, ValueHead) else None)
         logprobs, entropy = response_logprobs(self.policy, query_responses, context_length, pad_token_id,
                                               temperature, chunk_size, with_entropy=True, hidden=hidden)
         values = (self.value_model.summary(hidden).squeeze(-1) if hidden is not None else
@@ -237,7 +236,8 @@ class PPOEngine(Trainer):
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model_wrapped = self.model
-        batches, start_time = self.batches(), time.time()
+        # prompt batches without end: passes over the (shuffled) data loader one after another
+        batches, start_time = itertools.chain.from_iterable(itertools.repeat(self.dataloader)), time.time()
         for update in range(done + 1, sizes.num_updates + 1):
             self.state.episode += sizes.batch
             data = next(batches)
@@ -246,10 +246,9 @@ class PPOEngine(Trainer):
             gc.collect()
             # each epoch's shuffle of the batch, drawn before anything trains (the same numpy draws as one per epoch)
             orders = [np.random.permutation(sizes.local_batch) for _ in range(args.num_ppo_epochs)]
-            value_stats = None
-            if self.single_value_forward:  # the values come from the value model's training forward
-                values, value_stats = value_step(self, ro, orders[0])
-                ro = dataclasses.replace(ro, values=values)
+            # single_value_forward: the values come from the value model's training forward
+            values, value_stats = value_step(self, ro, orders[0]) if self.single_value_forward else (ro.values, None)
+            ro = dataclasses.replace(ro, values=values)
             # 2. advantages (GAE on the KL-shaped rewards), 3. optimise (the clipped PPO losses)
             with torch.no_grad():
                 adv = self.advantages(ro)
@@ -279,27 +278,24 @@ class PPOEngine(Trainer):
         pad, context, step = tok.pad_token_id, queries.shape[1], args.local_rollout_forward_batch_size
         with self.generation_policy() as policy:
             query_responses, logprobs = generate_rollouts(policy, queries, pad, self.generation_config, step)
-        out = {k: [] for k in ("ref_logprobs", "values", "scores", "postprocessed")}
+        post = query_responses[:, context:]  # the responses, cut after their first EOS
+        post = post if self.eos_token_ids is None else truncate_at_eos(post, self.eos_token_ids, pad)
+        out = {k: [] for k in ("ref_logprobs", "values", "scores")}
         with self.reward_weights() as reward_model:
             for i in range(0, query_responses.shape[0], step):
                 qr = query_responses[i:i + step]
                 with self.reference() as ref:
                     out["ref_logprobs"].append(response_logprobs(ref, qr, context, pad, args.temperature + 1e-7,
                                                                  args.logits_chunk_size))
-                post = qr[:, context:]
-                post = post if self.eos_token_ids is None else truncate_at_eos(post, self.eos_token_ids, pad)
-                out["postprocessed"].append(post)
                 if not self.single_value_forward:  # else `value_step` gives the values
                     out["values"].append(response_values(self.unwrapped.value_model, qr, context, pad))
-                if reward_model is not None and self.reward_tokens is not None:  # re-encoded text, the RM's ids
-                    out["scores"].append(self.reward_tokens.score_batch(
-                        reward_model, "train", None if rows is None else rows[i:i + step], post, self.eos_token_ids,
-                        pad, step))
-                elif reward_model is not None:
-                    out["scores"].append(sequence_scores(reward_model, torch.cat((qr[:, :context], post), 1), pad,
-                                                         context))
+                if reward_model is not None:  # one of another tokenizer (`reward_tokens`) reads re-encoded text
+                    out["scores"].append(
+                        sequence_scores(reward_model, torch.cat((qr[:, :context], post[i:i + step]), 1), pad, context)
+                        if self.reward_tokens is None else self.reward_tokens.score_batch(
+                            reward_model, "train", None if rows is None else rows[i:i + step], post[i:i + step],
+                            self.eos_token_ids, pad, step))
         # the score of each rollout, written out: RM score - reward_baseline + weighted reward functions - EOS penalty
-        post = torch.cat(out["postprocessed"])
         scores = (torch.cat(out["scores"]) - self.reward_baseline if out["scores"] else
                   torch.zeros(len(post), device=post.device))
         fn_values = {}
@@ -343,13 +339,12 @@ class PPOEngine(Trainer):
                     self.optimizer.step()
                     self.optimizer.zero_grad()
                 vf = vf if value_stats is None else value_stats[k]
-                at = (epoch, mb, k)
-                stats["approxkl"][at], stats["pg_clipfrac"][at] = pg["approxkl"], pg["clipfrac"]
-                stats["pg_loss"][at], stats["vf_loss"][at] = pg["loss"].detach(), vf["loss"].detach()
-                stats["vf_clipfrac"][at], stats["ratio"][at] = vf["clipfrac"], pg["ratio"]
-                stats["entropy"][at] = entropy.mean()
-                if ptx is not None:
-                    stats["ptx_loss"][at] = ptx
+                for key, value in (("approxkl", pg["approxkl"]), ("pg_clipfrac", pg["clipfrac"]),
+                                   ("pg_loss", pg["loss"]), ("vf_loss", vf["loss"]), ("vf_clipfrac", vf["clipfrac"]),
+                                   ("ratio", pg["ratio"]), ("entropy", entropy.mean()),
+                                   ("ptx_loss", ptx)):  # ptx: None without ptx data (stays 0)
+                    if value is not None:
+                        stats[key][epoch, mb, k] = value.detach()
                 del entropy, vf, pg
         return stats
 
@@ -357,7 +352,6 @@ class PPOEngine(Trainer):
     def end_update(self, update: int, metrics: dict) -> None:
         """Counters, the finite check, the KL controller, log, scheduler step, callbacks, the sample table and the
         checkpoint of update ``update``. Raises `TrainingDivergedError`: a non-finite statistic."""
-        args = self.args
         self.state.epoch = self.state.episode / self.train_dataset_len
         self.state.global_step += 1
         check_finite(self, metrics)
@@ -366,7 +360,7 @@ class PPOEngine(Trainer):
             self.kl_coef = self.kl_controller.update(metrics["objective/kl"], self.sizes.batch)
         self.log(metrics)
         self.lr_scheduler.step()
-        self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+        self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
         gc.collect()
         # the sample table before the checkpoint: a checkpoint of update N comes with the tables of updates <= N
         # (a resumed run drops later ones and writes them again: no table is lost or written twice)
@@ -374,12 +368,7 @@ class PPOEngine(Trainer):
             self.generate_completions(sampling=True)
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
-            self.control = self.callback_handler.on_save(args, self.state, self.control)
-
-    def batches(self):
-        """Prompt batches without end: passes over the (shuffled) data loader one after another."""
-        while True:
-            yield from self.dataloader
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def restore(self, checkpoint: str) -> int:
         """Load a checkpoint's state; returns the number of updates it had done (hook for subclasses)."""
@@ -496,18 +485,16 @@ def micro_batches(sizes: BatchSizes, order: np.ndarray):
 def update_metrics(engine, ro: Rollout, adv: dict, stats: dict, start_time: float) -> dict:
     """The logged statistics of one update (TRL 1.12's names), averaged over processes."""
     g = engine.accelerator.gather_for_metrics
-    kl_sum, entropy = adv["kl"].sum(1).mean(), ((-adv["logprobs"]) * (~adv["padding_mask"]).float()).sum(1).mean()
-    non_score = adv["non_score_reward"].sum(1).mean()
-    metrics = {"eps": int(engine.state.episode / max(time.time() - start_time, 1e-9)),
-               "objective/kl": g(kl_sum).mean().item(), "objective/entropy": g(entropy).mean().item(),
-               "objective/non_score_reward": g(non_score).mean().item(),
-               "objective/rlhf_reward": g(non_score + ro.scores.mean()).mean().item(),
-               "objective/scores": g(ro.scores.mean()).mean().item()}
-    for name, key in (("policy/approxkl_avg", "approxkl"), ("policy/clipfrac_avg", "pg_clipfrac"),
-                      ("loss/policy_avg", "pg_loss"), ("loss/value_avg", "vf_loss"),
-                      ("val/clipfrac_avg", "vf_clipfrac"), ("policy/entropy_avg", "entropy"),
-                      ("val/ratio", "ratio")):
-        metrics[name] = g(stats[key]).mean().item()
+    metrics = {"eps": int(engine.state.episode / max(time.time() - start_time, 1e-9))}
+    non_score, scores = adv["non_score_reward"].sum(1).mean(), ro.scores.mean()
+    for name, value in (("objective/kl", adv["kl"].sum(1).mean()),
+                        ("objective/entropy", ((-adv["logprobs"]) * (~adv["padding_mask"]).float()).sum(1).mean()),
+                        ("objective/non_score_reward", non_score), ("objective/rlhf_reward", non_score + scores),
+                        ("objective/scores", scores), ("policy/approxkl_avg", stats["approxkl"]),
+                        ("policy/clipfrac_avg", stats["pg_clipfrac"]), ("loss/policy_avg", stats["pg_loss"]),
+                        ("loss/value_avg", stats["vf_loss"]), ("val/clipfrac_avg", stats["vf_clipfrac"]),
+                        ("policy/entropy_avg", stats["entropy"]), ("val/ratio", stats["ratio"])):
+        metrics[name] = g(value).mean().item()
     if engine.ptx_batches is not None:
         metrics["loss/ptx_avg"] = g(stats["ptx_loss"]).mean().item()
     ratios = g(stats["ratio"])  # one value per micro-batch; one alone has no spread: 0 (TRL 1.12 logged NaN)
@@ -517,8 +504,7 @@ def update_metrics(engine, ro: Rollout, adv: dict, stats: dict, start_time: floa
     metrics["val/eos_rate"] = g(ro.ended.float().mean()).mean().item()
     for name, values in ro.fn_values.items():
         metrics[f"objective/reward_fn/{name}"] = g(values.to(engine.accelerator.device).float().mean()).mean().item()
-    metrics["lr"] = engine.lr_scheduler.get_last_lr()[0]
-    metrics["episode"] = engine.state.episode
+    metrics.update(lr=engine.lr_scheduler.get_last_lr()[0], episode=engine.state.episode)
     return metrics
 
 
@@ -574,10 +560,8 @@ def offload_reward_model(engine) -> OffloadedWeights | None:
 
 def begin_state(engine) -> None:
     """Counters and logging / saving intervals for a run of ``sizes.num_updates`` updates."""
-    args = engine.args
     engine.state.max_steps = engine.sizes.num_updates
     engine.state.num_train_epochs = engine.sizes.total_episodes / engine.train_dataset_len
     for name in ("logging_steps", "eval_steps", "save_steps"):
-        value = getattr(args, name)
-        if value is not None:
+        if (value := getattr(engine.args, name)) is not None:
             setattr(engine.state, name, math.ceil(engine.state.max_steps * value) if value < 1 else value)

@@ -64,8 +64,7 @@ def value_padding_mask(sequence_lengths: torch.Tensor, width: int) -> torch.Tens
 
 def score_positions(sequence_lengths: torch.Tensor, width: int) -> torch.Tensor:
     """Where each score is added: one past the last real token (the last token if final): ``[batch] -> [batch]``."""
-    after = sequence_lengths + 1
-    return torch.where(after < width, after, sequence_lengths)
+    return (sequence_lengths + 1).clamp(max=width - 1)
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
@@ -145,9 +144,8 @@ def compute_advantages(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, value
     padding_mask = response_padding_mask(sequence_lengths, width)
     padding_mask_p1 = value_padding_mask(sequence_lengths, width)
     logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
-    ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
     values = values.masked_fill(padding_mask_p1, 0)
-    kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+    kl = kl_estimate(logprobs, ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB), kl_estimator)
     rewards, non_score_reward = shape_rewards(kl, scores, kl_coef, sequence_lengths)
     if whiten_rewards:
         rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0)

@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 from accelerate.utils import gather_object
@@ -39,45 +39,38 @@ class ResumableLoader:
         self.loader, self.consumed = loader, 0
         self.epoch_rng: dict | None = None
         self.epoch_generators: list[torch.Tensor] | None = None
-        self._resume: tuple[dict, list[torch.Tensor] | None, int, dict] | None = None
-
-    def __len__(self):
-        return len(self.loader)
+        self._resume: dict | None = None  # the checkpoint's `state` until the next pass starts
 
     def _generators(self) -> list[torch.Generator]:
         """The sampler's own generators (none in one process: it draws from the global torch RNG)."""
-        found, batch_sampler = [], getattr(self.loader, "batch_sampler", None)
-        for gen in [getattr(self.loader, "synchronized_generator", None)] + [getattr(h, "generator", None) for h in (
-                getattr(self.loader, "sampler", None), getattr(batch_sampler, "sampler", None),
-                getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None))]:
-            if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
-                found.append(gen)
-        return found
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        found = [getattr(self.loader, "synchronized_generator", None)] + [getattr(h, "generator", None) for h in (
+            getattr(self.loader, "sampler", None), getattr(batch_sampler, "sampler", None),
+            getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None))]
+        return list(dict.fromkeys(g for g in found if isinstance(g, torch.Generator)))  # each once (by identity)
 
     def __iter__(self):
-        if self._resume is not None:
-            epoch_rng, epoch_generators, consumed, now = self._resume
-            self._resume = None
-            set_rng_state(epoch_rng)
-            generators = self._generators()
-            if epoch_generators is not None and len(generators) != len(epoch_generators):
-                raise ValueError(f"the checkpoint's data position holds {len(epoch_generators)} sampler generator "
+        resume, self._resume = self._resume, None
+        if resume is None:
+            self.epoch_rng, self.epoch_generators = rng_state(), [g.get_state() for g in self._generators()]
+        else:
+            self.epoch_rng, self.epoch_generators = resume["epoch_rng"], resume.get("epoch_generators")
+            set_rng_state(self.epoch_rng)
+            generators, saved = self._generators(), self.epoch_generators
+            if saved is not None and len(generators) != len(saved):
+                raise ValueError(f"the checkpoint's data position holds {len(saved)} sampler generator "
                                  f"states, this run's data loader has {len(generators)} (another number of processes?)")
-            if epoch_generators is None and generators:  # a checkpoint written before sampler generators were saved
+            if saved is None and generators:  # a checkpoint written before sampler generators were saved
                 logger.warning("the checkpoint's data position lacks the sampler's generator state: the data "
                                "order of this pass may differ from the interrupted run's")
-            for gen, state in zip(generators, epoch_generators or []):
+            for gen, state in zip(generators, saved or []):
                 gen.set_state(state)
-            self.epoch_rng, self.epoch_generators, self.consumed = epoch_rng, epoch_generators, 0
-            it = iter(self.loader)
-            for _ in range(consumed):
+        self.consumed, it = 0, iter(self.loader)
+        if resume is not None:
+            for _ in range(resume["consumed"]):
                 next(it)
                 self.consumed += 1
-            set_rng_state(now)
-        else:
-            self.epoch_rng, self.consumed = rng_state(), 0
-            self.epoch_generators = [g.get_state() for g in self._generators()]
-            it = iter(self.loader)
+            set_rng_state(resume["now"])
         for batch in it:
             self.consumed += 1
             yield batch
@@ -87,7 +80,7 @@ class ResumableLoader:
                 "now": rng_state()}
 
     def resume_from(self, state: dict) -> None:
-        self._resume = (state["epoch_rng"], state.get("epoch_generators"), state["consumed"], state["now"])
+        self._resume = state
 
 
 class PtxBatches:
@@ -115,9 +108,8 @@ class PtxBatches:
             self._new_pass()
         rows = self.order[self.consumed * self.batch_size:(self.consumed + 1) * self.batch_size]
         self.consumed += 1
-        ids = pad_right([self.features["input_ids"][i] for i in rows], self.pad_token_id)
-        mask = pad_right([self.features["completion_mask"][i] for i in rows], 0)
-        return ids.to(device), mask.to(device)
+        return tuple(pad_right([self.features[key][i] for i in rows], pad).to(device)
+                     for key, pad in (("input_ids", self.pad_token_id), ("completion_mask", 0)))
 
     def state(self) -> dict:
         return {"pass_start": self.pass_start, "consumed": self.consumed}
@@ -150,11 +142,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Log an update's statistics every ``logging_steps`` updates (the last always); other logs as they come."""
-        if "objective/kl" in logs:
-            every, step = max(1, int(self.state.logging_steps or 1)), self.state.global_step
-            if step % every and step < self.state.max_steps:
-                return
-        super().log(logs, start_time)
+        every, step = max(1, int(self.state.logging_steps or 1)), self.state.global_step
+        if "objective/kl" not in logs or not step % every or step >= self.state.max_steps:
+            super().log(logs, start_time)
 
     def generate_completions(self, sampling: bool = False):
         """Sample one eval batch (temperature 0.01), score it, log query / response / score / reward. Never changes the
@@ -168,11 +158,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                 for batch in loader:
                     query, context = batch["input_ids"], batch["input_ids"].shape[1]
                     with self.generation_policy() as policy:
-                        query_response, _ = generate_rollouts(policy, query, pad, self.sample_table_config,
-                                                              query.shape[0])
-                    response = query_response[:, context:]
-                    if self.eos_token_ids is not None:
-                        response = truncate_at_eos(response, self.eos_token_ids, pad)
+                        query_response, _ = generate_rollouts(policy, query, pad, self.sample_table_config, len(query))
+                    response = (query_response[:, context:] if self.eos_token_ids is None else
+                                truncate_at_eos(query_response[:, context:], self.eos_token_ids, pad))
                     with torch.no_grad(), self.reward_weights() as reward_model:
                         reward = (torch.zeros(len(query)) if reward_model is None else
                                   sequence_scores(reward_model, torch.cat((query, response), 1), pad, context)
@@ -184,9 +172,8 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
                               "score": s, "reward": s - self.reward_baseline} for q, r, s in texts]
                     if sampling:
                         break
-            finally:  # off accelerate's gradient state, also after a `break`
-                if hasattr(loader, "end"):
-                    loader.end()
+            finally:  # off accelerate's gradient state, also after a `break` (`_prepare`: a prepared loader)
+                loader.end()
         if self.accelerator.num_processes > 1:  # each process sampled its shard of the eval prompts
             rows = gather_object(rows)
         if not self.accelerator.is_main_process or not rows:
@@ -210,13 +197,11 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             torch.save(data_state, os.path.join(ckpt, _data_state_name(rank)))
         if not self.args.should_save:  # under `accelerate launch`, the main process writes the other extras
             return
-        unwrapped = self.unwrapped
         if not self.value_head:  # a value head is saved with the policy (`save_model`)
-            unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
+            self.unwrapped.value_model.save_pretrained(os.path.join(ckpt, "value_model"), safe_serialization=True)
         if self.script_args.save_merged_checkpoints:
-            policy = unwrapped.policy
-            if isinstance(policy, PeftModel):
-                policy = copy.deepcopy(policy).merge_and_unload()
+            policy = self.unwrapped.policy
+            policy = copy.deepcopy(policy).merge_and_unload() if isinstance(policy, PeftModel) else policy
             with deployable_generation_config(policy, self.stock_generation_config):
                 policy.save_pretrained(os.path.join(ckpt, "merged"), safe_serialization=True)
             if self.value_head:  # `save_model` wrote it beside the policy's files
@@ -251,10 +236,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         saved = OnlineTrainerState.load_from_json(os.path.join(ckpt, "trainer_state.json"))
         extras = json.load(open(os.path.join(ckpt, "reward_baseline.json"))) if os.path.exists(
             os.path.join(ckpt, "reward_baseline.json")) else {}
-        if "kl_coef" in extras:
-            self.kl_coef = extras["kl_coef"]
-            if self.kl_controller is not None:
-                self.kl_controller.value = extras["kl_coef"]
+        self.kl_coef = extras.get("kl_coef", self.kl_coef)
+        if self.kl_controller is not None:
+            self.kl_controller.value = self.kl_coef
         total, done = self.sizes.num_updates, saved.global_step
         planned = getattr(saved, "max_steps", 0) or total
         if planned != total:  # the learning-rate schedule and the data order were laid out for the saved run
@@ -280,13 +264,9 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
             rows = []
             with open(samples, encoding="utf-8") as f:
                 for line in f:
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:  # a torn line
-                        continue
-                    if isinstance(row, dict) and row.get("step", 0) <= done:
-                        rows.append(row)
-            write_jsonl(samples, rows)
+                    with suppress(json.JSONDecodeError):  # a torn line
+                        rows.append(json.loads(line))
+            write_jsonl(samples, [row for row in rows if isinstance(row, dict) and row.get("step", 0) <= done])
         logger.info("resuming from %s at update %d of %d (episode %d)", ckpt, done, total, self.state.episode)
         return done
 
@@ -300,11 +280,9 @@ def _load_weights(model, folder: str) -> None:
     """Load a policy / value model's weights saved by ``save_pretrained`` in ``folder`` (ValueError: a mismatch)."""
     if isinstance(model, PeftModel):
         set_peft_model_state_dict(model, load_file(os.path.join(folder, "adapter_model.safetensors")))
-        return
-    if os.path.isfile(single := os.path.join(folder, "model.safetensors")):
+    elif os.path.isfile(single := os.path.join(folder, "model.safetensors")):
         missing, unexpected = model.load_state_dict(load_file(single), strict=False)
-        tied = {k for k in missing if "lm_head" in k}
-        if set(missing) - tied or unexpected:
+        if [k for k in missing if "lm_head" not in k] or unexpected:  # a tied lm_head is missing: not an error
             raise ValueError(f"{folder}: weights do not match the model (missing {missing}, unexpected {unexpected})")
     else:
         load_sharded_checkpoint(model, folder, strict=False)
@@ -314,10 +292,8 @@ def _load_weights(model, folder: str) -> None:
 def deployable_generation_config(policy, stock):
     """Save ``policy`` (or its peft base) with its stock generation config ``stock``, not PPO's; restore after."""
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    if stock is None:
-        yield
-        return
-    current, base.generation_config = base.generation_config, stock
+    current = base.generation_config
+    base.generation_config = current if stock is None else stock
     try:
         yield
     finally:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import yaml
@@ -32,15 +33,12 @@ def require_reward_model(path: str, train_hint: str | None = None) -> None:
     """Check that local ``path`` is a classifier with a trained ``score``. Raises `StageInputError`: it is not."""
     if not os.path.isdir(path):
         return
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        kinds = json.load(f).get("architectures") or []
-    names = None  # the weight names of every safetensors file (shards included): their headers only
-    for file in glob.glob(os.path.join(path, "*.safetensors")):
-        with safe_open(file, "pt") as weights:
-            names = (names or set()) | set(weights.keys())
+    kinds = json.loads(Path(path, "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    files = glob.glob(os.path.join(path, "*.safetensors"))  # shards included
+    names = set().union(*(safe_open(file, "pt").keys() for file in files))  # the weight names: headers only
     if kinds and not any(k.endswith("ForSequenceClassification") for k in kinds):
         problem = f"is a {kinds[0]}, not a sequence-classification model"
-    elif names is not None and not any(n == "score.weight" or n.endswith(".score.weight") for n in names):
+    elif files and not any(n == "score.weight" or n.endswith(".score.weight") for n in names):
         problem = "has no score.weight in its weights (its score head would be newly initialised at random)"
     else:
         return
@@ -128,17 +126,14 @@ def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset, args, ba
     size, scores = args.per_device_train_batch_size, []
     with preserved_rng():
         torch.manual_seed(args.seed)
-        for b in range(batches):
-            rows = [{"input_ids": dataset[i]["input_ids"]} for i in range(b * size, min(len(dataset), (b + 1) * size))]
-            if not rows:
-                break
-            query = collator(rows)["input_ids"].to(policy.device)
+        for start in range(0, min(len(dataset), batches * size), size):
+            rows = range(start, min(len(dataset), start + size))
+            query = collator([{"input_ids": dataset[i]["input_ids"]} for i in rows])["input_ids"].to(policy.device)
             qr, _ = generate_rollouts(policy, query, tokenizer.pad_token_id, gen, len(rows))
             response = truncate_at_eos(qr[:, query.shape[1]:], eos_ids, tokenizer.pad_token_id)
             if tokens is not None:
-                index = [dataset[i]["row"] for i in range(b * size, b * size + len(rows))]
-                scores.append(tokens.score_batch(reward_model, "train", index, response, eos_ids,
-                                                 tokenizer.pad_token_id).float().cpu())
+                scores.append(tokens.score_batch(reward_model, "train", [dataset[i]["row"] for i in rows], response,
+                                                 eos_ids, tokenizer.pad_token_id).float().cpu())
                 continue
             scores.append(sequence_scores(reward_model, torch.cat((query, response), 1), tokenizer.pad_token_id,
                                           query.shape[1]).float().cpu())
@@ -147,24 +142,18 @@ def calibrate_reward_baseline(policy, reward_model, tokenizer, dataset, args, ba
     return value
 
 
-RM_TEMPLATE_KEYS = ("prompt_template", "completion_template", "chat_template", "system_prompt")
-
-
 def rm_template(rm_path: str, fallback: Template) -> tuple[Template, str]:
     """The template a reward model was trained with: the data keys of ``run_config.yaml`` in ``rm_path`` or its parent
     (the RM stage's output_dir above ``merged/``), else ``fallback`` (the running recipe's). Returns ``(template,
     where it came from)``. Raises `ValueError`: a bad template combination in that file (naming it)."""
     for folder in (rm_path, os.path.dirname(os.path.normpath(rm_path))):
-        path = os.path.join(folder, "run_config.yaml")
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                saved = yaml.safe_load(f) or {}
-            if not any(k in saved for k in RM_TEMPLATE_KEYS):
-                continue
-            defaults = Template()
+        if not os.path.isfile(path := os.path.join(folder, "run_config.yaml")):
+            continue
+        saved = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        if any(k in saved for k in ("prompt_template", "completion_template", "chat_template", "system_prompt")):
             try:
-                return Template(prompt=saved.get("prompt_template") or defaults.prompt,
-                                completion=saved.get("completion_template") or defaults.completion,
+                return Template(prompt=saved.get("prompt_template") or Template.prompt,
+                                completion=saved.get("completion_template") or Template.completion,
                                 chat=bool(saved.get("chat_template")), system_prompt=saved.get("system_prompt")), path
             except ValueError as exc:
                 raise ValueError(f"{path}: the reward model's template cannot be used: {exc}") from None
@@ -209,8 +198,7 @@ class RewardTokens:
         lists = [row[:n].tolist() for row, n in zip(responses.cpu(), lengths)]
         ended = [bool(r) and eos_ids is not None and r[-1] in eos_ids for r in lists]
         prompts = [self.prompts[split][int(i)] for i in (rows.tolist() if hasattr(rows, "tolist") else rows)]
-        return score_responses(reward_model, prompts, lists, ended, pad_token_id, self, batch_size).to(
-            responses.device)
+        return score_responses(reward_model, prompts, lists, ended, pad_token_id, self, batch_size).to(responses.device)
 
 
 def reward_tokens(rm_path: str | None, policy_tokenizer, fallback: Template,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import itertools
 import logging
 import math
 import numbers
@@ -64,10 +65,8 @@ class RewardFunctions:
         self.names: list[str] = []
         for spec in self.specs:  # unique short names: the function's, then name_2, name_3 ...
             base = spec.rpartition(":")[2].rpartition(".")[2] or spec
-            k = 1
-            while (name := base if k == 1 else f"{base}_{k}") in self.names:
-                k += 1
-            self.names.append(name)
+            self.names.append(next(name for k in itertools.count(1)
+                                   if (name := base if k == 1 else f"{base}_{k}") not in self.names))
         self.last_values: dict[str, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -116,14 +115,12 @@ def load_reward_functions(specs: list[str] | None, weights: list[float] | None =
         if weights:
             raise ValueError(f"reward_weights: {len(weights)} weight(s) but no reward_funcs")
         return None
-    parsed = []
     for i, spec in enumerate(specs):  # cheap checks first: nothing is imported yet
         module, sep, attr = spec.rpartition(":") if isinstance(spec, str) else ("", "", "")
         if not sep or not module or not _MODULE.match(attr) or not (module.endswith(".py") or _MODULE.match(module)):
             raise ValueError(f"reward_funcs[{i}]: {spec!r} is not {FORMS}")
-        parsed.append((module, attr))
     _check_weights(weights, specs)
-    functions = [_resolve(i, spec, module, attr) for i, (spec, (module, attr)) in enumerate(zip(specs, parsed))]
+    functions = [_resolve(i, spec, *spec.rpartition(":")[::2]) for i, spec in enumerate(specs)]
     rf = RewardFunctions(functions, weights, specs)
     logger.info("reward functions: %s", rf)
     return rf
@@ -137,14 +134,13 @@ def reward_columns(records: list[dict]) -> dict[str, list]:
     out: dict[str, list] = {"question": [r["question"] for r in records], "system": [
         r["system"] if r.get("system") is not None else e.get("system") for r, e in zip(records, extras)]}
     for name in dict.fromkeys(k for e in extras for k in e if k != "system"):
-        if name == "question" or name in RESERVED:
-            if name not in _warned:
-                _warned.add(name)
-                logger.warning("the data column %r is not passed to reward functions: %s", name,
-                               "'question' is the normalised question" if name == "question"
-                               else "it is an argument of the call; rename the column")
-            continue
-        out[name] = [e.get(name) for e in extras]
+        if name != "question" and name not in RESERVED:
+            out[name] = [e.get(name) for e in extras]
+        elif name not in _warned:
+            _warned.add(name)
+            logger.warning("the data column %r is not passed to reward functions: %s", name,
+                           "'question' is the normalised question" if name == "question"
+                           else "it is an argument of the call; rename the column")
     return out
 
 
@@ -224,11 +220,6 @@ def _one_line(exc: BaseException, root: bool = False) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _short(value) -> str:
-    text = " ".join(repr(value).split())
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _check_output(out, n: int, spec: str, update: int) -> list[float]:
     """``out`` as ``n`` floats; RewardFunctionError for anything but a 1-D sequence of ``n`` finite numbers."""
     head, kind = f"reward function {spec} at update {update}: returned", "None" if out is None else type(out).__name__
@@ -242,15 +233,15 @@ def _check_output(out, n: int, spec: str, update: int) -> list[float]:
         raise RewardFunctionError(f"{head} {len(out)} values for {n} completions")
     values = []
     for j, x in enumerate(out):
-        if x is None:
-            raise RewardFunctionError(f"{head} None at row {j} (rewards must be finite numbers)")
         try:
             if isinstance(x, (str, bytes)):
                 raise TypeError
-            v = float(x)
+            v = None if x is None else float(x)
         except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
-            raise RewardFunctionError(f"{head} {_short(x)} ({type(x).__name__}) at row {j}, not a number") from None
-        if not math.isfinite(v):
+            text = " ".join(repr(x).split())  # on one line, at most 60 characters
+            text = text if len(text) <= 60 else text[:57] + "..."
+            raise RewardFunctionError(f"{head} {text} ({type(x).__name__}) at row {j}, not a number") from None
+        if v is None or not math.isfinite(v):
             raise RewardFunctionError(f"{head} {v} at row {j} (rewards must be finite numbers)")
         values.append(v)
     return values

@@ -39,34 +39,28 @@ def run(configs: Recipe, callbacks: list | None = None) -> dict:
 
     # data
     report = DataReport("rm")
-    template, train_records, eval_records = stage.records("pairs", report)
+    template, splits = stage.records("pairs", report)
 
     # tokenizer and model
     tokenizer = stage.tokenizer()
-
-    def features(rows, split):  # tokenized pairs (`pair_features`)
-        return pair_features(rows, tokenizer, template, training_args.max_length, data_args.length_policy,
-                             source=stage.source(split), report=report, split=split)
-
-    train_ds = Dataset.from_dict(features(train_records, "train"))
-    eval_feats = features(eval_records, "eval") if eval_records else None
-    eval_ds = Dataset.from_dict(eval_feats) if eval_feats else None
+    train_feats, eval_feats = (pair_features(  # tokenized pairs (`pair_features`); the trainer's rows: without lengths
+        rows, tokenizer, template, training_args.max_length, data_args.length_policy, source=stage.source(split),
+        report=report, split=split) if rows else None for split, rows in splits.items())
+    train_ds, eval_ds = (Dataset.from_dict(f).remove_columns("prompt_length") if f else None
+                         for f in (train_feats, eval_feats))
     # quantized: TRL's RewardTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
     model = stage.model(tokenizer, load_sequence_classifier)
     logger.info("reward model: the SFT model with a new score head (reported MISSING above), trained in this stage")
 
     # trainer (LoRA task SEQ_CLS: peft trains and saves the score head with the adapter), train; save (every
     # process): the main process writes and evaluates the merged model on held-out pairs
-    trainer = stage.trainer(RewardTrainer, model, tokenizer, train_ds.remove_columns("prompt_length"),
-                            eval_ds.remove_columns("prompt_length") if eval_ds is not None else None, callbacks,
-                            peft_task="SEQ_CLS")
+    trainer = stage.trainer(RewardTrainer, model, tokenizer, train_ds, eval_ds, callbacks, peft_task="SEQ_CLS")
     metrics = stage.train(trainer, "pairs", train_ds, eval_ds, evaluate=False)
 
     def evaluate(reward_model) -> dict:  # eval_metrics.json; eval_pairs.jsonl: the pairs `rlhf-trl eval` re-scores
         eval_metrics, out = evaluate_pairs(reward_model, eval_feats, tokenizer.pad_token_id), training_args.output_dir
         write_json(os.path.join(out, "eval_metrics.json"), eval_metrics)
-        write_jsonl(os.path.join(out, "eval_pairs.jsonl"), ({"chosen_ids": c, "rejected_ids": r, "prompt_length": n}
-                    for c, r, n in zip(*(eval_feats[k] for k in ("chosen_ids", "rejected_ids", "prompt_length")))))
+        write_jsonl(os.path.join(out, "eval_pairs.jsonl"), Dataset.from_dict(eval_feats))
         logger.info("RM eval: accuracy %.3f (length baseline %.3f), margin %.3f on %d pairs", eval_metrics["accuracy"],
                     eval_metrics["length_baseline_accuracy"], eval_metrics["margin"], eval_metrics["num_pairs"])
         return {f"eval_{k}": v for k, v in eval_metrics.items()}

@@ -48,8 +48,7 @@ def _describe(holder: dict | None) -> str:
 
 def _read_holder(fd: int) -> dict | None:
     try:
-        raw = os.pread(fd, 4096, 0)
-        return json.loads(raw) if raw.strip() else None
+        return json.loads(os.pread(fd, 4096, 0))  # empty (not written yet): a ValueError too
     except (OSError, ValueError):
         return None
 
@@ -65,26 +64,22 @@ class RunLock:
         self.created: list[str] = []  # directories this run created, deepest last
         self.fd: int | None = None
 
-    def _make_dirs(self) -> None:
+    def acquire(self) -> RunLock:
+        import fcntl
+
         missing, d = [], self.output_dir
         while not os.path.isdir(d) and os.path.dirname(d) != d:
             missing.append(d)
             d = os.path.dirname(d)
-        for d in reversed(missing):
-            try:
-                os.mkdir(d)
-            except FileExistsError:
-                continue
-            except OSError as exc:
-                self.release()
-                raise OutputDirError(exc.errno, f"cannot create output_dir '{self.output_dir}': "
-                                                f"{exc.strerror} ('{d}'); choose a writable output_dir") from None
-            self.created.append(d)
-
-    def acquire(self) -> RunLock:
-        import fcntl
-
-        self._make_dirs()
+        try:
+            for d in reversed(missing):
+                with contextlib.suppress(FileExistsError):  # another process made it meanwhile: not this run's
+                    os.mkdir(d)
+                    self.created.append(d)
+        except OSError as exc:
+            self.release()
+            raise OutputDirError(exc.errno, f"cannot create output_dir '{self.output_dir}': "
+                                            f"{exc.strerror} ('{d}'); choose a writable output_dir") from None
         for _ in range(10):  # the file was replaced between open and lock: retry on the new one
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -140,14 +135,11 @@ def preflight(output_dir: str) -> None:
     probe = os.path.join(output_dir, f"{PROBE_PREFIX}{os.getpid()}")
     step = "create"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
+        with open(probe, "wb", buffering=0) as f:  # unbuffered: each step is the system call it names
             step = "write"
-            os.write(fd, b"rlhf-trl preflight\n" * 64)
+            f.write(b"rlhf-trl preflight\n" * 64)
             step = "sync"
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            os.fsync(f.fileno())
         step = "rename"
         os.rename(probe, probe + ".renamed")
         step = "remove"
@@ -231,22 +223,35 @@ def release_stop_signals() -> None:
     _stop.update(signal=None, training=False, previous={})
 
 
-def stop_signal(synchronize: bool = True) -> int | None:
-    """The signal that asked this run to stop, or None; with several processes, the largest over all of them (one
-    all-reduce of a scalar), so every process stops after the same step."""
-    import torch.distributed as dist
+class StopOnSignal:
+    """Trainer callback: after a step during which a stop signal came, save a checkpoint, then stop training.
+    ``signum``: the signal that asked this run to stop, agreed by every process at each step's end (with several
+    processes, the largest over all of them: one all-reduce of a scalar, so every process stops after the same step),
+    or None."""
 
-    signum = _stop["signal"] or 0
-    if synchronize and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    signum: int | None = None
+
+    def __getattr__(self, name):  # every other `transformers.TrainerCallback` event: nothing to do
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        _stop["training"] = True  # from now on a signal stops after the current step with a checkpoint
+
+    def on_step_end(self, args, state, control, **kwargs):
         import torch
         from accelerate import PartialState
 
-        flag = torch.tensor([signum], device=PartialState().device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        signum = int(flag.item())
-    return signum or None
+        signum, dist = _stop["signal"] or 0, torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([signum], device=PartialState().device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            signum = int(flag.item())
+        self.signum = signum or None
+        if self.signum is not None:
+            control.should_save = True
 
-
-def training_begins() -> None:
-    """From now on a signal stops after the current step with a checkpoint (`StopOnSignal`)."""
-    _stop["training"] = True
+    def on_save(self, args, state, control, **kwargs):  # after the save: the checkpoint holds the TrainerControl
+        if self.signum is not None:  # state of an uninterrupted run, so its resume trains on
+            control.should_training_stop = True

@@ -6,6 +6,7 @@ models see pads masked and positions counted from the first real token (`model_i
 from __future__ import annotations
 
 import copy
+import functools
 import random
 from contextlib import contextmanager
 
@@ -19,10 +20,8 @@ from .models import sampling_generation_config
 
 def rng_state() -> dict:
     """Python, numpy and torch (CPU, CUDA) RNG states."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.random.get_rng_state_all()
-    return state
+    cuda = {"cuda": torch.cuda.random.get_rng_state_all()} if torch.cuda.is_available() else {}
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()} | cuda
 
 
 def set_rng_state(state: dict) -> None:
@@ -74,8 +73,7 @@ def _parts(model, head: str):
 
 def eos_mask(tokens: torch.Tensor, eos_token_ids) -> torch.Tensor:
     """``True`` where a token is any of ``eos_token_ids`` (an int or a list): ``[batch, seq_len]`` -> the same."""
-    ids = eos_token_ids if isinstance(eos_token_ids, (list, tuple)) else [eos_token_ids]
-    return torch.isin(tokens, torch.as_tensor(ids, device=tokens.device, dtype=tokens.dtype))
+    return torch.isin(tokens, torch.as_tensor(eos_token_ids, device=tokens.device, dtype=tokens.dtype))
 
 
 def truncate_at_eos(responses: torch.Tensor, eos_token_ids, pad_token_id: int) -> torch.Tensor:
@@ -149,13 +147,9 @@ def response_logprobs(policy, query_responses: torch.Tensor, context_length: int
             return logprob, pm.entropy_from_logits(logits)
 
     checkpointed = torch.is_grad_enabled() and hidden.requires_grad and step < response.shape[1]
-    logprobs, entropies = [], []
-    for start in range(0, response.shape[1], step):
-        h, ids = hidden[:, start:start + step], response[:, start:start + step]
-        logprob, entropy = (torch.utils.checkpoint.checkpoint(chunk, h, ids, use_reentrant=False) if checkpointed
-                            else chunk(h, ids))
-        logprobs.append(logprob)
-        entropies.append(entropy)
+    run = functools.partial(torch.utils.checkpoint.checkpoint, chunk, use_reentrant=False) if checkpointed else chunk
+    logprobs, entropies = zip(*(run(hidden[:, start:start + step], response[:, start:start + step])
+                                for start in range(0, response.shape[1], step)))
     out = torch.cat(logprobs, 1)
     return (out, torch.cat(entropies, 1)) if with_entropy else out
 
@@ -198,10 +192,10 @@ def score_sequences(model, sequences: list[list[int]], pad_token_id: int, batch_
     """RM scores ``[num_sequences]`` (float32, CPU) of id sequences, as PPO reads them. Raises `ValueError`: empty."""
     was_training = model.training
     model.eval()
-    device, scores = next(model.parameters()).device, []
-    for i in range(0, len(sequences), batch_size):
-        ids = pad_right(sequences[i: i + batch_size], pad_token_id).to(device)
-        scores.append(sequence_scores(model, ids, pad_token_id, 0).float().cpu())
+    device = next(model.parameters()).device
+    batches = (pad_right(sequences[i: i + batch_size], pad_token_id).to(device)
+               for i in range(0, len(sequences), batch_size))
+    scores = [sequence_scores(model, ids, pad_token_id, 0).float().cpu() for ids in batches]
     model.train(was_training)
     return torch.cat(scores)
 
@@ -211,9 +205,8 @@ def pairwise_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len, r
     95% intervals: ``accuracy_ci`` (Wilson score interval: inside [0, 1]) and ``length_gap_ci`` of ``length_gap``
     (accuracy minus the baseline, paired per pair, `paired_ci`; None for one pair: does the RM beat length?)."""
     chosen_len, rejected_len = (torch.as_tensor(n, dtype=torch.float) for n in (chosen_len, rejected_len))
-    longer = (chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()
+    longer = ((chosen_len > rejected_len).float() + 0.5 * (chosen_len == rejected_len).float()).tolist()
     correct, n = (chosen > rejected).float().cpu().tolist(), int(chosen.numel())
-    longer = longer.tolist()
     gap, gap_ci = paired_ci(correct, longer)
     return {"accuracy": sum(correct) / n, "margin": float((chosen - rejected).mean()),
             "length_baseline_accuracy": sum(longer) / n, "num_pairs": n,

@@ -35,24 +35,20 @@ def run(configs: Recipe, callbacks: list | None = None) -> dict:
 
     # data
     report = DataReport("sft")
-    template, train_records, eval_records = stage.records("sft", report)
+    template, splits = stage.records("sft", report)
 
     # tokenizer and model
     tokenizer = stage.tokenizer()
-
-    def features(rows, split):  # tokenized (`sft_features`)
-        return Dataset.from_dict(sft_features(rows, tokenizer, template, training_args.max_length, stage.source(split),
-                                              data_args.length_policy, data_args.max_prompt_length, report, split))
-
-    train_ds, eval_ds = features(train_records, "train"), features(eval_records, "eval") if eval_records else None
+    train_ds, eval_ds = (Dataset.from_dict(sft_features(  # tokenized (`sft_features`)
+        rows, tokenizer, template, training_args.max_length, stage.source(split), data_args.length_policy,
+        data_args.max_prompt_length, report, split)) if rows else None for split, rows in splits.items())
     if training_args.completion_only_loss is None:  # the loss is on completion tokens only unless the recipe says
         training_args.completion_only_loss = True
     # quantized: TRL's SFTTrainer does the QLoRA preparation itself (no prepare_model_for_kbit_training)
     model = stage.model(tokenizer)
-    trainer_cls = _trainer_class(model, stage.model_path, training_args)
 
     # trainer, train
-    trainer = stage.trainer(trainer_cls, model, tokenizer, train_ds, eval_ds, callbacks)
+    trainer = stage.trainer(_trainer_class(model, stage.model_path), model, tokenizer, train_ds, eval_ds, callbacks)
     # per-row held-out losses before / after (paired); not under ZeRO-3, whose weights are partitioned until train().
     # A resumed run measures "before" too: train() loads the checkpoint later, so these are the start weights' losses
     rows_loss = eval_ds is not None and not is_deepspeed_zero3_enabled()
@@ -85,16 +81,15 @@ def completion_losses(model, dataset, max_length: int | None = None) -> list[flo
     return out
 
 
-def _trainer_class(model, model_path: str, training_args):
-    """`trl.SFTTrainer`, or with `OwnHeadLossMixin` (``loss_type`` None / chunked_nll -> 'nll') for non-Linear heads."""
+def _trainer_class(model, model_path: str):
+    """`trl.SFTTrainer`, or with `OwnHeadLossMixin` (``loss_type`` 'nll': TRL's `SFTConfig` makes chunked_nll 'nll';
+    or 'dft') for non-Linear heads."""
     from trl import SFTTrainer
 
     if isinstance(head := model.get_output_embeddings(), torch.nn.Linear):
         return SFTTrainer
     logger.warning("%s: output head %s is not nn.Linear; the SFT loss runs the model's own head (loss_type 'nll' "
                    "or 'dft' from its logits)", model_path, type(head).__name__)
-    if training_args.loss_type in (None, "chunked_nll"):
-        training_args.loss_type = "nll"
     return type(SFTTrainer.__name__, (OwnHeadLossMixin, SFTTrainer), {})
 
 
@@ -107,26 +102,23 @@ class OwnHeadLossMixin:
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
-        inputs.pop("_prediction_loss_only", None)  # TRL 1.12's prediction_step marker (read by its Liger path only)
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False)
         log_probs = torch.log_softmax(outputs.logits[:, :-1, :].float(), dim=-1)
         target = inputs["labels"][:, 1:]
         mask = target != -100
         token_log_probs = log_probs.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
-        per_token = -token_log_probs
-        if self.args.loss_type == "dft":  # https://huggingface.co/papers/2508.05629
-            per_token = per_token * token_log_probs.exp().detach()
+        dft = self.args.loss_type == "dft"  # https://huggingface.co/papers/2508.05629
+        per_token = -token_log_probs * token_log_probs.exp().detach() if dft else -token_log_probs
         count = mask.sum() if num_items_in_batch is None else num_items_in_batch
         loss = per_token.sum() / torch.as_tensor(count, device=per_token.device).clamp(min=1)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())  # DDP averages the gradients
 
         with torch.no_grad():
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
-            correct = (log_probs.argmax(-1) == target) & mask
             gather = self.accelerator.gather_for_metrics
             n = gather(mask.sum()).sum()
-            for key, total in (("entropy", (entropy * mask).sum()), ("mean_token_accuracy", correct.sum())):
+            for key, total in (("entropy", (-(log_probs.exp() * log_probs).sum(-1) * mask).sum()),
+                               ("mean_token_accuracy", ((log_probs.argmax(-1) == target) & mask).sum())):
                 self._metrics[mode][key].append((gather(total).sum() / n).item() if n > 0 else 0.0)
             if mode == "train" and "attention_mask" in inputs:
                 self._total_train_tokens += gather(inputs["attention_mask"].sum()).sum().item()

@@ -43,10 +43,11 @@ class Stage:
         return f"{describe_sources(self.data_args)} ({split} split)"
 
     def records(self, kind: str, report: DataReport) -> tuple:
-        """``(template, train records, eval records)``: the ``kind`` records (`read_records`) split by `split_records`
-        (counts in ``report``). Raises `DataError`: bad rows, nothing left."""
+        """``(template, {"train": train records, "eval": eval records})``: the ``kind`` records (`read_records`) split
+        by `split_records` (counts in ``report``). Raises `DataError`: bad rows, nothing left."""
         template, records = Template.from_args(self.data_args), read_records(self.data_args, kind, report)
-        return template, *split_records(records, self.data_args.eval_split_size, self.training_args.seed, report)
+        return template, dict(zip(("train", "eval"), split_records(records, self.data_args.eval_split_size,
+                                                                   self.training_args.seed, report)))
 
     def tokenizer(self, padding_side: str = "right"):
         """`load_tokenizer` of ``model_path``, with the recipe's ``pad_token`` where its config has one (which then
@@ -87,9 +88,8 @@ class Stage:
     def train(self, trainer, noun: str, train_ds, eval_ds, evaluate: bool = True, **extra) -> dict:
         """``trainer.train`` from ``resume``; returns its metrics with ``global_step``, ``num_train_<noun>`` /
         ``num_eval_<noun>`` (rows), ``extra`` and (``evaluate`` and ``eval_ds``) ``trainer.evaluate()``'s."""
-        result = trainer.train(resume_from_checkpoint=self.resume)
-        counts = {f"num_train_{noun}": len(train_ds), f"num_eval_{noun}": len(eval_ds) if eval_ds is not None else 0}
-        metrics = dict(result.metrics, global_step=trainer.state.global_step, **counts, **extra)
+        metrics = dict(trainer.train(resume_from_checkpoint=self.resume).metrics, global_step=trainer.state.global_step,
+                       **{f"num_train_{noun}": len(train_ds), f"num_eval_{noun}": len(eval_ds or ())}, **extra)
         if evaluate and eval_ds is not None:
             metrics.update(trainer.evaluate())
         return metrics

@@ -25,10 +25,9 @@ def train_bpe_tokenizer(texts: list[str], output_dir: str, vocab_size: int = 100
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
-                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-                                   clean_up_tokenization_spaces=False)
-    fast.save_pretrained(output_dir)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                            additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+                            clean_up_tokenization_spaces=False).save_pretrained(output_dir)
     return load_tokenizer(output_dir)
 
 

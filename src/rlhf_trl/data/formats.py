@@ -40,11 +40,9 @@ def detect_format(row: dict, args: DataArguments) -> str:
         return "messages"
     if (args.conversations_key or "conversation") in keys:
         return "firefly"
-    if good in keys and bad in keys:
-        qkey = args.question_key or _first(keys, QUESTION_KEYS)
-        return "pairwise" if qkey is not None and qkey in keys else "implicit"
-    answer = args.answer_key or _first(keys, ANSWER_KEYS)
-    if answer is not None and answer in keys:
+    if good in keys and bad in keys:  # (column names are strings: a None key is in no row)
+        return "pairwise" if (args.question_key or _first(keys, QUESTION_KEYS)) in keys else "implicit"
+    if (answer := args.answer_key or _first(keys, ANSWER_KEYS)) in keys:
         value = row[answer]
         return "ranked" if isinstance(value, list) and not is_messages(value) else "alpaca"
     return "prompt"
@@ -328,7 +326,9 @@ def pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, cou
         gkey, bkey = args.good_key or "chosen", args.bad_key or "rejected"
         good, bad = _column(row, gkey, source, i, "good_key"), _column(row, bkey, source, i, "bad_key")
         ranked = [_answer_text(good, source, i, gkey), _answer_text(bad, source, i, bkey)]
-        pairs, field_name = [(0, 1)], f"{gkey}/{bkey}"
+        if ranked[0] == ranked[1]:  # (a ranked list's answers are distinct: repeated ones are dropped below)
+            raise DataError(source, "chosen and rejected answers are identical", i, f"{gkey}/{bkey}")
+        pairs = [(0, 1)]
     else:
         key = args.answer_key or _first(row, ANSWER_KEYS) or "output"
         answers = row.get(key)
@@ -342,13 +342,7 @@ def pair_rows(row: dict, fmt: str, args: DataArguments, source: str, i: int, cou
             counts["deduplicated"] += 1
         pairs = (list(combinations(range(len(ranked)), 2)) if args.ranked_pairs == "all"
                  else [(a, a + 1) for a in range(len(ranked) - 1)])
-        field_name = key
-    out = []
-    for a, b in pairs:
-        if ranked[a] == ranked[b]:
-            raise DataError(source, "chosen and rejected answers are identical", i, field_name)
-        out.append({**rec, "chosen": ranked[a], "rejected": ranked[b]})
-    return out
+    return [{**rec, "chosen": ranked[a], "rejected": ranked[b]} for a, b in pairs]
 
 
 def prompt_row(row: dict, fmt: str, args: DataArguments, source: str, i: int) -> dict:

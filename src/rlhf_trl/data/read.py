@@ -68,12 +68,10 @@ def load_rows(dataset_name, split: str = "train", config: str | None = None) -> 
             for row in (batch if batch.__class__ is list else batch.to_pylist())]
 
 
-def arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int | None = None,
-                   encoding: str = "utf-8", shapes: dict | None = None):
-    """A source's rows as Arrow batches of plain columns (else row-dict lists), ``batch_rows`` each. A JSON array of
+def arrow_batches(dataset_name, split: str, config: str | None, encoding: str = "utf-8", shapes: dict | None = None):
+    """A source's rows as Arrow batches of plain columns (else row-dict lists), `BATCH_ROWS` each. A JSON array of
     dialogue lists gives row-dict lists (`dialogue_row`), and ``shapes["dialogue_lengths"]``: each row's
     items (None: not a list). Raises `DataError`: the source cannot be read, or holds no rows."""
-    batch_rows = batch_rows or BATCH_ROWS
     with _quiet_datasets():
         ds = _open_dataset(dataset_name, split, config, encoding)
     if len(ds) == 0:
@@ -81,15 +79,15 @@ def arrow_batches(dataset_name, split: str, config: str | None, batch_rows: int 
     if ds.__class__ is list:  # dialogue lists: Python rows (their items may be of any JSON type)
         if shapes is not None:
             shapes["dialogue_lengths"] = [len(d) if isinstance(d := row[DIALOGUE_KEY], list) else None for row in ds]
-        for k in range(0, len(ds), batch_rows):
-            yield ds[k:k + batch_rows]
+        for k in range(0, len(ds), BATCH_ROWS):
+            yield ds[k:k + BATCH_ROWS]
         return
     from datasets.features.features import require_decoding
 
     if getattr(ds, "_indices", None) is None and not any(require_decoding(f) for f in ds.features.values()):
-        yield from ds.data.table.to_batches(max_chunksize=batch_rows)  # plain Arrow columns: fastest
+        yield from ds.data.table.to_batches(max_chunksize=BATCH_ROWS)  # plain Arrow columns: fastest
         return
-    for batch in ds.iter(batch_size=batch_rows):
+    for batch in ds.iter(batch_size=BATCH_ROWS):
         yield [dict(zip(batch, values)) for values in zip(*batch.values())]
 
 
@@ -179,14 +177,13 @@ def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = 
     text = {"encoding": "utf-8"} if loader in ("json", "csv") else {}
     utf8 = not text or codecs.lookup(encoding).name == "utf-8"
     paths = files if utf8 else [_utf8_copy(f, encoding) for f in files]  # UTF-8: read as it is, no copy
-    if loader == "json" and _is_array_of_lists(paths[0]):
+    if loader == "json" and (head := _head(paths[0]))[:1] == "[" and head[1:].lstrip()[:1] == "[":  # dialogue lists
         return _dialogue_rows(paths, files)
     try:
         ds = datasets.load_dataset(loader, data_files=paths, split="train", **text)
     except Exception as exc:  # datasets wraps parser errors in several exception types
         if text and utf8:
-            for f in files:
-                _check_encoding(f, "utf-8")
+            _check_utf8(files)
         if loader == "json":
             for path, f in zip(paths, files):  # name the file and the row where Python's own parser stops
                 _check_json_file(path, kind, f)
@@ -195,8 +192,7 @@ def _open_dataset(dataset_name, split: str, config: str | None, encoding: str = 
         try:
             ds.data.table.validate(full=True)
         except Exception:  # pyarrow.lib.ArrowInvalid: a string column holds invalid UTF-8
-            for f in files:
-                _check_encoding(f, "utf-8")
+            _check_utf8(files)
     return ds
 
 
@@ -254,16 +250,15 @@ def _utf8_copy(path: str, encoding: str) -> str:
     return out
 
 
-def _is_array_of_lists(path: str) -> bool:
-    """Whether a (UTF-8, maybe compressed) JSON file is an array whose first row is a list."""
+def _head(path: str) -> str:
+    """The first 4096 characters of a (UTF-8, maybe compressed) text file, left-stripped; '' if it cannot be read."""
     if (opener := _opener(path)) is None:
-        return False
+        return ""
     try:
         with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:
-            head = f.read(4096).lstrip()
+            return f.read(4096).lstrip()
     except (OSError, EOFError, ValueError):
-        return False
-    return head[:1] == "[" and head[1:].lstrip()[:1] == "["
+        return ""
 
 
 def _dialogue_rows(paths: list[str], files: list[str]) -> list[dict]:
@@ -276,7 +271,7 @@ def _dialogue_rows(paths: list[str], files: list[str]) -> list[dict]:
             with _opener(path, name)(path, "rt", encoding="utf-8-sig") as f:
                 doc = json.load(f)
         except UnicodeDecodeError:
-            _check_encoding(name, "utf-8")
+            _check_utf8([name])
             raise DataError(name, "is not valid utf-8; set dataset_encoding to the file's encoding") from None
         except json.JSONDecodeError as exc:
             raise DataError(name, f"cannot be read as json: not valid JSON: {exc}") from None
@@ -296,11 +291,12 @@ def dialogue_row(items) -> dict:
     return {DIALOGUE_KEY: items, "output": answer if isinstance(answer, str) else None}
 
 
-def _check_encoding(path: str, encoding: str) -> None:
-    """Raise `DataError` at the first byte of ``path`` not valid in ``encoding``: its line, offset and the fix."""
-    if _opener(path) is not None:
-        for _ in _decoded(path, encoding):
-            pass
+def _check_utf8(paths: list[str]) -> None:
+    """Raise `DataError` at the first byte of the files ``paths`` not valid in UTF-8: its line, offset and the fix."""
+    for path in paths:
+        if _opener(path) is not None:
+            for _ in _decoded(path, "utf-8"):
+                pass
 
 
 def _decoded(path: str, encoding: str):
@@ -335,17 +331,14 @@ def _decoded(path: str, encoding: str):
                                   f"({exc.reason}: the file ends inside a character)") from None
 
 
-def _check_json_file(path: str, kind: str, name: str | None = None) -> None:
-    """Say where a JSON / JSON Lines file (UTF-8) breaks. Raises `DataError`: file (``name``, default ``path``), row
-    and problem, or no row."""
+def _check_json_file(path: str, kind: str, name: str) -> None:
+    """Say where a JSON / JSON Lines file (UTF-8: ``path``, a copy of file ``name`` or the file) breaks. Raises
+    `DataError`: file ``name``, row and problem, or no row."""
     if (opener := _opener(path)) is None:
         return
-    name = name or path
     try:
         with opener(path, "rt", encoding="utf-8-sig") as f:
-            head = f.read(4096).lstrip()[:1]
-            f.seek(0)
-            if head == "[":
+            if _head(path)[:1] == "[":
                 try:
                     doc = json.load(f)
                 except json.JSONDecodeError as exc:

@@ -138,77 +138,72 @@ def read_records(args: DataArguments, kind: Literal["sft", "pairs", "prompts", "
         report.template = Template.from_args(args).mode
     for src in sources(args):
         name = source_name(src.dataset_name)
-        shapes: dict = {}  # JSON arrays of dialogue lists: each row's length (`arrow_batches`)
-        counted = _counted(arrow_batches(src.dataset_name, src.dataset_split, src.dataset_config,
-                                         encoding=src.dataset_encoding, shapes=shapes), src.max_samples)
-        part = _normalise(kind, counted, src, name, report)
+        shapes: dict = {}  # rows handed out (`_counted`); JSON arrays of dialogue lists: each row's length
+        batches = arrow_batches(src.dataset_name, src.dataset_split, src.dataset_config, src.dataset_encoding, shapes)
+        part = _normalise(kind, _counted(batches, src.max_samples, shapes), src, name, report)
         if report is not None and "dialogue_lengths" in shapes:  # in data_report.json, beside the source's counts
-            report.sources[-1]["dialogue_lists"] = dialogue_counts(shapes["dialogue_lengths"][:counted.rows], kind)
-        logger.info("%s: %d rows -> %d %s records", name, counted.rows, len(part), kind)
+            report.sources[-1]["dialogue_lists"] = dialogue_counts(shapes["dialogue_lengths"][:shapes["rows"]], kind)
+        logger.info("%s: %d rows -> %d %s records", name, shapes["rows"], len(part), kind)
         records.extend(part)
     return records
 
 
 def _normalise(kind: str, batches: Iterable, args: DataArguments, source: str,
                report: DataReport | None = None) -> list[dict]:
-    """Rows into ``kind`` records (first row's format), per ``on_bad_row``. Raises `DataError`: bad rows."""
+    """Rows (lists of row dicts or Arrow batches; ``messages`` SFT / prompt rows: `message_records`) into ``kind``
+    records (first row's format), per ``on_bad_row``. Raises `DataError`: bad rows."""
     report = report if report is not None else DataReport(kind)
-    enabled = gc.isenabled()
-    gc.disable()  # records hold no reference cycles: the cyclic GC would rescan millions of them for nothing
-    try:
-        return _normalise_rows(kind, batches, args, source, report)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _normalise_rows(kind: str, batches: Iterable, args: DataArguments, source: str, report: DataReport) -> list:
-    """`_normalise` of lists of row dicts or Arrow batches (``messages`` SFT / prompt rows: `message_records`)."""
     out: list[dict] = []
     counts = {"deduplicated": 0, "bad": 0, "skipped": {}}
     fmt, auto, i = None, args.dataset_format == "auto", 0
-    for batch in batches:
-        arrow = batch.__class__ is not list
-        if fmt is None and len(batch):
-            row = batch.slice(0, 1).to_pylist()[0] if arrow else batch[0]
-            if not isinstance(row, dict):
-                raise DataError(source, f"must be an object, got {type(row).__name__}", i)
-            fmt, keys0 = detect_format(row, args) if auto else args.dataset_format, tuple(row)
-            by_keys = fmt not in ("alpaca", "ranked")  # these two also depend on the answer's type
-            if kind in ("pairs", "unpaired"):  # KTO: a labelled answer per row, or two per preference pair
-                add, one = out.extend, partial(pair_rows if kind == "pairs" else unpaired_rows, counts=counts)
-            else:
-                add, one = out.append, sft_row if kind == "sft" else prompt_row
-            # messages rows: SFT records and prompts come from the message column alone (`sft_row`, `prompt_row`)
-            plain = {"system", "tools"} | (set(LABEL_KEYS) if kind == "sft" else set())  # columns the fast path ignores
-            fast_key = ((args.messages_key or "messages") if fmt == "messages" and kind in ("sft", "prompts")
-                        and not plain & set(keys0) else None)
-            plans: dict[bytes, tuple | None] = {}
-        if arrow:
-            if fast_key is not None and _is_message_column(batch.schema, fast_key):
-                records = message_records(batch.column(fast_key), "assistant" if kind == "sft" else "user", plans,
-                                           not args.mask_history)
-                extras = (batch.drop_columns([fast_key]).to_pylist()  # prompts: the other columns (`prompt_row`)
-                          if kind == "prompts" and batch.num_columns > 1 else None)
-                for k, rec in enumerate(records):
-                    if rec is None:  # a row the fast conversion does not vouch for: the plain path (and its errors)
-                        _policy(one, add, batch.slice(k, 1).to_pylist()[0], fmt, args, source, i, report, counts)
-                    else:
-                        if extras is not None and (columns := prompt_columns(extras[k], fmt, args)):
-                            rec["columns"] = columns
-                        add(rec)
-                    i += 1
-                continue
-            batch = batch.to_pylist()
-        for row in batch:
-            if i and not isinstance(row, dict):
-                raise DataError(source, f"must be an object, got {type(row).__name__}", i)
-            # Arrow rows of one file share their columns
-            if i and auto and not (by_keys and tuple(row) == keys0) and (got := detect_format(row, args)) != fmt:
-                _policy(_mixed, add, row, (got, fmt), args, source, i, report, counts)
-            else:
-                _policy(one, add, row, fmt, args, source, i, report, counts)
-            i += 1
+    enabled = gc.isenabled()
+    gc.disable()  # records hold no reference cycles: the cyclic GC would rescan millions of them for nothing
+    try:
+        for batch in batches:
+            arrow = batch.__class__ is not list
+            if fmt is None and len(batch):
+                row = batch.slice(0, 1).to_pylist()[0] if arrow else batch[0]
+                if not isinstance(row, dict):
+                    raise DataError(source, f"must be an object, got {type(row).__name__}", i)
+                fmt, keys0 = detect_format(row, args) if auto else args.dataset_format, tuple(row)
+                by_keys = fmt not in ("alpaca", "ranked")  # these two also depend on the answer's type
+                if kind in ("pairs", "unpaired"):  # KTO: a labelled answer per row, or two per preference pair
+                    add, one = out.extend, partial(pair_rows if kind == "pairs" else unpaired_rows, counts=counts)
+                else:
+                    add, one = out.append, sft_row if kind == "sft" else prompt_row
+                # messages rows: SFT records and prompts come from the message column alone (`sft_row`, `prompt_row`)
+                plain = {"system", "tools"} | (set(LABEL_KEYS) if kind == "sft" else set())  # ignored by the fast path
+                fast_key = ((args.messages_key or "messages") if fmt == "messages" and kind in ("sft", "prompts")
+                            and not plain & set(keys0) else None)
+                plans: dict[bytes, tuple | None] = {}
+            if arrow:
+                if fast_key is not None and _is_message_column(batch.schema, fast_key):
+                    records = message_records(batch.column(fast_key), "assistant" if kind == "sft" else "user", plans,
+                                               not args.mask_history)
+                    extras = (batch.drop_columns([fast_key]).to_pylist()  # prompts: the other columns (`prompt_row`)
+                              if kind == "prompts" and batch.num_columns > 1 else None)
+                    for k, rec in enumerate(records):
+                        if rec is None:  # a row the fast conversion does not vouch for: the plain path (and its errors)
+                            _policy(one, add, batch.slice(k, 1).to_pylist()[0], fmt, args, source, i, report, counts)
+                        else:
+                            if extras is not None and (columns := prompt_columns(extras[k], fmt, args)):
+                                rec["columns"] = columns
+                            add(rec)
+                        i += 1
+                    continue
+                batch = batch.to_pylist()
+            for row in batch:
+                if i and not isinstance(row, dict):
+                    raise DataError(source, f"must be an object, got {type(row).__name__}", i)
+                # Arrow rows of one file share their columns
+                if i and auto and not (by_keys and tuple(row) == keys0) and (got := detect_format(row, args)) != fmt:
+                    _policy(_mixed, add, row, (got, fmt), args, source, i, report, counts)
+                else:
+                    _policy(one, add, row, fmt, args, source, i, report, counts)
+                i += 1
+    finally:
+        if enabled:
+            gc.enable()
     if fmt is None:
         raise DataError(source, "holds no rows")
     if counts["deduplicated"]:
@@ -252,18 +247,14 @@ def _mixed(row, fmts, args, source, i):
     raise DataError(source, f"looks like '{fmts[0]}' but row 0 is '{fmts[1]}' (mixed formats in one file)", i)
 
 
-class _counted:
-    """Batches of rows, cut at ``limit`` rows in all; ``rows`` counts the rows handed out."""
-
-    def __init__(self, batches: Iterable[list[dict]], limit: int | None):
-        self.batches, self.limit, self.rows = batches, limit, 0
-
-    def __iter__(self):
-        for batch in self.batches:  # lists of rows, or Arrow record batches (sliced alike)
-            if self.limit is not None and self.rows + len(batch) > self.limit:
-                batch = batch[: self.limit - self.rows]
-            self.rows += len(batch)
-            if len(batch):
-                yield batch
-            if self.limit is not None and self.rows >= self.limit:
-                return
+def _counted(batches: Iterable, limit: int | None, counts: dict):
+    """Batches of rows, cut at ``limit`` rows in all; ``counts["rows"]`` counts the rows handed out."""
+    counts["rows"] = 0
+    for batch in batches:  # lists of rows, or Arrow record batches (sliced alike)
+        if limit is not None and counts["rows"] + len(batch) > limit:
+            batch = batch[: limit - counts["rows"]]
+        counts["rows"] += len(batch)
+        if len(batch):
+            yield batch
+        if limit is not None and counts["rows"] >= limit:
+            return

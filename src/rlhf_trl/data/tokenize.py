@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from .report import DataError, DataReport
 from .template import HISTORY_SEPARATOR, Template
-from .turns import DEFAULT_ASSISTANT_MARKER, DEFAULT_HUMAN_MARKER, marker_pair, split_transcript
+from .turns import split_transcript
 
 logger = logging.getLogger("rlhf_trl.data")  # the data modules log as one
 
@@ -103,8 +103,7 @@ def _prompt_ids(tokenizer, template: Template, record: dict) -> list[int]:
                                 tools=record.get("tools"), add_generation_prompt=True)
         return tokenizer(rendered, add_special_tokens=False)["input_ids"]
     if template.chat and record.get("text") is not None:  # a transcript: render its turns with the chat template
-        markers = record.get("markers", marker_pair(DEFAULT_HUMAN_MARKER, DEFAULT_ASSISTANT_MARKER))
-        system, history, question = split_transcript(record["text"], *markers)
+        system, history, question = split_transcript(record["text"], *record.get("markers", ()))  # default markers
         return encode_prompt(tokenizer, template, question, history, record.get("system", system))
     return encode_prompt(tokenizer, template, record["question"], record.get("history"), record.get("system"),
                          record.get("text"))
@@ -184,8 +183,7 @@ def _chat_turns(tokenizer, template: Template, record: dict) -> list[tuple]:
     that renders earlier turns differently as the conversation grows (set ``mask_history: true``)."""
     if "messages" in record:  # a tool-calling conversation (`rlhf_trl.data.formats._conversation`)
         messages, kwargs = record["messages"], {"tools": record.get("tools")}
-    else:
-        _require_chat_template(tokenizer)
+    else:  # the chat template is there: `_check_records` checked it (`chat_end_of_turn_id`)
         messages, kwargs = template.messages(record["question"], record["history"], record.get("system")), {}
     what = f"the conversation ending {record['question'][:30]!r}"
     at = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
@@ -270,8 +268,7 @@ def sft_features(records: list[dict], tokenizer, template: Template, max_length:
               for r in records)
     kept = [f for f in fitted if f is not None]  # None: dropped
     input_ids, masks = [ids for ids, _, _ in kept], [mask for _, mask, _ in kept]
-    totals = [sum(column) for column in zip(*(counts for _, _, counts in kept))] or [0] * 6
-    truncated, cut, split_turns, trained, calls, turns_cut = totals
+    truncated, cut, split_turns, trained, calls, turns_cut = [sum(c) for c in zip(*(n for *_, n in kept))] or [0] * 6
     _tally(report, source, split, len(records), max_length, (
         ("dropped", "rows dropped: the prompt alone fills max_length", len(records) - len(kept)),
         ("truncated", "prompts truncated from the left to fit max_length", truncated),
@@ -290,32 +287,38 @@ def pair_features(records: list[dict], tokenizer, template: Template, max_length
                   source: str = "dataset", report: DataReport | None = None, split: str = "train") -> dict[str, list]:
     """Tokenize pairs for `RewardTrainer`: ``chosen_ids`` / ``rejected_ids`` (prompt + response + EOS),
     ``prompt_length``; pairs over ``max_length`` dropped or prompt-cut. Raises `DataError`: no pair left."""
+    kept = _fit_prompts(records, tokenizer, template, ("chosen", "rejected"), max_length, length_policy, source,
+                        report or DataReport("rm"), split, "pair")
+    if not kept:
+        raise DataError(source, f"no pair is left: all {len(records)} pairs exceed max_length={max_length} tokens "
+                                f"{_length_hint(length_policy)}")
+    return {"chosen_ids": [p + c for _, p, (c, _) in kept], "rejected_ids": [p + j for _, p, (_, j) in kept],
+            "prompt_length": [len(p) for _, p, _ in kept]}
+
+
+def _fit_prompts(records: list[dict], tokenizer, template: Template, keys: tuple[str, ...], max_length: int | None,
+                 length_policy: str, source: str, report: DataReport, split: str, what: str) -> list[tuple]:
+    """``[(record, prompt_ids, [response_ids of each of keys])]`` of `pair_features` (``what``: 'pair') and
+    `unpaired_features` ('example'): records whose prompt and longest response exceed ``max_length`` tokens dropped
+    or, with ``'truncate_prompt'``, their prompt cut from the left to fit (no room: dropped), counted in ``report``.
+    Raises `ValueError`: a bad ``length_policy``, chat mode problems."""
     _check_records(records, tokenizer, template, source, length_policy, report)
-    out = {"chosen_ids": [], "rejected_ids": [], "prompt_length": []}
-    dropped = truncated = 0
+    kept, dropped, truncated = [], 0, 0
     for r in records:
-        p = _prompt_ids(tokenizer, template, r)
-        c, j = _response_ids(tokenizer, template, r, "chosen"), _response_ids(tokenizer, template, r, "rejected")
-        longest = max(len(c), len(j))
+        p, responses = _prompt_ids(tokenizer, template, r), [_response_ids(tokenizer, template, r, k) for k in keys]
+        longest = max(map(len, responses))
         if max_length is not None and len(p) + longest > max_length:
             room = max_length - longest
             if length_policy == "drop" or room < 1:
                 dropped += 1
                 continue
-            p = p[-room:]
-            truncated += 1
-        out["chosen_ids"].append(p + c)
-        out["rejected_ids"].append(p + j)
-        out["prompt_length"].append(len(p))
-    _tally(report or DataReport("rm"), source, split, len(records), max_length, (
-        ("dropped", "pairs dropped: longer than max_length", dropped),
-        ("truncated", "pair prompts truncated from the left to fit max_length", truncated)),
-        prompt=out["prompt_length"], response=[max(len(c), len(j)) - p for c, j, p in
-                                               zip(out["chosen_ids"], out["rejected_ids"], out["prompt_length"])])
-    if not out["chosen_ids"]:
-        raise DataError(source, f"no pair is left: all {len(records)} pairs exceed max_length={max_length} tokens "
-                                f"{_length_hint(length_policy)}")
-    return out
+            p, truncated = p[-room:], truncated + 1
+        kept.append((r, p, responses))
+    _tally(report, source, split, len(records), max_length, (
+        ("dropped", f"{what}s dropped: longer than max_length", dropped),
+        ("truncated", f"{what} prompts truncated from the left to fit max_length", truncated)),
+        prompt=[len(p) for _, p, _ in kept], response=[max(map(len, rs)) for _, _, rs in kept])
+    return kept
 
 
 def prompt_features(records: list[dict], tokenizer, template: Template, max_prompt_length: int,
@@ -338,26 +341,10 @@ def unpaired_features(records: list[dict], tokenizer, template: Template, max_le
     ``[response_len + 1]`` (the answer, then the EOS: the ids the reward model and PPO see) and ``label`` (True:
     desirable); records over ``max_length`` tokens dropped or, with ``'truncate_prompt'``, prompt-cut from the left.
     Raises `DataError`: no record left; `ValueError`: a bad ``length_policy``, chat mode problems."""
-    _check_records(records, tokenizer, template, source, length_policy, report)
-    out = {"prompt_ids": [], "completion_ids": [], "label": []}
-    dropped = truncated = 0
-    for r in records:
-        p, c = _prompt_ids(tokenizer, template, r), _response_ids(tokenizer, template, r, "answer")
-        if max_length is not None and len(p) + len(c) > max_length:
-            room = max_length - len(c)
-            if length_policy == "drop" or room < 1:
-                dropped += 1
-                continue
-            p = p[-room:]
-            truncated += 1
-        out["prompt_ids"].append(p)
-        out["completion_ids"].append(c)
-        out["label"].append(bool(r["label"]))
-    _tally(report or DataReport("kto"), source, split, len(records), max_length, (
-        ("dropped", "examples dropped: longer than max_length", dropped),
-        ("truncated", "example prompts truncated from the left to fit max_length", truncated)),
-        prompt=[len(p) for p in out["prompt_ids"]], response=[len(c) for c in out["completion_ids"]])
-    if not out["label"]:
+    kept = _fit_prompts(records, tokenizer, template, ("answer",), max_length, length_policy, source,
+                        report or DataReport("kto"), split, "example")
+    if not kept:
         raise DataError(source, f"no example is left: all {len(records)} exceed max_length={max_length} tokens "
                                 f"{_length_hint(length_policy)}")
-    return out
+    return {"prompt_ids": [p for _, p, _ in kept], "completion_ids": [c for _, _, (c,) in kept],
+            "label": [bool(r["label"]) for r, _, _ in kept]}

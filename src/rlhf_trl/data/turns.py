@@ -20,6 +20,7 @@ DEFAULT_ASSISTANT_MARKER = "\n\nAssistant:"
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
          "function_call": "tool_call", "observation": "tool", "tool": "tool", "function": "tool"}
 TOOL_ROLES = ("tool_call", "tool")
+_NEEDS = {"assistant": "a user turn followed by an assistant turn", "user": "a user turn"}  # needed by a cut at `end`
 _ALTERNATING = [(["user", "assistant"] * 33)[:n] for n in range(65)]  # well-formed role sequences, by length
 
 
@@ -81,13 +82,8 @@ def parse_turns(value, source: str, i: int, key: str) -> list[tuple[str, str]]:
 def _checked_turn(role: str, content, source: str, i: int, key: str, j: int) -> tuple[str, str]:
     if not isinstance(content, str) or not content.strip() and role != "assistant":  # a reply may be empty
         raise DataError(source, f"message {j} ({role}) has an empty or non-string content", i, key)
-    if role == "tool_call":
-        try:
-            call = json.loads(content)
-        except json.JSONDecodeError:
-            call = None
-        if not isinstance(call, (dict, list)):
-            raise DataError(source, f"message {j} (function_call) must be a JSON object {{name, arguments}}", i, key)
+    if role == "tool_call" and not isinstance(_json(content), (dict, list)):
+        raise DataError(source, f"message {j} (function_call) must be a JSON object {{name, arguments}}", i, key)
     return role, content
 
 
@@ -114,19 +110,20 @@ def chat_messages(turns: list[tuple[str, str]]) -> list[dict]:
         if role != "tool_call":
             out.append({"role": role, "content": content})
             continue
-        calls = json.loads(content)
-        calls = [_call_arguments(c) for c in ([calls] if isinstance(calls, dict) else calls)]
+        calls = json.loads(content)  # arguments as an object where they are JSON text (OpenAI's convention)
+        calls = [{**c, "arguments": _json(c["arguments"], c["arguments"])} if isinstance(c.get("arguments"), str)
+                 else c for c in ([calls] if isinstance(calls, dict) else calls)]
         out.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": c}
                                                                        for c in calls]})
     return out
 
 
-def _call_arguments(call: dict) -> dict:
-    """A function call with its ``arguments`` as an object where they are JSON text (OpenAI's convention)."""
+def _json(text: str, default=None):
+    """``json.loads(text)``, or ``default`` where ``text`` is not valid JSON."""
     try:
-        return {**call, "arguments": json.loads(call["arguments"])} if isinstance(call.get("arguments"), str) else call
+        return json.loads(text)
     except json.JSONDecodeError:
-        return call
+        return default
 
 
 def dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: str):
@@ -138,8 +135,7 @@ def dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, end: s
         system, turns, offset = turns[0][1], turns[1:], 1
     last = next((k for k in range(len(turns) - 1, -1, -1) if turns[k][0] == end), -1)
     if last < 0 or (end == "assistant" and last == 0):
-        need = "a user turn followed by an assistant turn" if end == "assistant" else "a user turn"
-        raise DataError(source, f"needs {need}", i, key)
+        raise DataError(source, f"needs {_NEEDS[end]}", i, key)
     body = turns[: last + 1]
     roles = [role for role, _ in body]
     if len(roles) >= len(_ALTERNATING) or roles != _ALTERNATING[len(roles)]:
@@ -163,8 +159,7 @@ def tool_dialogue(turns: list[tuple[str, str]], source: str, i: int, key: str, e
     body, ends = turns[offset:], ("assistant", "tool_call") if end == "assistant" else ("user", "tool")
     last = max((k for k, (role, _) in enumerate(body) if role in ends), default=-1)
     if last < (1 if end == "assistant" else 0):
-        need = "a user turn followed by an assistant turn" if end == "assistant" else "a user turn"
-        raise DataError(source, f"needs {need}", i, key)
+        raise DataError(source, f"needs {_NEEDS[end]}", i, key)
     for k, (role, _) in enumerate(body[: last + 1]):
         prev = body[k - 1][0] if k else None
         bad = "must be user" if k == 0 and role != "user" else (
@@ -204,8 +199,7 @@ def split_transcript(text: str, human_marker: str = DEFAULT_HUMAN_MARKER,
     if turns and turns[-1] == ["assistant", ""]:
         turns.pop()
     if not turns or turns[-1][0] != "user":
-        body = text[: len(text) - len(assistant_marker)] if text.endswith(assistant_marker) else text
-        return None, [], body.strip() or text
+        return None, [], text.removesuffix(assistant_marker).strip() or text
     if turns[0][0] == "assistant":
         turns = turns[1:]
     return system, [(turns[k][1], turns[k + 1][1]) for k in range(0, len(turns) - 1, 2)], turns[-1][1]
