@@ -790,3 +790,13 @@ def test_a_recipe_with_a_removed_cpu_key_fails_with_one_line(tmp_path, key):
     with pytest.raises(RecipeError) as err:
         parse_recipe(recipe_types(), ["--config", str(recipe)], "ppo")
     assert str(err.value).startswith(f"{recipe}: unknown key(s) ['{key}']; ")  # a close key suggested, or --help
+
+
+def test_commands_without_a_recipe_say_so_in_one_line(tmp_path, capsys):
+    """No --config: a value the stage refuses names the missing recipe; eval without one names the unset model."""
+    expect_one_line("ppo", ["--output_dir", str(tmp_path / "p"), "--use_cpu", "true", "--ptx_coef", "0.5"], capsys,
+                    ["command line: ptx_coef is set without ptx_dataset",
+                     "(no recipe was given: pass --config recipes/<run>/<stage>.yaml)"])
+    expect_one_line("eval", ["--output_dir", str(tmp_path / "e"), "--use_cpu", "true"], capsys,
+                    ["SFT model: no path is set; name it in the recipe (--config RECIPE.yaml) or with --key DIR"])
+

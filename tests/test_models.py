@@ -45,6 +45,16 @@ def test_require_model_dir(tmp_path, assets):
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(StageInputError, match="holds no weights"):
         require_model_dir(str(tmp_path / "empty"), "SFT model")
+    for unset in (None, ""):  # a recipe without the key (or no recipe at all): one line, not a traceback
+        with pytest.raises(StageInputError, match=r"^SFT model: no path is set; name it in the recipe"):
+            require_model_dir(unset, "SFT model", "make sft")
+
+
+def test_a_reward_model_is_refused_as_a_policy(rm_run):
+    """A sequence classifier (reward or value model) loaded as a causal LM would sample from a random LM head."""
+    with pytest.raises(StageInputError, match=r"is a Qwen2ForSequenceClassification \(a reward or value model\), "
+                                              r"not a causal LM; give a policy"):
+        models.load_causal_lm(rm_run["merged"])
 
 
 def test_atomic_dir_leaves_nothing_on_failure(tmp_path):

@@ -37,6 +37,30 @@ def test_resume_continues_exactly(assets, sft_run, rm_run, tmp_path):
     assert resumed["metrics"]["kl_coef_final"] == straight["metrics"]["kl_coef_final"]
 
 
+def test_a_stop_in_the_last_update_resumes_into_the_final_outputs(assets, sft_run, rm_run, tmp_path, caplog):
+    """SIGTERM during the last update: its checkpoint is written and the run stops without its final outputs; the
+    resume it names then runs no update and writes them (merged/, value_model/, metrics.json). total_episodes 12 at 8
+    per update: 2 whole updates (16 episodes), said in the log."""
+    import signal
+
+    from rlhf_trl.run_dir import StoppedBySignal
+
+    class TermAtLast(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == state.max_steps:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    argv = ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "12", "--save_steps", "1")
+    with caplog.at_level("INFO", logger="rlhf_trl"), pytest.raises(StoppedBySignal, match="at update 2"):
+        ppo.main(argv, callbacks=[TermAtLast()])
+    assert "total_episodes 12: 2 updates of 8 episodes (whole updates: 16 episodes)" in caplog.text
+    assert not os.path.exists(tmp_path / "merged") and os.path.isdir(tmp_path / "checkpoint-2")
+    resumed = ppo.main(argv + ["--resume_from_checkpoint", "true"])
+    assert os.path.isdir(resumed["merged"]) and os.path.isdir(resumed["value_model"])
+    assert resumed["metrics"]["episode"] == 16
+    assert [h["step"] for h in resumed["trainer"].state.log_history if "objective/kl" in h] == [1, 2]
+
+
 def test_every_checkpoint_holds_policy_value_and_recipe(assets, sft_run, rm_run, tmp_path):
     res = ppo.main(ppo_argv(assets, sft_run, rm_run, tmp_path, "--total_episodes", "16", "--save_steps", "1"))
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification

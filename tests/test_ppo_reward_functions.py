@@ -95,3 +95,6 @@ def test_eval_of_a_run_without_reward_model_scores_with_the_functions(assets, sf
             truth = demo_task.score_response(row["question"], row[name]["text"])
             assert row[name]["reward"] == pytest.approx(truth) == row[name]["functions"]["ground_truth_reward"]
     assert json.load(open(tmp_path / "eval.json", encoding="utf-8"))["reward_model_path"] is None
+    report = open(result["report"], encoding="utf-8").read()  # says what scored the samples, and no RM figure
+    assert "no reward model." in report and "No reward model: the reward functions score the samples." in report
+    assert "PPO vs SFT, reward functions' sum:" in report and "RM score" not in report

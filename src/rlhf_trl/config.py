@@ -137,7 +137,9 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
             hint = did_you_mean(re.findall(r"'--([^'=]+)", unused), known, "--help", "--")
             raise RecipeError(f"command line: unknown argument(s) {unused}; {hint}") from None
         key = re.match(r"\w*", message).group()  # a dataclass's own check: "<key> must be ..."
-        raise RecipeError(f"{value_source(key, argv, path) if key else path or 'command line'}: {message}") from None
+        where = value_source(key, argv, path) if key else path or "command line"
+        hint = "" if path else " (no recipe was given: pass --config recipes/<run>/<stage>.yaml)"
+        raise RecipeError(f"{where}: {message}{hint}") from None
     check_values(parsed, argv, path)
     for cfg in (c for c in parsed if hasattr(c, "bf16")):
         check_launch(cfg, path)

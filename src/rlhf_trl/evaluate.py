@@ -179,10 +179,11 @@ def _interval(ci: list[float] | None, up: str, down: str, none: str = "not told 
         f"95% CI [{ci[0]:+.3f}, {ci[1]:+.3f}]: " + (up if ci[0] > 0 else down if ci[1] < 0 else none))
 
 
-def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
+def quality_lines(figures: dict, rows: list[dict], reward: str = "raw RM score") -> list[str]:
     """Markdown lines: each effect with its 95% interval and what it shows. SFT: held-out completion loss after -
     before (``sft_loss_*``); RM: accuracy - the length-only baseline ("the longer response wins"), paired per pair;
-    PPO - SFT over ``rows``' pairs: the optimised reward, the raw RM score and each reward function; KL, EOS, length."""
+    PPO - SFT over ``rows``' pairs: the optimised reward, the ``reward`` (raw RM score, or without a reward model the
+    functions' sum) and each reward function; KL, EOS, length."""
     out = ["## Quality at this scale", ""]
     f = figures
     if "sft_loss_diff" in f:
@@ -196,7 +197,7 @@ def quality_lines(figures: dict, rows: list[dict]) -> list[str]:
                    + _interval(ci, "above the baseline: it learned more than length.", "below the baseline.",
                                "not above the baseline: it may have learned little beyond length.") + ")")
     if rows:
-        for key, what in [("objective", "optimised reward"), ("reward", "raw RM score"),
+        for key, what in [("objective", "optimised reward"), ("reward", reward),
                           *((f"fn_{k}", f"reward function {k}") for k in rows[0]["ppo"].get("functions", {}))]:
             if f"{key}_diff" in f:
                 out.append(f"- PPO vs SFT, {what}: {f[f'ppo_{key}']:.3f} vs {f[f'sft_{key}']:.3f} (difference "
@@ -233,7 +234,7 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
     stage name -> `read_stage_logs`'s ``(log records, source)``."""
     lines = ["# RLHF evaluation report", "",
              f"PPO run `{result['ppo_output_dir']}` against its SFT policy `{result['sft_model_path']}`, "
-             f"reward model `{result['reward_model_path']}`.", "",
+             + (f"reward model `{rm}`." if (rm := result["reward_model_path"]) else "no reward model."), "",
              f"{result['num_prompts']} held-out prompts x {result['samples_per_prompt']} samples, temperature "
              f"{result['temperature']}, top_k 0, top_p 1, at most {result['response_length']} tokens, seed "
              f"{result['seed']}. {rewards_sentence(result['reward_model_path'])} (no baseline, no missing-EOS "
@@ -241,13 +242,17 @@ def write_report(out_dir: str, result: dict, rows: list[dict], stage_logs: dict[
     for key in FIGURES + [k for k in (*DEMO_FIGURES, *RM_FIGURES) if k in result["figures"]]:
         value = result["figures"][key]
         lines.append(f"| `{key}` | {value if isinstance(value, int) else format(value, '.4f')} |")
-    rm_note = (f" `rm_*`: the reward model on the {result['figures']['rm_num_pairs']} pairs its stage held out "
-               f"(`{result['rm_pairs']}`); `rm_length_baseline_accuracy` is what \"the longer response wins\" scores."
-               if result.get("rm_pairs") else " RM pairwise accuracy: no held-out pairs found (the RM run had no eval "
-               "split).")
+    rm_note = " No reward model: the reward functions score the samples."
+    if result.get("rm_pairs"):
+        rm_note = (f" `rm_*`: the reward model on the {result['figures']['rm_num_pairs']} pairs its stage held out "
+                   f"(`{result['rm_pairs']}`); `rm_length_baseline_accuracy` is what \"the longer response wins\" "
+                   "scores.")
+    elif result["reward_model_path"]:
+        rm_note = " RM pairwise accuracy: no held-out pairs found (the RM run had no eval split)."
     lines += ["", "`kl_per_token`: mean over PPO response tokens (EOS included) of log p_ppo - log p_sft at "
               "temperature 1 (nats per token); lengths in tokens, EOS excluded." + rm_note, ""]
-    lines += quality_lines(result["figures"], rows) + [
+    lines += quality_lines(result["figures"], rows, "raw RM score" if result["reward_model_path"] else
+                           "reward functions' sum") + [
         "## Samples", "", "| prompt | SFT response | PPO response | SFT reward | PPO reward |", "|---|---|---|---|---|"]
     lines += [f"| {_cell(r['question'])} | {_cell(r['sft']['text'])} | {_cell(r['ppo']['text'])} | "
               f"{r['sft']['reward']:.3f} | {r['ppo']['reward']:.3f} |" for r in rows[:num_examples]]
@@ -331,8 +336,11 @@ def sample_and_score(data_args, training_args, paths: dict[str, str], rm_path: s
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1 (or unset: every held-out prompt), got {num_prompts}")
     template = Template.from_args(data_args)
-    eval_records = split_records(read_records(data_args, "prompts"), data_args.eval_split_size,
-                                 training_args.seed)[1][:num_prompts]  # num_prompts None: all
+    held_out = split_records(read_records(data_args, "prompts"), data_args.eval_split_size, training_args.seed)[1]
+    if num_prompts is not None and num_prompts > len(held_out):
+        logger.warning("num_prompts %d: the recipe holds out %d prompts (eval_split_size); evaluating on all of them",
+                       num_prompts, len(held_out))
+    eval_records = held_out[:num_prompts]  # num_prompts None: all
     if not eval_records:
         raise ValueError("no held-out prompts to evaluate on; raise eval_split_size")
     ref_path = next(iter(paths.values()))

@@ -46,7 +46,9 @@ class StageInputError(FileNotFoundError):
 
 
 def require_model_dir(path: str, what: str, produced_by: str | None = None, allow_pickle: bool = False) -> str:
-    """``path``: a model directory or hub id. Raises `StageInputError`: missing, incomplete, pickle-only."""
+    """``path``: a model directory or hub id. Raises `StageInputError`: unset, missing, incomplete, pickle-only."""
+    if not path:
+        raise StageInputError(f"{what}: no path is set; name it in the recipe (--config RECIPE.yaml) or with --key DIR")
     if not (path.startswith((".", "/", "~")) or os.path.exists(path) or path.count("/") != 1):
         return path  # hub id, resolved by from_pretrained
     hint = f"; run `{produced_by}` first" if produced_by else ""
@@ -254,7 +256,13 @@ def _load_model(kind: str, path: str, dtype, trust_remote_code: bool, allow_pick
 
 def load_causal_lm(path: str, dtype=None, trust_remote_code: bool = False, allow_pickle: bool = False,
                    quantization_config=None):
-    """A causal LM, safetensors unless ``allow_pickle``. Raises `ValueError`: remote code, no ``trust_remote_code``."""
+    """A causal LM, safetensors unless ``allow_pickle``. Raises `ValueError`: remote code, no ``trust_remote_code``;
+    `StageInputError`: ``path`` holds a sequence classifier (a reward or value model), whose LM head would be random."""
+    config = os.path.join(path, "config.json")
+    kinds = json.loads(Path(config).read_text(encoding="utf-8")).get("architectures") if os.path.isfile(config) else 0
+    if kinds and all(k.endswith("ForSequenceClassification") for k in kinds):
+        raise StageInputError(f"'{path}' is a {kinds[0]} (a reward or value model), not a causal LM; give a policy "
+                              "(a stage's merged/, or a base model)")
     return _load_model("causal_lm", path, dtype, trust_remote_code, allow_pickle, quantization_config)
 
 

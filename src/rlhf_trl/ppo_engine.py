@@ -148,6 +148,9 @@ class PPOEngine(Trainer):
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = None
         self.sizes = BatchSizes.derive(args, self.train_dataset_len, args.world_size)  # processes: accelerate's
+        if (episodes := self.sizes.num_updates * self.sizes.batch) != self.sizes.total_episodes:
+            logger.info("total_episodes %d: %d updates of %d episodes (whole updates: %d episodes)",
+                        self.sizes.total_episodes, self.sizes.num_updates, self.sizes.batch, episodes)
         # one optimizer step per mini-batch, always: accumulate over its micro-batches only, and never step early at
         # the end of a pass over the prompts (TRL 1.12 synced there, stepping once per micro-batch in that update)
         self.accelerator = Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(

@@ -244,8 +244,6 @@ class RLHFPPOTrainer(AtomicCheckpointMixin, PPOEngine):
         if planned != total:  # the learning-rate schedule and the data order were laid out for the saved run
             raise ValueError(f"{ckpt} belongs to a run of {planned} updates; this recipe makes {total} (total_episodes "
                              "/ effective batch): resume with the same total_episodes and batch sizes, or start afresh")
-        if done >= total:
-            raise ValueError(f"{ckpt} is at update {done}; the recipe has {total} updates: nothing left to run")
         self.state.global_step, self.state.log_history = done, saved.log_history
         self.state.episode = getattr(saved, "episode", 0) or done * self.sizes.batch
         data_state = os.path.join(ckpt, _data_state_name(self.accelerator.process_index))
