@@ -800,3 +800,20 @@ def test_commands_without_a_recipe_say_so_in_one_line(tmp_path, capsys):
     expect_one_line("eval", ["--output_dir", str(tmp_path / "e"), "--use_cpu", "true"], capsys,
                     ["SFT model: no path is set; name it in the recipe (--config RECIPE.yaml) or with --key DIR"])
 
+
+def test_recipe_keys_are_read_as_written(assets, tmp_path, capsys):
+    """A misspelled override is not an abbreviation of a key; `--config=PATH` is a recipe; an infinite rate, a
+    number for a number field (no "quote it"), and PPO's unread model_name_or_path are one line each."""
+    base = sft_argv(assets, tmp_path / "s", assets["sft"])
+    expect_one_line("sft", base + ["--learning_rat", "0.1"], capsys,
+                    ["command line: unknown argument(s) ['--learning_rat', '0.1']", "did you mean '--learning_rate'?"])
+    expect_one_line("sft", [f"--config={RECIPES}/sft.yaml", *base[2:], "--learning_rate", "inf"], capsys,
+                    ["command line: learning_rate must be a finite number, got inf"])
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(open(f"{RECIPES}/sft.yaml", encoding="utf-8").read() + "\nmax_steps: 2.5\n")
+    line = expect_one_line("sft", ["--config", str(recipe), *base[2:]], capsys, ["max_steps must be an integer"])
+    assert "quote it" not in line
+    expect_one_line("ppo", ["--config", f"{RECIPES}/ppo.yaml", "--model_name_or_path", assets["base_model"],
+                            "--output_dir", str(tmp_path / "p")], capsys,
+                    ["model_name_or_path (", ") is not read by ppo: the policy starts from sft_model_path"])
+

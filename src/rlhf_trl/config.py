@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import os
 import re
 import sys
@@ -88,7 +89,8 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
     suggested), a bad value."""
     from trl import TrlParser
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [a for arg in (sys.argv[1:] if argv is None else argv)  # `--config=PATH` as `--config PATH`
+            for a in (arg.split("=", 1) if arg.startswith("--config=") else (arg,))]
     at = argv.index("--config") + 1 if "--config" in argv else None  # where the recipe path is
     if at == len(argv):
         raise RecipeError("--config needs a recipe path")
@@ -110,7 +112,7 @@ def parse_recipe(dataclass_types: tuple, argv: list[str] | None, stage: str | No
     for key, default in (("report_to", DEFAULT_REPORT_TO), ("save_total_limit", DEFAULT_SAVE_TOTAL_LIMIT)):
         if key in known and key not in data and not any(a.split("=")[0] == f"--{key}" for a in argv):
             argv += [f"--{key}", default]
-    parser = TrlParser(dataclass_types, prog=f"rlhf-trl {stage}" if stage else None,
+    parser = TrlParser(dataclass_types, prog=f"rlhf-trl {stage}" if stage else None, allow_abbrev=False,
                        usage=f"rlhf-trl {stage or '<stage>'} --config RECIPE.yaml [--key value ...]",
                        description="Run a stage from a YAML recipe (--config); any field below can also be set on the "
                        "command line, where it overrides the recipe.")
@@ -213,7 +215,8 @@ def check_types(dataclass_types: tuple, data: dict, path: str) -> None:
                 continue
             fix = f"write e.g. `{key}: {value[0]}`" if isinstance(value, list) and len(value) == 1 and not isinstance(
                 value[0], (list, dict)) else "see `--help` for its type"
-            if hint is str or set(typing.get_args(hint)) <= {str, type(None)} and not isinstance(value, (list, dict)):
+            strings = typing.get_args(hint) and set(typing.get_args(hint)) <= {str, type(None)}  # str | None
+            if hint is str or strings and not isinstance(value, (list, dict)):
                 fix = f"quote it: `{key}: \"{value}\"`"
             raise RecipeError(f"{path}: {key} must be {_describe(hint)}, got {_shown(value)}; {fix}")
     for j, entry in enumerate(data.get("datasets") or []):
@@ -275,6 +278,8 @@ def check_values(configs, argv: list[str], path: str | None) -> None:
             value = getattr(cfg, key, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and not _MEETS[rule](value):
                 raise RecipeError(f"{value_source(key, argv, path)}: {key} must be {rule}, got {value}")
+            if isinstance(value, float) and not math.isfinite(value):  # inf passes "> 0" (NaN fails every rule)
+                raise RecipeError(f"{value_source(key, argv, path)}: {key} must be a finite number, got {value}")
         out = getattr(cfg, "output_dir", None)
         blocker = os.path.abspath(out) if out else None
         while blocker and not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:

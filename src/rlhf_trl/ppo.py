@@ -57,6 +57,9 @@ def run(configs: Recipe, callbacks: list | None = None) -> dict:
     process, settings that cannot run (`check_inputs`, `load_models`); then `TrainingDivergedError`: a NaN / inf."""
     data_args, ppo_args, training_args, model_args = configs.data, configs.script, configs.training, configs.model
     sft_hint, rm_hint = sibling_recipe(configs.path, "sft"), sibling_recipe(configs.path, "rm")
+    if (name := model_args.model_name_or_path) and name != training_args.sft_model_path:  # a GRPO recipe's key
+        raise ValueError(f"model_name_or_path ({name}) is not read by ppo: the policy starts from sft_model_path; "
+                         "set sft_model_path to it and remove model_name_or_path")
     # inputs: model directories, reward functions
     run_args, resume = start_run(training_args, configs.run, training_args.sft_model_path, not model_args.use_peft)
     configs = dataclasses.replace(configs, run=run_args)  # as run_config.yaml records it
