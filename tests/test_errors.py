@@ -817,3 +817,22 @@ def test_recipe_keys_are_read_as_written(assets, tmp_path, capsys):
                             "--output_dir", str(tmp_path / "p")], capsys,
                     ["model_name_or_path (", ") is not read by ppo: the policy starts from sft_model_path"])
 
+
+def test_a_checkpoint_resumes_with_its_own_stage_only(assets, sft_run, tmp_path, capsys):
+    """An unfinished SFT run's checkpoint is not resumed by DPO pointed at the same output_dir (it would load SFT's
+    optimizer and step count into a DPO run): one line naming both stages, the checkpoint left as it is."""
+    from conftest import crash_after
+
+    from rlhf_trl import sft
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        sft.main(sft_argv(assets, out, assets["sft"], "--max_steps", "2", "--save_strategy", "steps", "--save_steps",
+                          "1"), callbacks=[crash_after(1)])
+    before = sorted(os.listdir(out / "checkpoint-1"))
+    expect_one_line("dpo", ["--config", f"{RECIPES}/dpo.yaml", "--dataset_name", assets["rm"], "--model_name_or_path",
+                            sft_run["merged"], "--output_dir", str(out), "--resume_from_checkpoint", "true"], capsys,
+                    [f"{out / 'checkpoint-1'} is a checkpoint of another stage (SFTConfig, not DPOConfig); resume it "
+                     "with that stage, or choose another output_dir for this one"])
+    assert sorted(os.listdir(out / "checkpoint-1")) == before
+

@@ -68,7 +68,8 @@ class AtomicCheckpointMixin:
                 self.checkpoint_extras(ckpt := os.path.join(staging, name))
                 self.accelerator.wait_for_everyone()  # every process's files are in staging
                 if self.args.should_save:
-                    write_manifest(ckpt)  # last: after every process's files (the barrier above), before publishing
+                    # last: after every process's files (the barrier above), before publishing
+                    write_manifest(ckpt, type(self.args).__name__)
                     atomic.publish(ckpt, os.path.join(root, name))  # a re-saved step: the old copy aside
                     atomic.file_op("remove", staging, lambda: shutil.rmtree(staging, ignore_errors=True))
                     atomic.file_op("rotate", root, lambda: rotate_checkpoints(
@@ -126,7 +127,11 @@ def start_run(training_args, run_args=None, model_path: str | None = None, full_
     state, out, run_args = distributed_state(training_args), training_args.output_dir, run_args or RunArguments()
     catch_stop_signals()
     claim_output_dir(state, out, model_path, full_training)  # its broadcast: every process waits for the main one
-    resume = resolve_resume(training_args.resume_from_checkpoint, out)
+    resume, config = resolve_resume(training_args.resume_from_checkpoint, out), type(training_args).__name__
+    if resume and os.path.isfile(manifest := os.path.join(resume, MANIFEST)):  # resumable by this stage only
+        if (wrote := json.loads(Path(manifest).read_bytes()).get("config", config)) != config:
+            raise StageInputError(f"{resume} is a checkpoint of another stage ({wrote}, not {config}); resume it "
+                                  "with that stage, or choose another output_dir for this one")
     check_output_dir(out, run_args.overwrite_output_dir, bool(resume))
     if not resume and not run_args.overwrite_output_dir and (earlier := complete_checkpoints(out)):
         raise RecipeError(f"output_dir '{out}' holds checkpoints of an earlier, unfinished run "
@@ -324,12 +329,13 @@ def save_stage_outputs(trainer, tokenizer, model_path: str, kind: str, metrics: 
 SAFETENSORS_MAX_HEADER = 100_000_000  # bytes; the safetensors library refuses larger headers
 
 
-def write_manifest(checkpoint_dir: str) -> None:
-    """Write ``manifest.json``: ``{"format": 1, "files": {relative path: size in bytes}}`` (no hashes: GBs)."""
+def write_manifest(checkpoint_dir: str, config: str | None = None) -> None:
+    """Write ``manifest.json``: ``{"format": 1, "files": {relative path: size in bytes}}`` (no hashes: GBs), and
+    ``"config"``: the stage's config class (``SFTConfig``, ``PPOConfig``, ...), which a resume must match."""
     files = {rel: os.path.getsize(os.path.join(checkpoint_dir, rel))
              for rel in _relative_files(checkpoint_dir) if rel != MANIFEST}
     with open(os.path.join(checkpoint_dir, MANIFEST), "w", encoding="utf-8") as f:
-        json.dump({"format": 1, "files": files}, f, indent=1)
+        json.dump({"format": 1, "files": files, **({"config": config} if config else {})}, f, indent=1)
 
 
 def checkpoint_problem(path: str) -> str | None:
