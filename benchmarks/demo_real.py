@@ -203,13 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output_dir", default="outputs/qwen2.5-0.5b-cpu", help="where the stages write")
     p.add_argument("--eval_prompts", type=int, default=40, help="held-out prompts for the SFT vs PPO evaluation")
     args = p.parse_args(argv)
-    from rlhf_trl.cli_launch import one_line, quiet_libraries
+    from rlhf_trl.cli_launch import log_to_stderr, one_line, quiet_libraries
 
     quiet_libraries()
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=logging.WARNING)
-    for name in ("rlhf_trl", __name__):
-        logging.getLogger(name).setLevel(logging.INFO)
+    log_to_stderr()  # as rlhf-trl's commands log
+    logger.setLevel(logging.INFO)
     try:
         summary = run(args.model, args.recipes, args.output_dir, args.eval_prompts)
     except (ValueError, OSError) as exc:  # bad recipes, data, model directories (their one-line errors)

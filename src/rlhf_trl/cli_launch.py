@@ -81,9 +81,17 @@ def stage_main(command: str):
 
 
 def quiet_libraries() -> None:
-    """Silence bitsandbytes' import-time WARNINGs (AVX512-BF16 CPUs, offline `kernels`): harmless, it falls back."""
+    """Silence bitsandbytes' import-time WARNINGs (AVX512-BF16 CPUs, offline `kernels`): harmless, it falls back; and
+    the libraries' deprecation notices (FutureWarning): not for users."""
     logging.getLogger("kernels").setLevel(logging.ERROR)
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda r: "kernels-community" not in r.getMessage())
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def log_to_stderr() -> None:
+    """The command line's logs: INFO from rlhf_trl (and the trainers) on the main process, warnings from the rest."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level="WARNING")
+    logging.getLogger("rlhf_trl").setLevel(logging.INFO if is_main_rank() else logging.WARNING)
 
 
 def is_main_rank() -> bool:
@@ -111,11 +119,7 @@ def run_stage(stage: str, argv: list[str] | None = None) -> int:
 
     diverged = (importlib.import_module("rlhf_trl.ppo_engine").TrainingDivergedError,) if stage == "ppo" else ()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)  # library deprecation notices are not for users
-    # logs: INFO from rlhf_trl and the trainers, warnings from the rest
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=logging.WARNING)
-    logging.getLogger("rlhf_trl").setLevel(logging.INFO if is_main_rank() else logging.WARNING)
+    log_to_stderr()
     import transformers
 
     transformers.utils.logging.set_verbosity_warning()

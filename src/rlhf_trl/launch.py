@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import warnings
 
 import yaml
 
@@ -65,7 +64,6 @@ def main(argv: list[str]) -> int:
     args, rest = ap.parse_known_args(argv)
     debug = bool(os.environ.get("RLHF_TRL_DEBUG"))
     quiet_libraries()  # as `run_stage` does: library notices are not for users
-    warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         check_before_launch(args.config_file, args.stage, rest)
     except RecipeError as exc:

@@ -34,7 +34,7 @@ class Stage:
         self.run_args, self.resume = start_run(self.training_args, recipe.run, model, not self.model_args.use_peft)
         self.recipe = dataclasses.replace(recipe, run=self.run_args)  # as run_config.yaml records it
         hint = sibling_recipe(recipe.path, produced_by) if produced_by else None
-        self.model_path = require_model_dir(model or "", what, hint, self.run_args.allow_pickle_weights)
+        self.model_path = require_model_dir(model, what, hint, self.run_args.allow_pickle_weights)
         self.checked = checks(self.run_args) if checks is not None else None
         self.quantization = recipe_quantization_config(self.model_args, use_cpu=self.training_args.use_cpu)
 
